@@ -1,0 +1,315 @@
+"""Model: GGUF weights and the torch reference forward pass (gemma3 and llama families).
+
+The forward pass takes a list of `Segment`s, each a run of new tokens of one sequence on top
+of that sequence's own `KVState`. All rows of all segments run through the dense layers
+together (weights cross memory once per step for every slot); attention runs per segment
+against its own cache. Decode is a one-token segment, a prefill chunk a C-token segment, and a
+speculative verification will be a k-token segment with `logits="all"`.
+
+Every op is row-invariant (see linear.py and attention.py), so a row's result depends only on
+its own sequence: batched equals solo and chunked prefill equals whole prefill, bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .attention import attend, round_up_capacity
+from .errors import WorkbenchError
+from .gguf_file import GGUFFile, cache_dir
+from .linear import linear
+from .model_config import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class KVState:
+    """One sequence's KV cache: static buffers [n_layers, capacity, n_kv_heads, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    def reset(self) -> None:
+        # Stale rows stay finite and are always masked, so no clearing is needed.
+        self.length = 0
+
+
+@dataclass
+class Segment:
+    state: KVState
+    tokens: Sequence[int]
+    logits: Literal["last", "all", "none"] = "last"
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    wqkv: torch.Tensor
+    wo: torch.Tensor
+    ffn_norm: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_ffw_norm: torch.Tensor | None = None
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float, neox: bool) -> torch.Tensor:
+    """Rotary embedding with a position vector: x [R, H, D], positions [R]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    ang = positions.float()[:, None] * inv_freq[None, :]  # [R, D/2]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    if neox:
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+
+
+class Model:
+    """A loaded model: config, tokenizer, weights, and `forward` over segments."""
+
+    def __init__(self, config: ModelConfig, tokenizer, layers, embed_raw, embed_qtype, head, output_norm, dtype, source):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.layers: list[Layer] = layers
+        self.embed_raw = embed_raw  # uint8 [vocab, bytes_per_row], rows gathered then dequantized
+        self.embed_qtype = embed_qtype
+        self.head = head  # [vocab, n_embd] in compute dtype
+        self.output_norm = output_norm
+        self.dtype = dtype
+        self.source = source  # GGUFFile
+
+    # ---- public convenience API -------------------------------------------------------------
+    @property
+    def dtype_name(self) -> str:
+        return {v: k for k, v in DTYPES.items()}[self.dtype]
+
+    @property
+    def path(self) -> Path:
+        return self.source.path
+
+    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
+        return self.tokenizer.encode(text, add_bos=add_bos)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def new_state(self, capacity: int | None = None) -> KVState:
+        cap = round_up_capacity(capacity or self.config.context_length)
+        c = self.config
+        shape = (c.n_layers, cap, c.n_kv_heads, c.head_dim)
+        return KVState(torch.zeros(shape), torch.zeros(shape))
+
+    @torch.inference_mode()
+    def logits(self, ids: Sequence[int], chunk: int = 512) -> torch.Tensor:
+        """Teacher-forced float32 logits [len(ids), vocab]."""
+        ids = list(ids)
+        if not ids:
+            raise WorkbenchError("logits() needs at least one token id")
+        if len(ids) > self.config.context_length:
+            raise WorkbenchError(
+                f"{len(ids)} tokens do not fit the context of {self.config.context_length} tokens"
+            )
+        state = self.new_state(len(ids))
+        rows = []
+        for s in range(0, len(ids), chunk):
+            rows.append(self.forward([Segment(state, ids[s : s + chunk], "all")])[0])
+        return torch.cat(rows)
+
+    # ---- the forward pass -------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        from .quants import dequantize_rows
+
+        x = dequantize_rows(self.embed_raw, self.embed_qtype, ids, self.config.n_embd)
+        return x * self.config.embed_scale if self.config.embed_scale != 1.0 else x
+
+    @torch.inference_mode()
+    def forward(self, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
+        """Run all segments as one step; returns each segment's requested float32 logits."""
+        c = self.config
+        spans, pos_parts, ids = [], [], []
+        for seg in segments:
+            n = len(seg.tokens)
+            if n == 0:
+                raise WorkbenchError("a segment needs at least one token")
+            start = seg.state.length
+            if start + n > seg.state.capacity:
+                raise WorkbenchError(
+                    f"sequence of {start + n} tokens exceeds its KV capacity of {seg.state.capacity}"
+                )
+            spans.append((len(ids), n, start))
+            ids.extend(seg.tokens)
+            pos_parts.append(torch.arange(start, start + n, dtype=torch.int64))
+        rows = len(ids)
+        positions = torch.cat(pos_parts)
+        x = self.embed(torch.tensor(ids, dtype=torch.int64))
+        h_q, h_kv, d = c.n_heads, c.n_kv_heads, c.head_dim
+        for li, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.attn_norm, c.rms_eps)
+            qkv = linear(h, layer.wqkv)
+            q = qkv[:, : c.q_dim].reshape(rows, h_q, d)
+            k = qkv[:, c.q_dim : c.q_dim + c.kv_dim].reshape(rows, h_kv, d)
+            v = qkv[:, c.q_dim + c.kv_dim :].reshape(rows, h_kv, d)
+            if c.qk_norm:
+                q = rms_norm(q, layer.q_norm, c.rms_eps)
+                k = rms_norm(k, layer.k_norm, c.rms_eps)
+            base = c.layer_rope_base(li)
+            q = rope(q, positions, base, c.rope_neox)
+            k = rope(k, positions, base, c.rope_neox)
+            attn = torch.empty(rows, h_q, d)
+            window = c.layer_window(li)
+            for seg, (r0, n, start) in zip(segments, spans):
+                kc, vc = seg.state.k[li], seg.state.v[li]
+                kc[start : start + n] = k[r0 : r0 + n]
+                vc[start : start + n] = v[r0 : r0 + n]
+                attn[r0 : r0 + n] = attend(
+                    q[r0 : r0 + n], kc, vc, positions[r0 : r0 + n], window, c.attn_scale
+                )
+            o = linear(attn.view(rows, h_q * d), layer.wo)
+            if c.post_norms:
+                o = rms_norm(o, layer.post_attn_norm, c.rms_eps)
+            x = x + o
+            h = rms_norm(x, layer.ffn_norm, c.rms_eps)
+            gu = linear(h, layer.w_gate_up)
+            gate, up = gu[:, : c.n_ff], gu[:, c.n_ff :]
+            act = F.gelu(gate, approximate="tanh") if c.activation == "gelu_tanh" else F.silu(gate)
+            dn = linear(act * up, layer.w_down)
+            if c.post_norms:
+                dn = rms_norm(dn, layer.post_ffw_norm, c.rms_eps)
+            x = x + dn
+        for seg, (r0, n, start) in zip(segments, spans):
+            seg.state.length = start + n
+        # the output head only for rows whose logits were asked for
+        want = []
+        for seg, (r0, n, _) in zip(segments, spans):
+            if seg.logits == "all":
+                want.append(torch.arange(r0, r0 + n))
+            elif seg.logits == "last":
+                want.append(torch.tensor([r0 + n - 1]))
+        if not want:
+            return [None] * len(segments)
+        sel = torch.cat(want)
+        hx = rms_norm(x[sel], self.output_norm, c.rms_eps)
+        logits = linear(hx, self.head)
+        out, i = [], 0
+        for seg, (r0, n, _) in zip(segments, spans):
+            k = n if seg.logits == "all" else 1 if seg.logits == "last" else 0
+            out.append(logits[i : i + k] if k else None)
+            i += k
+        return out
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+LLAMA_NAMES = {
+    "attn_norm": "attn_norm",
+    "ffn_norm": "ffn_norm",
+}
+
+
+def _tensor(g: GGUFFile, name: str, dtype: torch.dtype) -> torch.Tensor:
+    from .quants import SUPPORTED, dequantize
+    import gguf
+
+    if name not in g.tensors:
+        raise WorkbenchError(f"{g.path.name} lacks tensor '{name}', which a {g.architecture} model requires")
+    t = g.tensors[name]
+    qt = gguf.GGMLQuantizationType(t.qtype)
+    if qt not in SUPPORTED:
+        names = ", ".join(sorted(s.name for s in SUPPORTED))
+        raise WorkbenchError(f"tensor {name} has quant type {qt.name}, which is not supported; supported: {names}")
+    w = dequantize(torch.from_numpy(g.raw(name)), qt, t.shape)
+    return w if dtype == torch.float32 else w.to(dtype)
+
+
+def _load_tokenizer(g: GGUFFile):
+    from .atomic import atomic_write_text
+    from .tokenizer import Tokenizer
+
+    cfile = cache_dir() / "tokenizers" / f"{g.index.sha256}.json"
+    if cfile.exists():
+        try:
+            return Tokenizer.from_json(cfile.read_text(), metadata=g.metadata)
+        except Exception:
+            pass
+    tok = Tokenizer.from_metadata(g.metadata)
+    atomic_write_text(cfile, tok.to_json())
+    return tok
+
+
+def load_model(path: str | Path | None = None, *, dtype: str = "bfloat16") -> Model:
+    """Load a GGUF model (the embedded Gemma 3 270M default when `path` is None).
+
+    dtype: "bfloat16" (fast CPU path) or "float32" (the path checked against transformers).
+    """
+    import gguf
+
+    from .quants import SUPPORTED, bytes_per_row
+
+    if dtype not in DTYPES:
+        raise WorkbenchError(f"dtype={dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
+    if path is None:
+        from .default_model import default_model_path
+
+        path = default_model_path()
+    g = GGUFFile.open(path)
+    cfg = ModelConfig.from_metadata(g.metadata, set(g.tensors))
+    tdt = DTYPES[dtype]
+    for name, t in g.tensors.items():
+        if gguf.GGMLQuantizationType(t.qtype) not in SUPPORTED:
+            names = ", ".join(sorted(s.name for s in SUPPORTED))
+            raise WorkbenchError(
+                f"tensor {name} has quant type {t.qtype_name}, which is not supported; supported: {names}"
+            )
+    tok = _load_tokenizer(g)
+
+    def w(name):
+        return _tensor(g, name, tdt)
+
+    def f32(name):
+        return _tensor(g, name, torch.float32)
+
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        layer = Layer(
+            attn_norm=f32(p + "attn_norm.weight"),
+            wqkv=torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]),
+            wo=w(p + "attn_output.weight"),
+            ffn_norm=f32(p + "ffn_norm.weight"),
+            w_gate_up=torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]),
+            w_down=w(p + "ffn_down.weight"),
+        )
+        if cfg.qk_norm:
+            layer.q_norm = f32(p + "attn_q_norm.weight")
+            layer.k_norm = f32(p + "attn_k_norm.weight")
+        if cfg.post_norms:
+            layer.post_attn_norm = f32(p + "post_attention_norm.weight")
+            layer.post_ffw_norm = f32(p + "post_ffw_norm.weight")
+        layers.append(layer)
+    emb = g.tensors["token_embd.weight"]
+    emb_q = gguf.GGMLQuantizationType(emb.qtype)
+    embed_raw = torch.from_numpy(g.raw("token_embd.weight")).view(emb.shape[0], bytes_per_row(emb_q, emb.shape[1]))
+    head = w("output.weight") if not cfg.tied_output else w("token_embd.weight")
+    if cfg.vocab_size != emb.shape[0]:
+        cfg = ModelConfig(**{**cfg.__dict__, "vocab_size": emb.shape[0]})
+    return Model(cfg, tok, layers, embed_raw, emb_q, head, f32("output_norm.weight"), tdt, g)

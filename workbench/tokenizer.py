@@ -1,0 +1,295 @@
+"""Tokenizer built from a GGUF file's metadata.
+
+Why a library: a GGUF carries no `tokenizer.json`, only llama.cpp's description of the vocabulary
+(tokens, scores, token types, merges, special ids). Turning that into a tokenizer that gives
+llama.cpp's ids is fiddly (Gemma stores multi-space tokens as real spaces, lists no merges, and
+its scores do not follow its merge order; control and user-defined tokens must be matched whole).
+transformers already does this conversion for `AutoTokenizer.from_pretrained(..., gguf_file=...)`
+(`transformers.integrations.gguf.convert_gguf_tokenizer`), producing a Rust `tokenizers`
+fast tokenizer. We call that converter once, then keep only the `tokenizers` object: its JSON is
+cached, and loading it back needs `tokenizers` alone (no transformers import, no GGUF parse).
+
+What it covers: `tokenizer.ggml.model` "llama" (SentencePiece BPE with byte fallback, incl.
+Gemma 1/2/3's quirks) and "gpt2" (byte-level BPE with a known `tokenizer.ggml.pre` split).
+Only Gemma 3 ("llama" model) is checked against llama.cpp's ids (tests/goldens). Text that spells
+a control or user-defined token (e.g. "<start_of_turn>") is encoded as that one token, as
+llama.cpp's server does (`parse_special=True`); BOS follows `tokenizer.ggml.add_bos_token`.
+
+Streaming: `StreamDecoder` turns ids into text increments, holding back bytes of a UTF-8
+character split across byte-fallback tokens (<0xE2><0x82><0xAC> -> "€") until it is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .errors import WorkbenchError
+
+JSON_FORMAT = "workbench-tokenizer/1"
+
+# `tokenizer.ggml.model` values we build, and for "gpt2" the pre-tokenizers we know how to split.
+ALLOWED_MODELS = ("llama", "gpt2")
+
+# Control tokens that end a turn in chat-tuned models: generation stops on them as on EOS
+# (llama.cpp's end-of-generation set does the same by token text).
+_END_OF_TURN_TEXTS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>", "<|eom_id|>")
+_TOKEN_TYPE_CONTROL = 3
+
+# GGUF key -> key in transformers' tokenizer dict (transformers' GGUF_TOKENIZER_MAPPING, "tokenizer").
+_TOKENIZER_KEYS = {
+    "tokenizer.ggml.model": "tokenizer_type",
+    "tokenizer.ggml.pre": "pre_tokenizer_type",
+    "tokenizer.ggml.tokens": "tokens",
+    "tokenizer.ggml.scores": "scores",
+    "tokenizer.ggml.token_type": "token_type",
+    "tokenizer.ggml.merges": "merges",
+    "tokenizer.ggml.precompiled_charsmap": "precompiled_charsmap",
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.unknown_token_id": "unk_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+    "tokenizer.ggml.add_space_prefix": "add_prefix_space",
+}
+
+
+def _plain(value: Any) -> Any:
+    """numpy arrays / scalars (as gguf_file gives them) -> Python lists / scalars."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return value
+
+
+def _opt_int(md: Mapping[str, Any], key: str) -> int | None:
+    v = md.get(key)
+    return None if v is None else int(_plain(v))
+
+
+class Tokenizer:
+    """Encode / decode with the model's own vocabulary. Build with `from_gguf` / `from_metadata`
+    (slow, once), cache `to_json()`, load with `from_json` (fast)."""
+
+    def __init__(
+        self,
+        backend,  # tokenizers.Tokenizer
+        *,
+        bos_id: int | None,
+        eos_ids: Iterable[int],
+        add_bos: bool,
+        vocab_size: int,
+        model: str,
+        architecture: str,
+    ):
+        self._tk = backend
+        self.bos_id = bos_id
+        self.eos_ids = frozenset(int(i) for i in eos_ids)
+        self.add_bos = bool(add_bos)
+        self.vocab_size = int(vocab_size)
+        self.model = model
+        self.architecture = architecture
+        if self.add_bos and self.bos_id is None:
+            raise WorkbenchError("the GGUF asks for a BOS token (tokenizer.ggml.add_bos_token) but names no bos_token_id")
+
+    # ----------------------------------------------------------------- building
+    @classmethod
+    def from_gguf(cls, source: Any) -> "Tokenizer":
+        """Build from a GGUF: a path, a `workbench.gguf_file.GGUFFile`, a `gguf.GGUFReader`, or a
+        metadata dict (see `from_metadata`)."""
+        if isinstance(source, Mapping):
+            return cls.from_metadata(source)
+        if hasattr(source, "metadata") and isinstance(source.metadata, Mapping):  # GGUFFile
+            return cls.from_metadata(source.metadata)
+        if hasattr(source, "fields"):  # gguf.GGUFReader
+            md = {
+                k: f.contents()
+                for k, f in source.fields.items()
+                if k.startswith("tokenizer.") or k == "general.architecture"
+            }
+            return cls.from_metadata(md)
+        if isinstance(source, (str, os.PathLike)):
+            from .gguf_file import GGUFFile
+
+            return cls.from_metadata(GGUFFile.open(source).metadata)
+        raise TypeError(f"Tokenizer.from_gguf: cannot read a tokenizer from {type(source).__name__}")
+
+    @classmethod
+    def from_metadata(cls, md: Mapping[str, Any]) -> "Tokenizer":
+        """Build from GGUF metadata: GGUF key (e.g. 'tokenizer.ggml.tokens') -> Python value.
+        Numeric arrays may be lists or numpy arrays."""
+        model = md.get("tokenizer.ggml.model")
+        if model not in ALLOWED_MODELS:
+            raise WorkbenchError(
+                f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); "
+                f"allowed: {', '.join(ALLOWED_MODELS)}"
+            )
+        if "tokenizer.ggml.tokens" not in md:
+            raise WorkbenchError("the GGUF has no tokenizer.ggml.tokens; a model file with its vocabulary is required")
+        architecture = str(md.get("general.architecture", ""))
+        td = {name: _plain(md[key]) for key, name in _TOKENIZER_KEYS.items() if key in md}
+        tokens = td["tokens"] = list(td["tokens"])
+        if model == "gpt2":
+            from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+            pre = td.get("pre_tokenizer_type")
+            if pre not in GGUF_PRE_TOKENIZER_SPLITS:
+                raise WorkbenchError(
+                    f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre) for a gpt2 tokenizer; "
+                    f"allowed: {', '.join(sorted(GGUF_PRE_TOKENIZER_SPLITS))}"
+                )
+        from transformers.integrations.gguf import convert_gguf_tokenizer
+
+        try:
+            backend, _ = convert_gguf_tokenizer(architecture, td)
+        except ValueError as e:
+            raise WorkbenchError(f"cannot build the tokenizer from the GGUF: {e}") from None
+
+        bos_id = _opt_int(md, "tokenizer.ggml.bos_token_id")
+        add_bos = md.get("tokenizer.ggml.add_bos_token")
+        if add_bos is None:  # llama.cpp's default: SentencePiece vocabularies get a BOS
+            add_bos = model == "llama"
+        eos_ids = set()
+        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            v = _opt_int(md, key)
+            if v is not None:
+                eos_ids.add(v)
+        types = list(_plain(md.get("tokenizer.ggml.token_type", [])))
+        for text in _END_OF_TURN_TEXTS:
+            try:
+                i = tokens.index(text)
+            except ValueError:
+                continue
+            if i < len(types) and types[i] == _TOKEN_TYPE_CONTROL:
+                eos_ids.add(i)
+        return cls(
+            backend,
+            bos_id=bos_id,
+            eos_ids=eos_ids,
+            add_bos=bool(_plain(add_bos)),
+            vocab_size=len(tokens),
+            model=model,
+            architecture=architecture,
+        )
+
+    # ------------------------------------------------------------------ caching
+    def to_json(self) -> str:
+        """Everything needed to rebuild this tokenizer, as one JSON string (~12 MB for Gemma 3)."""
+        return json.dumps(
+            {
+                "format": JSON_FORMAT,
+                "model": self.model,
+                "architecture": self.architecture,
+                "bos_id": self.bos_id,
+                "eos_ids": sorted(self.eos_ids),
+                "add_bos": self.add_bos,
+                "vocab_size": self.vocab_size,
+                "tokenizers_json": self._tk.to_str(),
+            },
+            ensure_ascii=False,
+        )
+
+    @classmethod
+    def from_json(cls, s: str | bytes) -> "Tokenizer":
+        """Load what `to_json` wrote. Needs only the `tokenizers` package."""
+        from tokenizers import Tokenizer as _Backend
+
+        try:
+            d = json.loads(s)
+            fmt = d.get("format")
+        except (ValueError, AttributeError):
+            raise WorkbenchError("the cached tokenizer is not valid JSON; delete it to rebuild from the GGUF") from None
+        if fmt != JSON_FORMAT:
+            raise WorkbenchError(f"cached tokenizer has format {fmt!r}, this version reads {JSON_FORMAT!r}; delete it to rebuild")
+        return cls(
+            _Backend.from_str(d["tokenizers_json"]),
+            bos_id=d["bos_id"],
+            eos_ids=d["eos_ids"],
+            add_bos=d["add_bos"],
+            vocab_size=d["vocab_size"],
+            model=d["model"],
+            architecture=d["architecture"],
+        )
+
+    # --------------------------------------------------------------------- use
+    @property
+    def backend(self):
+        """The underlying `tokenizers.Tokenizer`."""
+        return self._tk
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`. Control-token text ("<start_of_turn>") becomes that token. A BOS is
+        prepended when `add_bos` (default: the model's `tokenizer.ggml.add_bos_token`)."""
+        ids = self._tk.encode(text, add_special_tokens=False).ids
+        if self.add_bos if add_bos is None else add_bos:
+            if self.bos_id is None:
+                raise WorkbenchError("add_bos=True but this model names no BOS token")
+            return [self.bos_id, *ids]
+        return list(ids)
+
+    def encode_batch(self, texts: list[str], add_bos: bool | None = None) -> list[list[int]]:
+        bos = self.add_bos if add_bos is None else add_bos
+        encs = self._tk.encode_batch(texts, add_special_tokens=False)
+        return [([self.bos_id] if bos else []) + list(e.ids) for e in encs]
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text of `ids`; with `skip_special`, control tokens (BOS, <end_of_turn>, ...) are dropped."""
+        return self._tk.decode(list(ids), skip_special_tokens=skip_special)
+
+    def piece(self, token_id: int) -> str | None:
+        """The vocabulary entry of one id, as the backend spells it (e.g. '▁world', '<0xE2>')."""
+        return self._tk.id_to_token(int(token_id))
+
+    def token_id(self, piece: str) -> int | None:
+        return self._tk.token_to_id(piece)
+
+    def stream(self, skip_special: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special=skip_special)
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(model={self.model!r}, arch={self.architecture!r}, vocab={self.vocab_size}, "
+            f"bos={self.bos_id}, eos={sorted(self.eos_ids)}, add_bos={self.add_bos})"
+        )
+
+
+class StreamDecoder:
+    """Ids in, text increments out; concatenating every `push` and the final `flush` gives
+    `tokenizer.decode(all_ids)`.
+
+    It decodes a short window of ids (from the last point where the text was complete) and emits
+    only the new characters, holding back while the window's text ends in U+FFFD, i.e. while a
+    multi-byte UTF-8 character is still split across byte-fallback tokens. `flush()` emits what is
+    held back (e.g. a truly invalid byte sequence, as U+FFFD) at the end of a stream.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+        self._tok = tokenizer
+        self._skip = skip_special
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: text before it has been emitted completely
+        self._read = 0  # ids before it have been emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special=self._skip)
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the text it completes (possibly '')."""
+        self._ids.append(int(token_id))
+        done = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        if len(text) > len(done) and not text.endswith("\ufffd"):
+            self._prefix = self._read
+            self._read = len(self._ids)
+            return text[len(done) :]
+        return ""
+
+    def extend(self, ids: Iterable[int]) -> str:
+        return "".join(self.push(i) for i in ids)
+
+    def flush(self) -> str:
+        """Return whatever is held back; the stream may continue afterwards."""
+        done = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return text[len(done) :]
