@@ -40,7 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 GOLDENS = ROOT / "tests" / "goldens"
 TOPK = 64
-N_CTX = 2048
+N_CTX = 1024  # logits_all keeps an [n_ctx, vocab] float32 array: 1 GiB
 N_THREADS = 2
 
 # Tokenizer fixtures: each is encoded with BOS and special-token parsing.
@@ -134,7 +134,17 @@ Confusing the two leads to many common errors in public debate.
 Finally, a few practical tips for long hikes: break in your boots before the trip, carry more water \
 than you think you need, tell someone your route and expected return time, and turn back when the \
 weather changes rather than pushing on toward a summit that will still be there next year. The \
-mountains reward patience far more reliably than they reward ambition."""
+mountains reward patience far more reliably than they reward ambition.
+
+Postscript, from a letter dated 14 March 1911: "Dear Margaret, the crossing took eleven days and \
+the sea was grey for nine of them. I have found lodgings above a bakery on Elm Street; the rent is \
+four dollars a week, which includes breakfast and, to my surprise, a cat named Admiral who sleeps \
+on my trunk. Write soon and tell me whether the orchard survived the frost. Your loving brother, \
+Thomas."
+
+Some vocabulary for the curious reader: a palimpsest is a manuscript scraped clean and written \
+over, an isthmus is a narrow strip of land joining two larger areas, and a sonder is the sudden \
+realization that every passer-by lives a life as vivid and complex as your own."""
 
 PROMPTS: list[tuple[str, str]] = [
     ("short_word", "Paris"),
@@ -179,14 +189,16 @@ def atomic_write(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 
 def load_llama(path: str, n_batch: int):
     """A llama_cpp.Llama with every position's logits kept and weight repacking off."""
     import llama_cpp
+    import llama_cpp.llama_cpp as lowlevel  # the module llama.py calls for its defaults
 
-    real_default = llama_cpp.llama_model_default_params
+    real_default = lowlevel.llama_model_default_params
 
     def default_params_without_repack():
         p = real_default()
@@ -195,7 +207,7 @@ def load_llama(path: str, n_batch: int):
 
     # Llama() builds its model params from llama_model_default_params() and offers no kwarg for
     # use_extra_bufts, so wrap the default for the duration of the load.
-    llama_cpp.llama_model_default_params = default_params_without_repack
+    lowlevel.llama_model_default_params = default_params_without_repack
     try:
         llm = llama_cpp.Llama(
             model_path=path,
@@ -208,7 +220,7 @@ def load_llama(path: str, n_batch: int):
             verbose=False,
         )
     finally:
-        llama_cpp.llama_model_default_params = real_default
+        lowlevel.llama_model_default_params = real_default
     assert llm.model_params.use_extra_bufts is False
     return llm
 
@@ -259,6 +271,7 @@ def main() -> int:
     fd, tmp = tempfile.mkstemp(dir=GOLDENS, prefix=".logits_llamacpp.", suffix=".npz")
     os.close(fd)
     np.savez_compressed(tmp, **arrays)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, GOLDENS / "logits_llamacpp.npz")
     print("wrote", GOLDENS)
     return 0

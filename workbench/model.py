@@ -248,7 +248,7 @@ def _load_tokenizer(g: GGUFFile):
     cfile = cache_dir() / "tokenizers" / f"{g.index.sha256}.json"
     if cfile.exists():
         try:
-            return Tokenizer.from_json(cfile.read_text(), metadata=g.metadata)
+            return Tokenizer.from_json(cfile.read_text())
         except Exception:
             pass
     tok = Tokenizer.from_metadata(g.metadata)

@@ -84,6 +84,8 @@ def _atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
     tmp = Path(name)
     try:
         write(tmp)
+        # mkstemp makes the file 0600; give it the mode a plain open() would (or the old file's).
+        os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else 0o644)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)

@@ -54,7 +54,8 @@ class Request:
             raise WorkbenchError("request_id=None is not allowed: give each request an id")
         if not self.prompt_ids:
             raise WorkbenchError(f"request {self.request_id!r} has an empty prompt: allowed >= 1 token")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        n = self.max_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise WorkbenchError(f"max_tokens={self.max_tokens!r} is out of range: allowed >= 1")
 
 
@@ -98,14 +99,18 @@ class _Sequence:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, runner_info: RunnerInfo, *, budget_bytes: int | None = None):
+    def __init__(
+        self, config: EngineConfig, runner_info: RunnerInfo, *, budget_bytes: int | None = None
+    ):
         """`budget_bytes`: the budget learnt from the machine, used when the config leaves
         `memory_budget_bytes` unset."""
         self.config = config
         self.runner = runner_info
         self.budget_bytes = config.memory_budget_bytes or budget_bytes
         if self.budget_bytes is None:
-            raise WorkbenchError("memory budget unknown: set memory_budget_bytes or derive it from the machine")
+            raise WorkbenchError(
+                "memory budget unknown: set memory_budget_bytes or derive it from the machine"
+            )
         if config.max_context is not None and config.max_context > runner_info.slot_capacity:
             raise WorkbenchError(
                 f"max_context={config.max_context} exceeds the runner's slot capacity: "

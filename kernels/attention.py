@@ -1,0 +1,232 @@
+"""Decode and prefill attention for many sequences in one launch; a row's result depends only on it.
+
+One kernel, ``_attention_rows_kernel``, serves both: a *row* is one query token (all its heads)
+of some sequence, described by the cache it reads (``row_seq``), its absolute position
+(``row_pos``: it sees keys 0..pos) and its sliding window (``row_window``: 0 = global, else
+keys with pos - j < window). Decode is one row per sequence at pos = len - 1; a prefill chunk is
+C rows of one sequence at start..start+C-1; a mixed step is any mix of both.
+
+A program owns one (row, kv head): the GROUP = Hq / Hkv query heads sharing that kv head are
+scored together, so each K/V block is read once per kv head (GQA). Keys are processed in blocks
+of BLOCK_N at ABSOLUTE positions [b*BLOCK_N, (b+1)*BLOCK_N), in increasing order, with an
+online softmax (exp2, scale folded into log2 units); entries outside [lo, pos] are masked (never
+loaded). The arithmetic for a row therefore depends only on (q row, its cache, pos, window):
+
+* decode: row b of a batch is bitwise equal to the solo call;
+* prefill: chunking a sequence differently gives bitwise-equal outputs per position, AND equal
+  to decode attention at the same position (same kernel, same blocks, same order).
+
+Precision: q, K, V float32 or bfloat16, upcast; scores, softmax and P@V in float32 (no tl.dot,
+no TF32); output in q's dtype. Cache entries beyond a row's position are never read, so they
+may hold anything (the tests fill them with NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# BLOCK_N (keys per block) by padded head dim: keeps the [GROUP, BLOCK_N, D] product tile near
+# 16K floats. Fixed per model shape, never per batch or chunk.
+ATTENTION_BLOCK_N: dict[int, int] = {16: 32, 32: 32, 64: 32, 128: 32, 256: 16, 512: 8}
+ATTENTION_NUM_WARPS = 4
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attention_rows_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+    stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
+    stride_or, stride_oh, qk_scale_log2, D,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    r = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.load(row_seq_ptr + r).to(tl.int64)
+    pos = tl.load(row_pos_ptr + r).to(tl.int32)
+    win = tl.load(row_win_ptr + r).to(tl.int32)
+    hi = pos + 1  # keys [lo, hi)
+    lo = tl.where(win > 0, tl.maximum(hi - win, 0), 0)
+
+    g = tl.arange(0, GROUP_P)
+    d = tl.arange(0, D_P)
+    dmask = d < D
+    heads = kvh * GROUP + g
+    q = tl.load(
+        q_ptr + r * stride_qr + heads[:, None] * stride_qh + d[None, :],
+        mask=(g < GROUP)[:, None] & dmask[None, :], other=0.0,
+    ).to(tl.float32)  # [G, D]
+
+    k_base = k_ptr + seq * stride_ks + kvh * stride_kh
+    v_base = v_ptr + seq * stride_vs + kvh * stride_vh
+    m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_P], dtype=tl.float32)
+    acc = tl.zeros([GROUP_P, D_P], dtype=tl.float32)
+    for blk in range(lo // BLOCK_N, tl.cdiv(hi, BLOCK_N)):
+        j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        jmask = (j >= lo) & (j < hi)
+        kvmask = jmask[:, None] & dmask[None, :]
+        k = tl.load(k_base + j[:, None].to(tl.int64) * stride_kl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * qk_scale_log2  # [G, BN], log2 units
+        s = tl.where(jmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + j[:, None].to(tl.int64) * stride_vl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(
+        o_ptr + r * stride_or + heads[:, None] * stride_oh + d[None, :],
+        out.to(o_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & dmask[None, :],
+    )
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"{name} must be float32 or bfloat16, got {t.dtype}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride along the head dim")
+
+
+def attention_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    row_seq: torch.Tensor,
+    row_pos: torch.Tensor,
+    row_window: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of R query rows, each against its own sequence's cache.
+
+    q [R, Hq, D]; k_cache, v_cache [S, L_max, Hkv, D] (a pool of S sequences); row_seq [R] in
+    [0, S); row_pos [R] in [0, L_max) (the row's K/V must already be in the cache at row_pos);
+    row_window [R] (0 = global). Hq must be a multiple of Hkv. Returns [R, Hq, D] in q's dtype.
+    """
+    _check_float("q", q)
+    _check_float("k_cache", k_cache)
+    _check_float("v_cache", v_cache)
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"need q [R, Hq, D] and k/v caches [S, L_max, Hkv, D] of one shape, got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    R, Hq, D = q.shape
+    S, L_max, Hkv, Dk = k_cache.shape
+    if Dk != D or Hq % Hkv:
+        raise ValueError(f"head dims {D} vs {Dk} must match and Hq={Hq} be a multiple of Hkv={Hkv}")
+    for name, t in (("row_seq", row_seq), ("row_pos", row_pos), ("row_window", row_window)):
+        if t.shape != (R,) or t.dtype not in (torch.int32, torch.int64) or t.device != q.device:
+            raise ValueError(f"{name} must be int32/int64 [{R}] on {q.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if k_cache.device != q.device or v_cache.device != q.device:
+        raise ValueError("q and the caches must be on one device")
+    if q.device.type == "cpu" and R:  # value checks only where they cost no device sync
+        if not (0 <= int(row_seq.min()) and int(row_seq.max()) < S):
+            raise ValueError(f"row_seq must lie in [0, {S})")
+        if not (0 <= int(row_pos.min()) and int(row_pos.max()) < L_max):
+            raise ValueError(f"row_pos must lie in [0, {L_max})")
+        if int(row_window.min()) < 0:
+            raise ValueError("row_window must be >= 0")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1 or out.device != q.device:
+        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with unit stride on {q.device}")
+    if R == 0:
+        return out
+    group = Hq // Hkv
+    d_p = max(16, triton.next_power_of_2(D))
+    if d_p not in ATTENTION_BLOCK_N:
+        raise ValueError(f"head dim {D} unsupported (max {max(ATTENTION_BLOCK_N)})")
+    _attention_rows_kernel[(R, Hkv)](
+        q, k_cache, v_cache, out, row_seq, row_pos, row_window,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        float(scale) * _LOG2E, D,
+        GROUP=group, GROUP_P=triton.next_power_of_2(group), D_P=d_p, BLOCK_N=ATTENTION_BLOCK_N[d_p],
+        num_warps=ATTENTION_NUM_WARPS,
+    )
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lens: torch.Tensor,
+    window: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode token per sequence: q [B, Hq, D] against caches [B, L_max, Hkv, D].
+
+    lens [B]: valid cache length per sequence, the current token included (query at lens - 1);
+    window [B]: sliding window per sequence, 0 = global.
+    """
+    B = q.shape[0]
+    if k_cache.dim() != 4 or k_cache.shape[0] != B:
+        raise ValueError(f"k_cache must be [{B}, L_max, Hkv, D], got {tuple(k_cache.shape)}")
+    row_seq = torch.arange(B, device=q.device, dtype=torch.int32)
+    return attention_rows(q, k_cache, v_cache, row_seq, lens - 1, window, scale, out)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: int,
+    window: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A chunk of C queries at positions start..start+C-1 of one sequence (causal, windowed).
+
+    q [C, Hq, D]; k_cache, v_cache [L_max, Hkv, D] already holding positions 0..start+C-1.
+    """
+    if k_cache.dim() != 3 or v_cache.dim() != 3:
+        raise ValueError(f"prefill caches must be [L_max, Hkv, D], got {tuple(k_cache.shape)}")
+    C = q.shape[0]
+    if start < 0 or window < 0:
+        raise ValueError(f"start={start} and window={window} must be >= 0")
+    row_pos = torch.arange(start, start + C, device=q.device, dtype=torch.int32)
+    row_seq = torch.zeros(C, device=q.device, dtype=torch.int32)
+    row_win = torch.full((C,), window, device=q.device, dtype=torch.int32)
+    return attention_rows(q, k_cache[None], v_cache[None], row_seq, row_pos, row_win, scale, out)
+
+
+def attention_rows_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    row_seq: torch.Tensor,
+    row_pos: torch.Tensor,
+    row_window: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Reference: per row, softmax(q K^T * scale + mask) V in float32 with an explicit mask."""
+    R, Hq, D = q.shape
+    L_max, Hkv = k_cache.shape[1], k_cache.shape[2]
+    group = Hq // Hkv
+    out = torch.empty(R, Hq, D, dtype=torch.float32, device=q.device)
+    j = torch.arange(L_max, device=q.device)
+    for r in range(R):
+        seq, pos, win = int(row_seq[r]), int(row_pos[r]), int(row_window[r])
+        visible = (j <= pos) & ((win == 0) | (pos - j < win))
+        k = k_cache[seq].float()[visible].repeat_interleave(group, dim=1)  # [n, Hq, D]
+        v = v_cache[seq].float()[visible].repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[r].float(), k) * scale
+        out[r] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v)
+    return out.to(q.dtype)
+
+
+def decode_attention_ref(q, k_cache, v_cache, lens, window, scale) -> torch.Tensor:
+    row_seq = torch.arange(q.shape[0], device=q.device)
+    return attention_rows_ref(q, k_cache, v_cache, row_seq, lens - 1, window, scale)
+
+
+def prefill_attention_ref(q, k_cache, v_cache, start: int, window: int, scale: float) -> torch.Tensor:
+    C = q.shape[0]
+    row_pos = torch.arange(start, start + C, device=q.device)
+    return attention_rows_ref(q, k_cache[None], v_cache[None], torch.zeros_like(row_pos), row_pos,
+                              torch.full_like(row_pos, window), scale)

@@ -1,0 +1,72 @@
+"""Token embedding: gather GGUF-quantized rows, decode in registers, scale (Gemma: sqrt(n_embd)).
+
+out[r, :] = dequant(table[ids[r]]) * scale, float32. The table is the uint8 [vocab, row_bytes]
+GGUF bytes (Gemma 3: token_embd, Q8_0, shared with the output head). The decoders are those of
+qmatmul (quant_tiles.py), so the embedding sees exactly the weights the head multiplies with.
+Each weight is (d * q) * scale in float32; a row depends only on its id (batch-invariant).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType
+
+from .quant_tiles import check_quant_rows, dequant_ref, dequant_tile, quant_format
+
+EMBEDDING_GROUPS = 8  # sub-blocks per program: 256 (Q8_0) weights of a row
+EMBEDDING_NUM_WARPS = 4
+
+
+@triton.jit
+def _embedding_kernel(
+    ids_ptr, table_ptr, o_ptr, n_embd, row_bytes, stride_o, scale,
+    QTYPE: tl.constexpr, SUB: tl.constexpr, GROUPS: tl.constexpr,
+):
+    r = tl.program_id(0)
+    row_ptr = table_ptr + tl.load(ids_ptr + r).to(tl.int64) * row_bytes
+    ksub = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    s = tl.arange(0, SUB)
+    mask = (ksub < n_embd // SUB)[:, None]
+    w = dequant_tile(row_ptr, ksub[:, None], s[None, :], mask, QTYPE)  # [G, S]
+    offs = ksub[:, None] * SUB + s[None, :]
+    tl.store(o_ptr + r * stride_o + offs, w * scale, mask=mask)
+
+
+def embedding(
+    ids: torch.Tensor,
+    table: torch.Tensor,
+    n_embd: int,
+    scale: float,
+    qtype: GGMLQuantizationType | int | str = "Q8_0",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float32 [R, n_embd] rows ``ids`` [R] (int) of the quantized ``table``, times ``scale``."""
+    fmt = quant_format(qtype)
+    check_quant_rows(table, fmt, table.shape[0], n_embd, what="table")
+    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or ids.device != table.device:
+        raise ValueError(f"ids must be int32/int64 [R] on {table.device}, got {ids.dtype} {tuple(ids.shape)}")
+    R = ids.shape[0]
+    if ids.device.type == "cpu" and R and not (0 <= int(ids.min()) and int(ids.max()) < table.shape[0]):
+        raise ValueError(f"ids must lie in [0, {table.shape[0]})")  # checked only where it costs no sync
+    if out is None:
+        out = torch.empty((R, n_embd), dtype=torch.float32, device=table.device)
+    elif out.shape != (R, n_embd) or out.dtype != torch.float32 or out.stride(1) != 1 or out.device != table.device:
+        raise ValueError(f"out must be float32 [{R}, {n_embd}] with unit stride on {table.device}")
+    if R == 0:
+        return out
+    grid = (R, triton.cdiv(n_embd // fmt.sub, EMBEDDING_GROUPS))
+    _embedding_kernel[grid](
+        ids, table, out, n_embd, table.stride(0), out.stride(0), float(scale),
+        QTYPE=fmt.code, SUB=fmt.sub, GROUPS=EMBEDDING_GROUPS, num_warps=EMBEDDING_NUM_WARPS,
+    )
+    return out
+
+
+def embedding_ref(
+    ids: torch.Tensor, table: torch.Tensor, n_embd: int, scale: float,
+    qtype: GGMLQuantizationType | int | str = "Q8_0",
+) -> torch.Tensor:
+    """Reference: gguf.quants decode of the gathered rows, times scale, float32."""
+    return dequant_ref(table[ids.long()].contiguous(), qtype, n_embd) * float(scale)

@@ -1,0 +1,83 @@
+"""Greedy argmax over a large vocabulary per row; ties and NaN resolved like torch.argmax.
+
+Two stages with a fixed chunk size: stage 1, one program per (row, chunk of ARGMAX_BLOCK_V
+logits) writes the chunk's (max, lowest index of the max); stage 2, one program per row,
+reduces the chunk results. Ties go to the lowest index; a NaN counts as the maximum (the first
+NaN wins), as in torch.argmax. Comparisons are exact, so the answer is independent of order
+and of the other rows: batch-invariant. Logits float32 or bfloat16 (compared as float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ARGMAX_BLOCK_V = 4096  # 262144 / 4096 = 64 chunks per row
+ARGMAX_NUM_WARPS = 4
+ARGMAX_MAX_CHUNKS = 4096  # stage 2 reduces at most this many chunks in one tile
+_NO_INDEX = 2**31 - 1
+
+
+@triton.jit
+def _best(vals, idx, valid):
+    """(value, index) of the first NaN if any, else of the max (lowest index among ties)."""
+    is_nan = valid & (vals != vals)
+    nan_idx = tl.min(tl.where(is_nan, idx, 2147483647), axis=0)
+    clean = tl.where(valid & (vals == vals), vals, float("-inf"))
+    vmax = tl.max(clean, axis=0)
+    vidx = tl.min(tl.where((clean == vmax) & valid, idx, 2147483647), axis=0)
+    has_nan = nan_idx < 2147483647
+    return tl.where(has_nan, float("nan"), vmax), tl.where(has_nan, nan_idx, vidx)
+
+
+@triton.jit
+def _argmax_chunks_kernel(x_ptr, pval_ptr, pidx_ptr, V, stride_x, num_chunks, BLOCK_V: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    idx = c * BLOCK_V + tl.arange(0, BLOCK_V)
+    valid = idx < V
+    vals = tl.load(x_ptr + r.to(tl.int64) * stride_x + idx, mask=valid, other=float("-inf")).to(tl.float32)
+    v, i = _best(vals, idx, valid)
+    tl.store(pval_ptr + r * num_chunks + c, v)
+    tl.store(pidx_ptr + r * num_chunks + c, i)
+
+
+@triton.jit
+def _argmax_rows_kernel(pval_ptr, pidx_ptr, o_ptr, num_chunks, CHUNKS_P: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.arange(0, CHUNKS_P)
+    valid = c < num_chunks
+    vals = tl.load(pval_ptr + r * num_chunks + c, mask=valid, other=float("-inf"))
+    idx = tl.load(pidx_ptr + r * num_chunks + c, mask=valid, other=2147483647)
+    _, i = _best(vals, idx, valid)
+    tl.store(o_ptr + r, i.to(tl.int64))
+
+
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [R]: argmax of each row of logits [R, V] (float32/bfloat16, unit stride on V)."""
+    if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16) or logits.stride(1) != 1:
+        raise ValueError(f"logits must be float32/bfloat16 [R, V] with unit stride on V, got {logits.dtype} {tuple(logits.shape)}")
+    R, V = logits.shape
+    if V == 0 or V >= _NO_INDEX:
+        raise ValueError(f"vocab size {V} out of range [1, {_NO_INDEX})")
+    num_chunks = triton.cdiv(V, ARGMAX_BLOCK_V)
+    if num_chunks > ARGMAX_MAX_CHUNKS:
+        raise ValueError(f"vocab size {V} exceeds {ARGMAX_MAX_CHUNKS * ARGMAX_BLOCK_V}")
+    if out is None:
+        out = torch.empty(R, dtype=torch.int64, device=logits.device)
+    elif out.shape != (R,) or out.dtype != torch.int64 or out.device != logits.device:
+        raise ValueError(f"out must be int64 [{R}] on {logits.device}")
+    if R == 0:
+        return out
+    pval = torch.empty((R, num_chunks), dtype=torch.float32, device=logits.device)
+    pidx = torch.empty((R, num_chunks), dtype=torch.int32, device=logits.device)
+    _argmax_chunks_kernel[(R, num_chunks)](
+        logits, pval, pidx, V, logits.stride(0), num_chunks, BLOCK_V=ARGMAX_BLOCK_V, num_warps=ARGMAX_NUM_WARPS,
+    )
+    _argmax_rows_kernel[(R,)](pval, pidx, out, num_chunks, CHUNKS_P=triton.next_power_of_2(num_chunks), num_warps=ARGMAX_NUM_WARPS)
+    return out
+
+
+def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
+    return torch.argmax(logits, dim=-1)

@@ -1,0 +1,321 @@
+"""Engine: N concurrent slots over one model, each producing exactly what it would alone.
+
+`step()` reads as plan -> run -> commit:
+
+    plan = scheduler.schedule()                 # plain Python: who decodes, which chunks
+    for forward in scheduler.forwards(plan):    # the runner owns the tensors
+        logits |= runner.run(forward)
+    sample each slot's row with its own generator
+    events = scheduler.commit(plan, sampled)    # bookkeeping; reset finished slots
+
+The streaming form is cooperative: iterating a handle's tokens drives `step()` until that
+request has something new, so every other admitted request advances at the same time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Hashable, Iterator, Sequence
+
+import psutil
+
+from .engine_config import EngineConfig
+from .errors import WorkbenchError
+from .model import Model
+from .runner import TorchRunner
+from .sampling import SamplingParams, make_generator, sample
+from .scheduler import Request, Scheduler
+from .telemetry import Telemetry, percentile
+
+__all__ = ["Engine", "EngineConfig", "GenerationResult", "RequestHandle"]
+
+
+@dataclass
+class GenerationResult:
+    request_id: Hashable
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "eos" | "max_tokens" | "max_context" | "cancelled"
+    submitted_at: float
+    first_token_at: float | None
+    finished_at: float
+    token_times: list[float] = field(repr=False, default_factory=list)
+    prefill_started_at: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.submitted_at
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.prefill_started_at is None else self.prefill_started_at - self.submitted_at
+
+    @property
+    def prefill_tok_s(self) -> float:
+        if self.first_token_at is None or self.prefill_started_at is None:
+            return 0.0
+        dt = self.first_token_at - self.prefill_started_at
+        return self.num_prompt_tokens / dt if dt > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        n = len(self.token_times) - 1
+        if n < 1:
+            return 0.0
+        dt = self.token_times[-1] - self.token_times[0]
+        return n / dt if dt > 0 else 0.0
+
+    @property
+    def inter_token_s(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+class _Live:
+    """An admitted or waiting request's engine-side state: sampling, stream, timing."""
+
+    def __init__(self, rid, prompt_ids, params: SamplingParams, index: int, submitted_at: float):
+        self.rid = rid
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.generator = make_generator(params.seed, index)
+        self.submitted_at = submitted_at
+        self.prefill_started_at: float | None = None
+        self.token_ids: list[int] = []
+        self.token_times: list[float] = []
+        self.result: GenerationResult | None = None
+
+
+class RequestHandle:
+    """A submitted request: iterate its tokens or text as they come, cancel it, or wait."""
+
+    def __init__(self, engine: "Engine", rid: Hashable):
+        self.engine = engine
+        self.request_id = rid
+
+    def tokens(self) -> Iterator[int]:
+        seen = 0
+        while True:
+            live = self.engine._live[self.request_id]
+            while seen < len(live.token_ids):
+                seen += 1
+                yield live.token_ids[seen - 1]
+            if live.result is not None:
+                return
+            self.engine.step()
+
+    def text_stream(self) -> Iterator[str]:
+        dec = self.engine.model.tokenizer.stream(skip_special=True)
+        for tok in self.tokens():
+            piece = dec.push(tok)
+            if piece:
+                yield piece
+        tail = dec.flush()
+        if tail:
+            yield tail
+
+    def cancel(self) -> None:
+        self.engine.cancel(self.request_id)
+
+    @property
+    def done(self) -> bool:
+        return self.engine._live[self.request_id].result is not None
+
+    def result(self) -> GenerationResult:
+        while not self.done:
+            self.engine.step()
+        return self.engine._live[self.request_id].result
+
+
+class Engine:
+    def __init__(self, model: Model, config: EngineConfig | None = None):
+        self.model = model
+        self.config = config = config or EngineConfig()
+        if config.dtype != model.dtype_name:
+            # The precision is a property of the loaded weights; say so rather than silently differ.
+            raise WorkbenchError(
+                f"EngineConfig.dtype={config.dtype!r} but the model was loaded as {model.dtype_name!r}: "
+                f"load_model(..., dtype={config.dtype!r}) or set EngineConfig(dtype={model.dtype_name!r})"
+            )
+        if config.backend == "triton":
+            from .triton_runner import TritonRunner
+
+            self.runner = TritonRunner(model, config.max_context or model.config.context_length)
+        else:
+            self.runner = TorchRunner(model, config.max_context or model.config.context_length)
+        budget = config.memory_budget_bytes or self._machine_budget()
+        self.scheduler = Scheduler(config, self.runner, budget_bytes=budget)
+        self.telemetry = Telemetry()
+        self._live: dict[Hashable, _Live] = {}
+        self._ids = itertools.count()
+        self._step_index = 0
+        self._proc = psutil.Process(os.getpid())
+        self.stop_ids = tuple(sorted(model.tokenizer.eos_ids))
+
+    def _machine_budget(self) -> int:
+        # Weights are already resident; the budget is what they take plus most of what is free.
+        return int(self.runner.fixed_bytes + 0.8 * psutil.virtual_memory().available)
+
+    # -- requests ------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        index: int = 0,
+        request_id: Hashable | None = None,
+        ignore_eos: bool = False,
+    ) -> RequestHandle:
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        ids = self.model.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise WorkbenchError(f"prompt token ids must lie in 0..{vocab - 1}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._live:
+            raise WorkbenchError(f"request {rid!r} already exists")
+        req = Request(rid, tuple(ids), max_tokens, params, () if ignore_eos else self.stop_ids)
+        self.scheduler.add(req)
+        self._live[rid] = _Live(rid, ids, params, index, time.perf_counter())
+        return RequestHandle(self, rid)
+
+    def cancel(self, request_id: Hashable) -> None:
+        for ev in self.scheduler.cancel(request_id):
+            self._finish(ev)
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        *,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+    ) -> list[GenerationResult]:
+        """Run the prompts concurrently; one result per prompt, in order. Request i samples
+        from a generator seeded by (seed, i)."""
+        handles = [
+            self.submit(p, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        seed=seed, index=i, ignore_eos=ignore_eos)
+            for i, p in enumerate(prompts)
+        ]
+        self.run_until_done()
+        return [h.result() for h in handles]
+
+    def run_until_done(self) -> None:
+        while self.scheduler.has_work():
+            self.step()
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> list:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()  # plan
+        if plan is None:
+            return []
+        forwards = self.scheduler.forwards(plan)
+        max_ctx = {v.slot_id: v.max_context for v in self.scheduler.views()}
+        logits = {}
+        for fwd in forwards:  # run
+            for seg in fwd:
+                live = self._live[seg.request_id]
+                if live.prefill_started_at is None:
+                    live.prefill_started_at = t0
+            logits.update(self.runner.run(fwd, max_ctx))
+        running = self.scheduler.running_ids()
+        sampled = {}
+        for slot, row in logits.items():
+            live = self._live[running[slot]]
+            sampled[slot] = sample(row, live.params, live.generator)
+        now = time.perf_counter()
+        for slot, tok in sampled.items():
+            live = self._live[running[slot]]
+            live.token_ids.append(tok)
+            live.token_times.append(now)
+        events = self.scheduler.commit(plan, sampled)  # commit
+        for ev in events:
+            self._finish(ev)
+        self._record_step(plan, len(forwards), t0, now)
+        self._step_index += 1
+        return events
+
+    def _finish(self, ev) -> None:
+        if ev.slot_id is not None:
+            self.runner.reset(ev.slot_id)
+        live = self._live[ev.request_id]
+        now = time.perf_counter()
+        live.result = GenerationResult(
+            request_id=ev.request_id,
+            prompt_ids=live.prompt_ids,
+            token_ids=list(live.token_ids),
+            text=self.model.tokenizer.decode(live.token_ids, skip_special=True),
+            finish_reason=ev.reason,
+            submitted_at=live.submitted_at,
+            first_token_at=live.token_times[0] if live.token_times else None,
+            finished_at=now,
+            token_times=list(live.token_times),
+            prefill_started_at=live.prefill_started_at,
+        )
+        r = live.result
+        itl = r.inter_token_s
+        self.telemetry.record_request({
+            "request_id": str(r.request_id),
+            "finish_reason": r.finish_reason,
+            "prompt_tokens": r.num_prompt_tokens,
+            "generated_tokens": r.num_generated_tokens,
+            "queue_s": r.queue_s,
+            "ttft_s": r.ttft_s,
+            "prefill_tok_s": r.prefill_tok_s,
+            "decode_tok_s": r.decode_tok_s,
+            "itl_p50_ms": None if not itl else 1e3 * percentile(itl, 50),
+            "itl_p90_ms": None if not itl else 1e3 * percentile(itl, 90),
+            "itl_p99_ms": None if not itl else 1e3 * percentile(itl, 99),
+            "itl_max_ms": None if not itl else 1e3 * max(itl),
+            "total_s": r.finished_at - r.submitted_at,
+        })
+
+    def _record_step(self, plan, num_forwards: int, t0: float, t1: float) -> None:
+        solo = [g for g in plan.decode_groups if not g.batched]
+        phase = "mixed" if plan.num_decode_rows and plan.num_prefill_rows else "decode" if plan.num_decode_rows else "prefill"
+        self.telemetry.record_step({
+            "step": self._step_index,
+            "phase": phase,
+            "num_slots": len(plan.slot_ids()),
+            "rows": plan.num_decode_rows + plan.num_prefill_rows,
+            "decode_rows": plan.num_decode_rows,
+            "prefill_rows": plan.num_prefill_rows,
+            "num_forwards": num_forwards,
+            "num_batched_groups": sum(1 for g in plan.decode_groups if g.batched),
+            "num_solo": plan.num_solo_fallback,
+            "solo_reasons": ";".join(sorted({g.reason for g in solo})),
+            "decode_mode": ",".join(f"{'batched' if g.batched else 'solo'}:{g.reason}" for g in plan.decode_groups),
+            "chunk_size": plan.chunk_size,
+            "chunk_reason": plan.chunk_reason,
+            "policy": plan.policy,
+            "fused": plan.fused,
+            "wall_ms": 1e3 * (t1 - t0),
+            "kv_bytes": self.runner.kv_bytes,
+            "rss_bytes": self._proc.memory_info().rss,
+        })
+
+    # -- results ---------------------------------------------------------------------------
+    @property
+    def peak_memory_bytes(self) -> int:
+        return self.telemetry.peak_rss_bytes
