@@ -30,8 +30,16 @@ import triton.language as tl
 # BLOCK_N (keys per block) by padded head dim: keeps the [GROUP, BLOCK_N, D] product tile near
 # 16K floats. Fixed per model shape, never per batch or chunk.
 ATTENTION_BLOCK_N: dict[int, int] = {16: 32, 32: 32, 64: 32, 128: 32, 256: 16, 512: 8}
-ATTENTION_NUM_WARPS = 4
+ATTENTION_SMALL_TILE = 8192  # GROUP_P * BLOCK_N * D_P up to this: 4 warps, above: 8
 _LOG2E = 1.4426950408889634
+
+
+def _attention_config(group_p: int, d_p: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps): a function of the model's head shape only."""
+    if d_p not in ATTENTION_BLOCK_N:
+        raise ValueError(f"head dim up to {max(ATTENTION_BLOCK_N)} supported, got padded {d_p}")
+    block_n = ATTENTION_BLOCK_N[d_p]
+    return block_n, (4 if group_p * block_n * d_p <= ATTENTION_SMALL_TILE else 8)
 
 
 @triton.jit
@@ -136,16 +144,16 @@ def attention_rows(
     if R == 0:
         return out
     group = Hq // Hkv
+    group_p = triton.next_power_of_2(group)
     d_p = max(16, triton.next_power_of_2(D))
-    if d_p not in ATTENTION_BLOCK_N:
-        raise ValueError(f"head dim {D} unsupported (max {max(ATTENTION_BLOCK_N)})")
+    block_n, num_warps = _attention_config(group_p, d_p)
     _attention_rows_kernel[(R, Hkv)](
         q, k_cache, v_cache, out, row_seq, row_pos, row_window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         float(scale) * _LOG2E, D,
-        GROUP=group, GROUP_P=triton.next_power_of_2(group), D_P=d_p, BLOCK_N=ATTENTION_BLOCK_N[d_p],
-        num_warps=ATTENTION_NUM_WARPS,
+        GROUP=group, GROUP_P=group_p, D_P=d_p, BLOCK_N=block_n,
+        num_warps=num_warps,
     )
     return out
 

@@ -1,8 +1,8 @@
 """GeGLU: out = gelu_tanh(gate) * up, elementwise (batch-invariant by construction).
 
 gelu_tanh(g) = 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), evaluated as the
-identical g * sigmoid(2u) = g / (1 + exp(-2u)) (Triton has no portable tanh; this form also
-avoids the cancellation of 1 + tanh(u) for very negative g). float32 compute, output in gate's
+identical g * sigmoid(2u), with the overflow-free sigmoid (Triton has no portable tanh; this
+form also avoids the cancellation of 1 + tanh(u) for very negative g). float32 compute, output in gate's
 dtype. gate and up may be column views of one fused [R, 2F] gate|up matmul output.
 """
 
@@ -23,8 +23,10 @@ def _geglu_kernel(g_ptr, u_ptr, o_ptr, F, stride_g, stride_u, stride_o, BLOCK: t
     mask = offs < F
     g = tl.load(g_ptr + r * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + r * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
-    inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
-    y = g / (1.0 + tl.exp(-2.0 * inner)) * u
+    t = 2.0 * 0.7978845608028654 * (g + 0.044715 * (g * g * g))  # 2u
+    z = tl.exp(-tl.abs(t))  # in (0, 1]: no overflow
+    sig = tl.where(t >= 0, 1.0 / (1.0 + z), z / (1.0 + z))  # sigmoid(2u), stable
+    y = (g * sig) * u
     tl.store(o_ptr + r * stride_o + offs, y.to(o_ptr.dtype.element_ty), mask=mask)
 
 

@@ -7,7 +7,8 @@ One row per number. Columns:
     source         seed file name ("002_e2128ad86e2e4259.txt"), or "issue-N" for figures this
                    project measured itself and recorded in its issues
     system         the server / engine that produced the number
-    hardware       the machine, as the source names it ("gpu:NVIDIA-H200"-style ids for ours)
+    hardware       the machine, one label per machine across sources (seeds 000 and 002 both ran
+                   on gfx1151; details in notes); our own machines by hardware_id ("gpu:NVIDIA-H200")
     model          the model and quantization
     configuration  what was run (flags, arm of an A/B, workload), free text
     concurrency    concurrent sequences / slots / clients; null where the source does not say
@@ -83,7 +84,8 @@ def seed_000(out: list[dict]) -> None:
         r.add(f"{base}; {prompt}-token prompts, 1 slot", 1, "prefill_tok_s", solo, "tok/s", note)
         r.add(f"{base}; {prompt}-token prompts, 4 parallel", 4, "prefill_tok_s", par, "tok/s", note)
     r.add(f"{base}; decode, 1 slot", 1, "decode_tok_s_aggregate", (24.7, 24.9), "tok/s", note)
-    r.add(f"{base}; decode, 1 slot", 1, "decode_tok_s_per_stream", (24.7, 24.9), "tok/s", "one stream: per stream = aggregate")
+    r.add(f"{base}; decode, 1 slot", 1, "decode_tok_s_per_stream", (24.7, 24.9), "tok/s",
+          "one stream: per stream = aggregate")
     r.add(f"{base}; decode, 4 parallel", 4, "decode_tok_s_per_stream", (6.3, 6.6), "tok/s", note)
     r.add(f"{base}; decode, 4 parallel", 4, "decode_tok_s_aggregate", 24.8, "tok/s", note)
     r.add(f"{base}; 4 parallel", 4, "peak_memory_gb", 89.1, "GB", "peak GTT (GPU-visible system memory)")
@@ -97,8 +99,10 @@ def seed_000(out: list[dict]) -> None:
 
 def seed_002(out: list[dict]) -> None:
     r = Rows(out, "002_e2128ad86e2e4259.txt", "lucebox-hub dflash_server, concurrent speculative serving",
-             "AMD Radeon 8060S (gfx1151), Ryzen AI MAX+ 395, 128 GiB UMA", "Qwen3.6-27B + Q8_0 Qwen3.6 drafter")
-    paired = "median of 3 fresh-process repeats; output-window tok/s; 64 completion tokens/request, temp 0"
+             "AMD gfx1151", "Qwen3.6-27B + Q8_0 Qwen3.6 drafter")
+    # The machine in full: AMD Ryzen AI MAX+ 395 / Radeon 8060S (gfx1151), 128 GiB UMA, ROCm 7.2.4.
+    paired = ("Ryzen AI MAX+ 395 / Radeon 8060S, 128 GiB UMA; median of 3 fresh-process repeats; "
+              "output-window tok/s; 64 completion tokens/request, temp 0")
     for c, ar, dd, goodput, accepted in (
         (1, 12.57, 11.85, -4.4, 1.00),
         (4, 36.21, 33.61, -4.8, 3.08),
@@ -112,7 +116,7 @@ def seed_002(out: list[dict]) -> None:
         r.add("paired: adaptive DDTree (budget 22)", c, "accepted_per_step", accepted, "tokens/step", paired)
 
     shot = "screenshot: DDTree + PFlash auto + KVFlash auto (8,192-token resident pool)"
-    shot_note = "one fresh-process repeat; 38K-45K-token prompts, PFlash kept about 4.9%"
+    shot_note = "Radeon 8060S; one fresh-process repeat; 38K-45K-token prompts, PFlash kept about 4.9%"
     for c, tps, prompt, ttft, page_in, page_out in (
         (1, 12.39, 2021, 19.324, 0, 0),
         (4, 31.61, (1870, 2235), 77.495, 1, 18),
@@ -125,17 +129,18 @@ def seed_002(out: list[dict]) -> None:
         r.add(shot, c, "page_in", page_in, "pages", shot_note)
         r.add(shot, c, "page_out", page_out, "pages", shot_note + ("; paging cliff" if c == 16 else ""))
 
-    one = "one-repeat engineering screen"
+    one = "Radeon 8060S; one-repeat engineering screen"
     r.add("ablation: PFlash only", 4, "decode_tok_s_aggregate", 35.54, "tok/s", one + "; output-window tok/s")
     r.add("ablation: PFlash only", 4, "ttft_s_max", 74.261, "s", one)
     r.add("ablation: PFlash only", 4, "prompt_tokens_raw_total", 166016, "tokens", one)
     r.add("ablation: PFlash only", 4, "prompt_tokens_effective_total", 8179, "tokens", one)
-    r.add("ablation: KVFlash only, paging pressure", 4, "decode_tok_s_aggregate", 8.56, "tok/s", one + "; output-window tok/s")
+    r.add("ablation: KVFlash only, paging pressure", 4, "decode_tok_s_aggregate", 8.56, "tok/s",
+          one + "; output-window tok/s")
     r.add("ablation: KVFlash only, paging pressure", 4, "ttft_s_max", 197.859, "s", one)
     r.add("ablation: KVFlash only, paging pressure", 4, "history_tokens", (13474, 20203), "tokens", one)
     r.add("ablation: KVFlash only, paging pressure", 4, "page_out", 3714, "pages", one)
 
-    iso = "single-request isolation: 466-token prompt, 256-token completion"
+    iso = "Radeon 8060S; single-request isolation: 466-token prompt, 256-token completion"
     for setup, decode, goodput, ttft in (
         ("dense AR, no paged/concurrency", 12.03, 11.13, 1.79),
         ("paged AR, C1", 12.10, 11.25, 1.68),
@@ -183,13 +188,15 @@ def seed_004(out: list[dict]) -> None:
     r.add(f"{mem}; engine open before the reserve fix", None, "memory_used_gb", 95.9, "GiB",
           "engine base after the lazy Q8->F16 caches warm up; session creation then fails")
     r.add(f"{mem}; one 32K-token session", 1, "session_memory_gb", 0.6, "GiB", "context buffers per session")
-    r.add(f"{mem} --prefill-chunk 1024; with the reserve fix", 4, "memory_used_gb", 97.2, "GiB", "boots at 97.2 of 97.9 GiB")
-    r.add(f"{mem} --prefill-chunk 1024; with the reserve fix", 4, "memory_total_gb", 97.9, "GiB", "usable device memory")
+    fixed = f"{mem} --prefill-chunk 1024; with the reserve fix"
+    r.add(fixed, 4, "memory_used_gb", 97.2, "GiB", "boots at 97.2 of 97.9 GiB")
+    r.add(fixed, 4, "memory_total_gb", 97.9, "GiB", "usable device memory")
 
 
 def issues(out: list[dict]) -> None:
     """Figures measured by this project (its issues), not by the seeds' authors."""
-    cpu = Rows(out, ISSUE_CPU_LLAMA_CPP, "llama.cpp (CPU)", "cpu:AMD-EPYC:2c", "Gemma 3 270M Q4_K_M GGUF (project default)")
+    default_model = "Gemma 3 270M Q4_K_M GGUF (project default)"
+    cpu = Rows(out, ISSUE_CPU_LLAMA_CPP, "llama.cpp (CPU)", "cpu:AMD-EPYC:2c", default_model)
     mine = "measured by this project"
     cpu.add("1 sequence, 2 threads", 1, "decode_tok_s_aggregate", 48, "tok/s", mine)
     cpu.add("batched decode, 2 threads", None, "decode_tok_s_aggregate", 125.8, "tok/s",
@@ -197,7 +204,7 @@ def issues(out: list[dict]) -> None:
     cpu.add("sequential decode, 2 threads", None, "decode_tok_s_aggregate", 47.7, "tok/s",
             mine + "; the same requests one after another")
 
-    cuda = Rows(out, ISSUE_H200_LLAMA_CPP, "llama.cpp (CUDA)", "gpu:NVIDIA-H200", "Gemma 3 270M Q4_K_M GGUF (project default)")
+    cuda = Rows(out, ISSUE_H200_LLAMA_CPP, "llama.cpp (CUDA)", "gpu:NVIDIA-H200", default_model)
     short = mine + "; 128-token prompts"
     cuda.add("128-token prompts", 1, "decode_tok_s_aggregate", 976, "tok/s", short)
     cuda.add("128-token prompts", 4, "decode_tok_s_aggregate", 2697, "tok/s", short)

@@ -175,7 +175,7 @@ def _open_and_check(context, page_path: Path, shot_name: str) -> dict:
 
 def test_pages_render_in_chromium(built, browser_context):
     _, pages = built
-    expected_charts = {"overview.html": 5, "chunk-sizing.html": 4, "decode-batching.html": 2}
+    expected_charts = {"overview.html": 5, "chunk-sizing.html": 4, "decode-batching.html": 3}
     for path in pages:
         result = _open_and_check(browser_context, path, f"dashboard-{path.stem}.png")
         assert len(result["charts"]) == expected_charts[path.name], (path.name, result["charts"])

@@ -219,7 +219,8 @@ def _overview_sections(store, runs, summary, ref, reference_path) -> list[Sectio
                                     note="Complete runs' summary rows; lines are means over repeats."))
             if _has(summary, "bandwidth_floor_tok_s"):
                 sections.append(Section("Against the bandwidth floor", bandwidth_fraction_chart(summary),
-                                        note="Measured aggregate decode tok/s / bandwidth_floor_tok_s of the same row."))
+                                        note="Measured aggregate decode tok/s / bandwidth_floor_tok_s "
+                                        "of the same row."))
         else:
             sections.append(Section("Decode throughput", note="No complete run has summary rows with "
                                     "concurrency and decode_tok_s_aggregate yet."))
@@ -248,6 +249,9 @@ def _ablation_sections(store, ablation, runs, summary) -> list[Section]:
         sections.append(Section("No data", note=f"No complete run of {ablation!r} wrote a {SUMMARY_TABLE!r} table."))
         return sections
     views = ABLATION_VIEWS.get(ablation)
+    if _has(summary, "concurrency", "decode_tok_s_aggregate", "bandwidth_floor_tok_s") and \
+            summary["concurrency"].n_unique() > 1:
+        sections.append(Section("Against the bandwidth floor", bandwidth_fraction_chart(summary)))
     if views is not None:
         for title, columns, view in views:
             if _has(summary, *columns):
@@ -257,7 +261,8 @@ def _ablation_sections(store, ablation, runs, summary) -> list[Section]:
         return sections
     params = _swept_params(store, ablation, summary)
     metrics = [c for c, t in summary.schema.items()
-               if t.is_numeric() and c not in _ID_COLUMNS and c not in params and summary[c].null_count() < summary.height]
+               if t.is_numeric() and c not in _ID_COLUMNS and c not in params
+               and summary[c].null_count() < summary.height]
     if not params or not metrics:
         sections.append(Section("No sweep", note="No swept parameter and measured numeric column to plot."))
         return sections

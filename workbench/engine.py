@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Iterator, Sequence
 
 import psutil
+import torch
 
 from .engine_config import EngineConfig
 from .errors import WorkbenchError
@@ -45,6 +46,7 @@ class GenerationResult:
     finished_at: float
     token_times: list[float] = field(repr=False, default_factory=list)
     prefill_started_at: float | None = None
+    logits: "torch.Tensor | None" = field(repr=False, default=None)  # [generated, vocab] when kept
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -95,6 +97,7 @@ class _Live:
         self.prefill_started_at: float | None = None
         self.token_ids: list[int] = []
         self.token_times: list[float] = []
+        self.logits: list = []
         self.result: GenerationResult | None = None
 
 
@@ -140,8 +143,11 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, model: Model, config: EngineConfig | None = None):
+    def __init__(self, model: Model, config: EngineConfig | None = None, *, keep_logits: bool = False):
+        """keep_logits: keep every sampled row's float32 logits on the result (for exactness
+        checks and analysis; costs vocab*4 bytes per token)."""
         self.model = model
+        self.keep_logits = keep_logits
         self.config = config = config or EngineConfig()
         if config.dtype != model.dtype_name:
             # The precision is a property of the loaded weights; say so rather than silently differ.
@@ -244,6 +250,8 @@ class Engine:
         for slot, row in logits.items():
             live = self._live[running[slot]]
             sampled[slot] = sample(row, live.params, live.generator)
+            if self.keep_logits:
+                live.logits.append(row.clone())
         now = time.perf_counter()
         for slot, tok in sampled.items():
             live = self._live[running[slot]]
@@ -272,6 +280,7 @@ class Engine:
             finished_at=now,
             token_times=list(live.token_times),
             prefill_started_at=live.prefill_started_at,
+            logits=torch.stack(live.logits) if live.logits else None,
         )
         r = live.result
         itl = r.inter_token_s

@@ -13,6 +13,7 @@ its own sequence: batched equals solo and chunked prefill equals whole prefill, 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Sequence
@@ -237,7 +238,7 @@ def _tensor(g: GGUFFile, name: str, dtype: torch.dtype) -> torch.Tensor:
     if qt not in SUPPORTED:
         names = ", ".join(sorted(s.name for s in SUPPORTED))
         raise WorkbenchError(f"tensor {name} has quant type {qt.name}, which is not supported; supported: {names}")
-    w = dequantize(torch.from_numpy(g.raw(name)), qt, t.shape)
+    w = dequantize(g.raw(name), qt, t.shape)
     return w if dtype == torch.float32 else w.to(dtype)
 
 
@@ -308,7 +309,10 @@ def load_model(path: str | Path | None = None, *, dtype: str = "bfloat16") -> Mo
         layers.append(layer)
     emb = g.tensors["token_embd.weight"]
     emb_q = gguf.GGMLQuantizationType(emb.qtype)
-    embed_raw = torch.from_numpy(g.raw("token_embd.weight")).view(emb.shape[0], bytes_per_row(emb_q, emb.shape[1]))
+    with warnings.catch_warnings():  # a read-only file mapping; never written
+        warnings.simplefilter("ignore", UserWarning)
+        embed_raw = torch.from_numpy(g.raw("token_embd.weight"))
+    embed_raw = embed_raw.view(emb.shape[0], bytes_per_row(emb_q, emb.shape[1]))
     head = w("output.weight") if not cfg.tied_output else w("token_embd.weight")
     if cfg.vocab_size != emb.shape[0]:
         cfg = ModelConfig(**{**cfg.__dict__, "vocab_size": emb.shape[0]})

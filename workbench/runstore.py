@@ -326,7 +326,8 @@ def _all_equal(frame: pl.DataFrame, column: str, value: Any) -> bool:
     if value is None:
         return frame[column].is_null().all()
     try:
-        return bool(frame.select((pl.col(column) == pl.lit(value)).fill_null(False).all()).item())
+        # a null cell (a row that lacks the column) takes the param's value like every other row
+        return bool(frame.select((pl.col(column) == pl.lit(value)).fill_null(True).all()).item())
     except pl.exceptions.PolarsError:  # incomparable types
         return False
 
@@ -448,8 +449,8 @@ def _cmd_runs(args) -> int:
         pl.col("git_commit").str.slice(0, 10).alias("commit"),
         "tables",
     )
-    with pl.Config(tbl_rows=-1, tbl_cols=-1, fmt_str_lengths=60, tbl_hide_dataframe_shape=True,
-                   tbl_hide_column_data_types=True):
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, fmt_str_lengths=80, tbl_width_chars=10_000,
+                   tbl_formatting="MARKDOWN", tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True):
         print(shown)
     print(f"{runs.height} run(s) in {store.runs_dir}")
     return 0

@@ -37,6 +37,7 @@ ALLOWED_MODELS = ("llama", "gpt2")
 # (llama.cpp's end-of-generation set does the same by token text).
 _END_OF_TURN_TEXTS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>", "<|eom_id|>")
 _TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
 
 # GGUF key -> key in transformers' tokenizer dict (transformers' GGUF_TOKENIZER_MAPPING, "tokenizer").
 _TOKENIZER_KEYS = {
@@ -65,6 +66,52 @@ def _plain(value: Any) -> Any:
 def _opt_int(md: Mapping[str, Any], key: str) -> int | None:
     v = md.get(key)
     return None if v is None else int(_plain(v))
+
+
+def _match_user_tokens_like_llamacpp(backend, tokens: list[str], types: list[int]):
+    """Make every user-defined token match whole in the raw text and nowhere else, as in llama.cpp.
+
+    llama.cpp cuts the raw text at each user-defined token (GGUF token type 4), longest first,
+    before the vocabulary's BPE, and its BPE never forms them (it looks tokens up with spaces
+    escaped to U+2581, while the file spells these with real spaces). transformers adds those
+    tokens as added tokens too, except Gemma's runs of 2..31 spaces: it respells them
+    "\u2581\u2581..." and derives BPE merges for them. A run of more than 31 spaces then splits
+    16+16+18 instead of 31+19, and a literal U+2581 next to a space merges with it. We undo the
+    respelling: the vocabulary gets the file's spelling back, the merges that build those tokens
+    are dropped, and each becomes an added token matched on the raw (unnormalized) text.
+    Returns a new `tokenizers.Tokenizer` (or `backend` when nothing was respelled).
+    """
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as _Backend
+
+    respelled = {}  # backend spelling -> file spelling
+    for i, (text, kind) in enumerate(zip(tokens, types)):
+        if kind == _TOKEN_TYPE_USER_DEFINED:
+            spelled = backend.id_to_token(i)
+            if spelled is not None and spelled != text:
+                respelled[spelled] = text
+    if not respelled:
+        return backend
+    j = json.loads(backend.to_str())
+    model = j["model"]
+    if model.get("type") != "BPE" or any(t in model["vocab"] for t in respelled.values()):
+        raise WorkbenchError("unexpected tokenizer layout from the GGUF converter (respelled user tokens); cannot match llama.cpp")
+    model["vocab"] = {respelled.get(t, t): i for t, i in model["vocab"].items()}
+
+    def keep(m) -> bool:
+        a, b = m.split(" ", 1) if isinstance(m, str) else m
+        return a not in respelled and b not in respelled and a + b not in respelled
+
+    model["merges"] = [m for m in model["merges"] if keep(m)]
+    j["added_tokens"] = [t for t in j["added_tokens"] if t["content"] not in respelled]
+    out = _Backend.from_str(json.dumps(j, ensure_ascii=False))
+    raw = list(respelled.values())
+    out.add_tokens([AddedToken(t, normalized=False, special=False) for t in raw])
+    for t in raw:
+        i = out.token_to_id(t)
+        if i is None or i >= len(tokens) or tokens[i] != t:
+            raise WorkbenchError(f"user-defined token {t!r} did not keep its id; the GGUF's tokens and token types disagree")
+    return out
 
 
 class Tokenizer:
@@ -144,6 +191,8 @@ class Tokenizer:
             backend, _ = convert_gguf_tokenizer(architecture, td)
         except ValueError as e:
             raise WorkbenchError(f"cannot build the tokenizer from the GGUF: {e}") from None
+        types = list(_plain(md.get("tokenizer.ggml.token_type", [])))
+        backend = _match_user_tokens_like_llamacpp(backend, tokens, types)
 
         bos_id = _opt_int(md, "tokenizer.ggml.bos_token_id")
         add_bos = md.get("tokenizer.ggml.add_bos_token")
@@ -154,7 +203,6 @@ class Tokenizer:
             v = _opt_int(md, key)
             if v is not None:
                 eos_ids.add(v)
-        types = list(_plain(md.get("tokenizer.ggml.token_type", [])))
         for text in _END_OF_TURN_TEXTS:
             try:
                 i = tokens.index(text)

@@ -8,7 +8,16 @@ from workbench.kernels.quant_tiles import FORMATS, dequant_ref
 
 # K with a partial last K tile for the 32-blocks (5 blocks, tiles of 4); two super-blocks else.
 SHAPES = {"Q8_0": (70, 160), "Q5_0": (70, 160), "Q4_K": (70, 512), "Q6_K": (70, 512)}
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.bfloat16: dict(rtol=1e-5, atol=1e-4)}
+
+
+def assert_close_dot(y, x, raw, name, N, K):
+    """|y - ref| <= K * 2^-23 * (|x| @ |W|^T): two fp32 dot products of K terms summed in
+    different orders (x bf16 is upcast exactly, so the bound is the same for both dtypes)."""
+    w = dequant_ref(raw, name, K)
+    bound = K * 2.0**-23 * (x.float().abs() @ w.abs().T) + 1e-30
+    err = (y - qmatmul_ref(x, raw, name, N, K)).abs()
+    assert torch.isfinite(y).all()
+    assert (err <= bound).all(), f"max err/bound {(err / bound).max().item():.3g}"
 
 
 def _x(m, k, dtype, device, seed=0):
@@ -26,7 +35,7 @@ def test_qmatmul_matches_reference(name, dtype, m, device, quant_rows):
     out = torch.full((m, N), float("nan"), device=device)
     y = qmatmul(x, raw, name, N, K, out=out)
     assert y is out
-    torch.testing.assert_close(y, qmatmul_ref(x, raw, name, N, K), **TOL[dtype])
+    assert_close_dot(y, x, raw, name, N, K)
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -50,9 +59,9 @@ def test_qmatmul_gguf_quantizer_bytes_and_strided_x(name, device):
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(N, K, generator=gen)
     raw = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType[name])).to(device)
-    torch.testing.assert_close(dequant_ref(raw, name, K).cpu(), w, rtol=0, atol=0.1)
+    torch.testing.assert_close(dequant_ref(raw, name, K).cpu(), w, rtol=0, atol=0.25)  # quantization error
     x = torch.randn(3, K + 8, generator=gen).to(device)[:, 4 : 4 + K]
-    torch.testing.assert_close(qmatmul(x, raw, name, N, K), qmatmul_ref(x, raw, name, N, K), rtol=1e-5, atol=1e-4)
+    assert_close_dot(qmatmul(x, raw, name, N, K), x, raw, name, N, K)
 
 
 def test_qmatmul_rejects_bad_inputs(device, quant_rows):

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install everything the tests need on a fresh machine, then run them.
+# This is the README's test command and exactly what .ci/run runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Headless Chromium for the dashboard browser test (Debian's package; the test skips without it).
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+    || echo "warning: could not install chromium; the browser test will be skipped"
+fi
+
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[test]'
+exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,64 @@
+"""Shared fixtures: small random-weight GGUF models, the real default model, an isolated cache."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Every test session gets its own start-up cache, so tests never depend on a user's cache.
+os.environ.setdefault("SLOTLAB_CACHE", tempfile.mkdtemp(prefix="slotlab-test-cache-"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny_dir):
+    """Factory: tiny_gguf(arch="llama", weight_type="Q8_0", **spec) -> path (cached per spec)."""
+    from workbench.synthetic import SyntheticSpec, write_random_gguf
+
+    made: dict = {}
+
+    def make(arch: str = "llama", weight_type: str = "Q8_0", **kw) -> Path:
+        key = (arch, weight_type, tuple(sorted(kw.items())))
+        if key not in made:
+            name = f"{arch}-{weight_type}-{len(made)}.gguf"
+            made[key] = write_random_gguf(tiny_dir / name, SyntheticSpec(arch=arch, weight_type=weight_type, **kw))
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_gguf):
+    """Factory: tiny_model(arch, dtype, weight_type) -> loaded Model (cached)."""
+    from workbench.model import load_model
+
+    cache: dict = {}
+
+    def get(arch: str = "gemma3", dtype: str = "float32", weight_type: str = "Q8_0", **kw):
+        key = (arch, dtype, weight_type, tuple(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = load_model(tiny_gguf(arch, weight_type, **kw), dtype=dtype)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def real_model_bf16():
+    from workbench.model import load_model
+
+    return load_model(dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
+def real_model_f32():
+    from workbench.model import load_model
+
+    return load_model(dtype="float32")

@@ -1,0 +1,120 @@
+import pytest
+import torch
+
+from workbench.kernels.attention import (
+    attention_rows,
+    decode_attention,
+    decode_attention_ref,
+    prefill_attention,
+    prefill_attention_ref,
+)
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
+def _randn(*shape, dtype=torch.float32, device="cpu", gen):
+    return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+
+def _poison_beyond(cache, lens):
+    """NaN in every cache position a row must not read (>= its length)."""
+    cache = cache.clone()
+    for b, n in enumerate(lens.tolist()):
+        cache[b, n:] = float("nan")
+    return cache
+
+
+def _decode_case(B, Hq, Hkv, D, L, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = _randn(B, Hq, D, dtype=dtype, device=device, gen=gen)
+    lens = torch.randint(1, L + 1, (B,), generator=gen)
+    lens[0], lens[-1] = 1, L
+    k = _poison_beyond(_randn(B, L, Hkv, D, dtype=dtype, device=device, gen=gen), lens)
+    v = _poison_beyond(_randn(B, L, Hkv, D, dtype=dtype, device=device, gen=gen), lens)
+    window = torch.tensor([(0, 16, 37)[b % 3] for b in range(B)])
+    return q, k, v, lens.to(device), window.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Hq,Hkv,D", [(4, 2, 32), (3, 1, 24), (2, 2, 64)])
+def test_decode_matches_reference(Hq, Hkv, D, dtype, device):
+    q, k, v, lens, window = _decode_case(5, Hq, Hkv, D, 77, dtype, device, seed=D + Hq)
+    out = torch.full_like(q, float("nan"))
+    o = decode_attention(q, k, v, lens, window, D**-0.5, out=out)
+    assert o is out
+    torch.testing.assert_close(o, decode_attention_ref(q, k, v, lens, window, D**-0.5), **TOL[dtype])
+
+
+def test_decode_gemma_shape(device):
+    """Gemma 3 270M: 4 q heads on 1 kv head, head dim 256, sliding window and global rows."""
+    q, k, v, lens, window = _decode_case(3, 4, 1, 256, 40, torch.float32, device, seed=1)
+    window = torch.tensor([0, 24, 0], device=device)
+    o = decode_attention(q, k, v, lens, window, 256**-0.5)
+    torch.testing.assert_close(o, decode_attention_ref(q, k, v, lens, window, 256**-0.5), **TOL[torch.float32])
+
+
+def test_decode_rows_are_batch_invariant(device):
+    q, k, v, lens, window = _decode_case(5, 4, 2, 32, 77, torch.float32, device, seed=5)
+    o = decode_attention(q, k, v, lens, window, 0.2)
+    for b in range(5):
+        s = slice(b, b + 1)
+        assert torch.equal(o[s], decode_attention(q[s], k[s], v[s], lens[s], window[s], 0.2)), f"row {b}"
+
+
+@pytest.mark.parametrize("window", [0, 24])
+def test_prefill_chunking_is_invariant_and_equals_decode(window, device):
+    """Any chunking of a prefill gives bitwise the same rows, and each row is bitwise the decode
+    attention at that position (one kernel: same key blocks, same order)."""
+    L, Hq, Hkv, D, scale = 70, 4, 1, 32, 0.17
+    gen = torch.Generator().manual_seed(11 + window)
+    q = _randn(L, Hq, D, device=device, gen=gen)
+    k = _randn(L, Hkv, D, device=device, gen=gen)
+    v = _randn(L, Hkv, D, device=device, gen=gen)
+
+    def run(chunks):
+        out, start = [], 0
+        for c in chunks:
+            kc, vc = k.clone(), v.clone()  # the cache holds only positions < start + c
+            kc[start + c :], vc[start + c :] = float("nan"), float("nan")
+            out.append(prefill_attention(q[start : start + c], kc, vc, start, window, scale))
+            start += c
+        assert start == L
+        return torch.cat(out)
+
+    whole = run([L])
+    torch.testing.assert_close(whole, prefill_attention_ref(q, k, v, 0, window, scale), **TOL[torch.float32])
+    for chunks in ([10] * 7, [33, 37], [1, 16, 5, 48], [1] * 9 + [61]):
+        assert torch.equal(run(chunks), whole), chunks
+
+    lens = torch.arange(1, L + 1, device=device)
+    dec = decode_attention(q, k.expand(L, L, Hkv, D), v.expand(L, L, Hkv, D), lens,
+                           torch.full((L,), window, device=device), scale)
+    assert torch.equal(dec, whole)
+
+
+def test_attention_rows_mixes_decode_and_prefill(device):
+    """One launch over rows of different sequences equals the per-sequence calls."""
+    gen = torch.Generator().manual_seed(2)
+    S, L, Hq, Hkv, D = 3, 50, 2, 1, 16
+    k = _randn(S, L, Hkv, D, device=device, gen=gen)
+    v = _randn(S, L, Hkv, D, device=device, gen=gen)
+    q = _randn(6, Hq, D, device=device, gen=gen)
+    row_seq = torch.tensor([2, 0, 0, 0, 1, 2], device=device)
+    row_pos = torch.tensor([49, 10, 11, 12, 0, 20], device=device)
+    row_win = torch.tensor([8, 0, 0, 0, 0, 8], device=device)
+    o = attention_rows(q, k, v, row_seq, row_pos, row_win, 0.25)
+    assert torch.equal(o[1:4], prefill_attention(q[1:4], k[0], v[0], 10, 0, 0.25))
+    for r in (0, 4, 5):
+        s = slice(r, r + 1)
+        assert torch.equal(o[s], attention_rows(q[s], k, v, row_seq[s], row_pos[s], row_win[s], 0.25))
+
+
+def test_attention_rejects_bad_inputs(device):
+    q = torch.randn(2, 3, 16, device=device)
+    k = torch.randn(2, 10, 2, 16, device=device)
+    lens = torch.tensor([3, 4], device=device)
+    with pytest.raises(ValueError, match="multiple"):
+        decode_attention(q, k, k, lens, torch.zeros_like(lens), 1.0)
+    if device.type == "cpu":
+        with pytest.raises(ValueError, match="row_pos"):
+            decode_attention(q[:, :2], k, k, torch.tensor([3, 11]), torch.zeros(2, dtype=torch.int64), 1.0)
