@@ -1,24 +1,33 @@
 """Decode and prefill attention for many sequences in one launch; a row's result depends only on it.
 
-One kernel, ``_attention_rows_kernel``, serves both: a *row* is one query token (all its heads)
-of some sequence, described by the cache it reads (``row_seq``), its absolute position
-(``row_pos``: it sees keys 0..pos) and its sliding window (``row_window``: 0 = global, else
-keys with pos - j < window). Decode is one row per sequence at pos = len - 1; a prefill chunk is
-C rows of one sequence at start..start+C-1; a mixed step is any mix of both.
+A *row* is one query token (all its heads) of some sequence, described by the cache it reads
+(``row_seq``), its absolute position (``row_pos``: it sees keys 0..pos) and its sliding window
+(``row_window``: 0 = global, else keys j with pos - j < window). Decode is one row per sequence
+at pos = len - 1; a prefill chunk is C rows of one sequence at start..start+C-1; a mixed step is
+any mix of both. All of them go through the same two kernels:
 
-A program owns one (row, kv head): the GROUP = Hq / Hkv query heads sharing that kv head are
-scored together, so each K/V block is read once per kv head (GQA). Keys are processed in blocks
-of BLOCK_N at ABSOLUTE positions [b*BLOCK_N, (b+1)*BLOCK_N), in increasing order, with an
-online softmax (exp2, scale folded into log2 units); entries outside [lo, pos] are masked (never
-loaded). The arithmetic for a row therefore depends only on (q row, its cache, pos, window):
+1. ``_attention_partial_kernel``, one program per (row, kv head, segment): the keys are cut into
+   segments of ATTENTION_SEGMENT positions at ABSOLUTE positions [s*SEG, (s+1)*SEG) (split-K
+   for parallelism, but never chosen from the batch). A program walks its segment in blocks of
+   BLOCK_N keys, also at absolute positions, in increasing order, with an online softmax (exp2,
+   scale in log2 units), and writes the unnormalized (max, sum, acc) of the segment. Keys
+   outside [lo, pos] are masked and never loaded. The GROUP = Hq / Hkv query heads that share a
+   kv head are scored together, so each K/V block is read once per kv head (GQA).
+2. ``_attention_combine_kernel``, one program per (row, kv head), merges the row's segments in
+   increasing order and normalizes.
+
+The arithmetic for a row is therefore a function of (q row, its cache, pos, window) only:
 
 * decode: row b of a batch is bitwise equal to the solo call;
 * prefill: chunking a sequence differently gives bitwise-equal outputs per position, AND equal
-  to decode attention at the same position (same kernel, same blocks, same order).
+  to decode attention at the same position (same kernels, same segments, blocks and order).
 
-Precision: q, K, V float32 or bfloat16, upcast; scores, softmax and P@V in float32 (no tl.dot,
-no TF32); output in q's dtype. Cache entries beyond a row's position are never read, so they
-may hold anything (the tests fill them with NaN).
+Precision: q, K, V float32 or bfloat16, upcast; scores, softmax and P@V in float32; output in
+q's dtype. On a GPU the two products are ``tl.dot`` with input_precision "ieee" (fp32 FMAs, the
+query heads padded to 16 rows); under the CPU interpreter tl.dot is numpy sgemm, which is not
+row-invariant, so there they are written as broadcast multiply + ``tl.sum`` (see qmatmul.py).
+Cache entries beyond a row's position are never read, so they may hold anything (the tests fill
+them with NaN).
 """
 
 from __future__ import annotations
@@ -27,68 +36,117 @@ import torch
 import triton
 import triton.language as tl
 
-# BLOCK_N (keys per block) by padded head dim: keeps the [GROUP, BLOCK_N, D] product tile near
-# 16K floats. Fixed per model shape, never per batch or chunk.
+# Keys per block, by padded head dim: keeps the product tiles near 16K floats. Fixed per model
+# shape, never per batch or chunk.
 ATTENTION_BLOCK_N: dict[int, int] = {16: 32, 32: 32, 64: 32, 128: 32, 256: 16, 512: 8}
-ATTENTION_SMALL_TILE = 8192  # GROUP_P * BLOCK_N * D_P up to this: 4 warps, above: 8
+ATTENTION_SEGMENT = 256  # keys per partial program (a multiple of every BLOCK_N)
+ATTENTION_SMALL_TILE = 8192  # QROWS * BLOCK_N * D_P up to this: 4 warps, above: 8
+ATTENTION_INPUT_PRECISION = "ieee"  # for the tl.dot form; never "tf32"
 _LOG2E = 1.4426950408889634
 
 
-def _attention_config(group_p: int, d_p: int) -> tuple[int, int]:
+def _attention_config(qrows: int, d_p: int) -> tuple[int, int]:
     """(BLOCK_N, num_warps): a function of the model's head shape only."""
     if d_p not in ATTENTION_BLOCK_N:
         raise ValueError(f"head dim up to {max(ATTENTION_BLOCK_N)} supported, got padded {d_p}")
     block_n = ATTENTION_BLOCK_N[d_p]
-    return block_n, (4 if group_p * block_n * d_p <= ATTENTION_SMALL_TILE else 8)
+    if ATTENTION_SEGMENT % block_n:
+        raise ValueError(f"ATTENTION_SEGMENT={ATTENTION_SEGMENT} must be a multiple of BLOCK_N={block_n}")
+    return block_n, (4 if qrows * block_n * d_p <= ATTENTION_SMALL_TILE else 8)
 
 
 @triton.jit
-def _attention_rows_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+def _row_key_range(row_pos_ptr, row_win_ptr, r):
+    """[lo, hi): the keys row r sees."""
+    pos = tl.load(row_pos_ptr + r).to(tl.int32)
+    win = tl.load(row_win_ptr + r).to(tl.int32)
+    hi = pos + 1
+    lo = tl.where(win > 0, tl.maximum(hi - win, 0), 0)
+    return lo, hi
+
+
+@triton.jit
+def _attention_partial_kernel(
+    q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
     stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
-    stride_or, stride_oh, qk_scale_log2, D,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    qk_scale_log2, D, Hkv, num_seg,
+    GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
-    seq = tl.load(row_seq_ptr + r).to(tl.int64)
-    pos = tl.load(row_pos_ptr + r).to(tl.int32)
-    win = tl.load(row_win_ptr + r).to(tl.int32)
-    hi = pos + 1  # keys [lo, hi)
-    lo = tl.where(win > 0, tl.maximum(hi - win, 0), 0)
+    sg = tl.program_id(2)
+    lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
+    seg_lo = tl.maximum(lo, sg * SEG)
+    seg_hi = tl.minimum(hi, (sg + 1) * SEG)
+    if seg_lo < seg_hi:
+        seq = tl.load(row_seq_ptr + r).to(tl.int64)
+        g = tl.arange(0, QROWS)
+        d = tl.arange(0, D_P)
+        dmask = d < D
+        q = tl.load(
+            q_ptr + r * stride_qr + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :],
+            mask=(g < GROUP)[:, None] & dmask[None, :], other=0.0,
+        ).to(tl.float32)  # [QROWS, D]
+        k_base = k_ptr + seq * stride_ks + kvh * stride_kh
+        v_base = v_ptr + seq * stride_vs + kvh * stride_vh
+        m_i = tl.full([QROWS], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([QROWS], dtype=tl.float32)
+        acc = tl.zeros([QROWS, D_P], dtype=tl.float32)
+        for blk in range(seg_lo // BLOCK_N, tl.cdiv(seg_hi, BLOCK_N)):
+            j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+            jmask = (j >= seg_lo) & (j < seg_hi)
+            kvmask = jmask[:, None] & dmask[None, :]
+            k = tl.load(k_base + j[:, None].to(tl.int64) * stride_kl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
+            if USE_DOT:
+                s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # [QROWS, BN]
+            else:
+                s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+            s = tl.where(jmask[None, :], s * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + j[:, None].to(tl.int64) * stride_vl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
+            if USE_DOT:
+                pv = tl.dot(p, v, input_precision=INPUT_PRECISION)  # [QROWS, D]
+            else:
+                pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        slot = ((r * Hkv + kvh) * num_seg + sg) * QROWS + g  # [QROWS]
+        tl.store(ws_m_ptr + slot, m_i)
+        tl.store(ws_l_ptr + slot, l_i)
+        tl.store(ws_acc_ptr + slot[:, None].to(tl.int64) * D_P + d[None, :], acc)
 
-    g = tl.arange(0, GROUP_P)
+
+@triton.jit
+def _attention_combine_kernel(
+    ws_m_ptr, ws_l_ptr, ws_acc_ptr, o_ptr, row_pos_ptr, row_win_ptr,
+    stride_or, stride_oh, D, Hkv, num_seg,
+    GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, SEG: tl.constexpr,
+):
+    r = tl.program_id(0)
+    kvh = tl.program_id(1)
+    lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
+    g = tl.arange(0, QROWS)
     d = tl.arange(0, D_P)
-    dmask = d < D
-    heads = kvh * GROUP + g
-    q = tl.load(
-        q_ptr + r * stride_qr + heads[:, None] * stride_qh + d[None, :],
-        mask=(g < GROUP)[:, None] & dmask[None, :], other=0.0,
-    ).to(tl.float32)  # [G, D]
-
-    k_base = k_ptr + seq * stride_ks + kvh * stride_kh
-    v_base = v_ptr + seq * stride_vs + kvh * stride_vh
-    m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_P], dtype=tl.float32)
-    acc = tl.zeros([GROUP_P, D_P], dtype=tl.float32)
-    for blk in range(lo // BLOCK_N, tl.cdiv(hi, BLOCK_N)):
-        j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-        jmask = (j >= lo) & (j < hi)
-        kvmask = jmask[:, None] & dmask[None, :]
-        k = tl.load(k_base + j[:, None].to(tl.int64) * stride_kl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * qk_scale_log2  # [G, BN], log2 units
-        s = tl.where(jmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + j[:, None].to(tl.int64) * stride_vl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    m_i = tl.full([QROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([QROWS], dtype=tl.float32)
+    acc = tl.zeros([QROWS, D_P], dtype=tl.float32)
+    for sg in range(lo // SEG, tl.cdiv(hi, SEG)):
+        slot = ((r * Hkv + kvh) * num_seg + sg) * QROWS + g
+        m_s = tl.load(ws_m_ptr + slot)
+        m_new = tl.maximum(m_i, m_s)
+        a = tl.exp2(m_i - m_new)
+        b = tl.exp2(m_s - m_new)
+        l_i = l_i * a + tl.load(ws_l_ptr + slot) * b
+        acc = acc * a[:, None] + tl.load(ws_acc_ptr + slot[:, None].to(tl.int64) * D_P + d[None, :]) * b[:, None]
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(
-        o_ptr + r * stride_or + heads[:, None] * stride_oh + d[None, :],
-        out.to(o_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & dmask[None, :],
+        o_ptr + r * stride_or + (kvh * GROUP + g)[:, None] * stride_oh + d[None, :],
+        out.to(o_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & (d < D)[None, :],
     )
 
 
@@ -108,12 +166,16 @@ def attention_rows(
     row_window: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    max_pos: int | None = None,
+    use_dot: bool | None = None,
 ) -> torch.Tensor:
     """Attention of R query rows, each against its own sequence's cache.
 
     q [R, Hq, D]; k_cache, v_cache [S, L_max, Hkv, D] (a pool of S sequences); row_seq [R] in
     [0, S); row_pos [R] in [0, L_max) (the row's K/V must already be in the cache at row_pos);
     row_window [R] (0 = global). Hq must be a multiple of Hkv. Returns [R, Hq, D] in q's dtype.
+    ``max_pos`` (a bound on row_pos, optional) only sizes the launch and workspace; ``use_dot``
+    picks the product form (default: tl.dot on a GPU; see the module docstring).
     """
     _check_float("q", q)
     _check_float("k_cache", k_cache)
@@ -137,23 +199,34 @@ def attention_rows(
             raise ValueError(f"row_pos must lie in [0, {L_max})")
         if int(row_window.min()) < 0:
             raise ValueError("row_window must be >= 0")
+        if max_pos is not None and int(row_pos.max()) > max_pos:
+            raise ValueError(f"max_pos={max_pos} is below a row_pos")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1 or out.device != q.device:
         raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with unit stride on {q.device}")
     if R == 0:
         return out
+    use_dot = q.is_cuda if use_dot is None else use_dot
     group = Hq // Hkv
-    group_p = triton.next_power_of_2(group)
+    qrows = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
     d_p = max(16, triton.next_power_of_2(D))
-    block_n, num_warps = _attention_config(group_p, d_p)
-    _attention_rows_kernel[(R, Hkv)](
-        q, k_cache, v_cache, out, row_seq, row_pos, row_window,
+    block_n, num_warps = _attention_config(qrows, d_p)
+    num_seg = triton.cdiv(min(L_max, L_max if max_pos is None else max_pos + 1), ATTENTION_SEGMENT)
+    ws_m = torch.empty((R, Hkv, num_seg, qrows), dtype=torch.float32, device=q.device)
+    ws_l = torch.empty_like(ws_m)
+    ws_acc = torch.empty((R, Hkv, num_seg, qrows, d_p), dtype=torch.float32, device=q.device)
+    _attention_partial_kernel[(R, Hkv, num_seg)](
+        q, k_cache, v_cache, ws_m, ws_l, ws_acc, row_seq, row_pos, row_window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        float(scale) * _LOG2E, D,
-        GROUP=group, GROUP_P=group_p, D_P=d_p, BLOCK_N=block_n,
-        num_warps=num_warps,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        float(scale) * _LOG2E, D, Hkv, num_seg,
+        GROUP=group, QROWS=qrows, D_P=d_p, BLOCK_N=block_n, SEG=ATTENTION_SEGMENT,
+        USE_DOT=use_dot, INPUT_PRECISION=ATTENTION_INPUT_PRECISION, num_warps=num_warps,
+    )
+    _attention_combine_kernel[(R, Hkv)](
+        ws_m, ws_l, ws_acc, out, row_pos, row_window, out.stride(0), out.stride(1), D, Hkv, num_seg,
+        GROUP=group, QROWS=qrows, D_P=d_p, SEG=ATTENTION_SEGMENT, num_warps=4,
     )
     return out
 
@@ -166,6 +239,7 @@ def decode_attention(
     window: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    use_dot: bool | None = None,
 ) -> torch.Tensor:
     """One decode token per sequence: q [B, Hq, D] against caches [B, L_max, Hkv, D].
 
@@ -176,7 +250,7 @@ def decode_attention(
     if k_cache.dim() != 4 or k_cache.shape[0] != B:
         raise ValueError(f"k_cache must be [{B}, L_max, Hkv, D], got {tuple(k_cache.shape)}")
     row_seq = torch.arange(B, device=q.device, dtype=torch.int32)
-    return attention_rows(q, k_cache, v_cache, row_seq, lens - 1, window, scale, out)
+    return attention_rows(q, k_cache, v_cache, row_seq, lens - 1, window, scale, out, use_dot=use_dot)
 
 
 def prefill_attention(
@@ -187,6 +261,7 @@ def prefill_attention(
     window: int,
     scale: float,
     out: torch.Tensor | None = None,
+    use_dot: bool | None = None,
 ) -> torch.Tensor:
     """A chunk of C queries at positions start..start+C-1 of one sequence (causal, windowed).
 
@@ -200,7 +275,8 @@ def prefill_attention(
     row_pos = torch.arange(start, start + C, device=q.device, dtype=torch.int32)
     row_seq = torch.zeros(C, device=q.device, dtype=torch.int32)
     row_win = torch.full((C,), window, device=q.device, dtype=torch.int32)
-    return attention_rows(q, k_cache[None], v_cache[None], row_seq, row_pos, row_win, scale, out)
+    return attention_rows(q, k_cache[None], v_cache[None], row_seq, row_pos, row_win, scale, out,
+                          max_pos=start + C - 1, use_dot=use_dot)
 
 
 def attention_rows_ref(

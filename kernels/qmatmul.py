@@ -2,21 +2,25 @@
 
 Design (bandwidth first, exact by construction):
 
-* A program owns a tile of ``BLOCK_N`` output features and up to ``BLOCK_M`` rows of x. It walks K
-  in fixed tiles of ``GROUPS`` sub-blocks, decodes each weight tile ONCE into float32 registers,
-  and dots it against every one of its rows before moving on. For M <= BLOCK_M (decode: every
-  slot of a step) each weight byte is read from memory once per launch, for all rows.
-* No tl.dot: each row is a fixed-shape multiply + ``tl.sum`` over the [BLOCK_N, GROUPS, SUB]
-  tile, added into that row's accumulator in K-tile order. Row i's arithmetic therefore never
-  sees the other rows nor M (M is ``do_not_specialize``), so the output row is bitwise identical
-  for any M and any position of the row in the batch. (tl.dot needs BLOCK_M >= 16 on GPU, which
-  would do 16x the work for a 1-token decode, and defaults to TF32.)
+* A program owns a tile of BLOCK_N output features and BLOCK_M (16) rows of x. It walks K in
+  fixed steps of BLOCK_K, decodes each [BLOCK_K, BLOCK_N] weight tile ONCE into float32
+  registers and multiplies it with all its rows. For M <= 16 (a decode step: every slot) each
+  weight byte is read from memory once per launch, for all rows.
+* The tile shapes and the K order never depend on M (M is ``do_not_specialize``); padded rows
+  are zeros. Each output element is a float32 dot product whose order is fixed by the tile
+  shape alone, so row i of an M-row call is bitwise the 1-row call, at any position in the
+  batch.
+* On a GPU the tile product is ``tl.dot`` with input_precision "ieee" (true fp32 FMAs; never the
+  GPU default "tf32"). Under the CPU interpreter tl.dot is numpy/OpenBLAS sgemm, whose row
+  results depend on the row's position in the tile (measured here: 84 of 120 shifted rows
+  differ), so there the same sums are written as a broadcast multiply + ``tl.sum``. The two
+  forms are each batch-invariant; they are not bitwise equal to each other.
 * Precision: weights decoded in float32 exactly as gguf.quants does, products and sums in
-  float32 (IEEE; x bf16 is upcast exactly), output float32. vs the float64 truth the error is
-  the usual fp32 dot-product bound; vs ``qmatmul_ref`` only the summation order differs.
+  float32 (x bf16 is upcast exactly), output float32. vs ``qmatmul_ref`` only the summation
+  order differs.
 
-Prefill (M > BLOCK_M) runs ceil(M / BLOCK_M) row tiles; consecutive programs share an N tile
-(pid_m varies fastest) so the re-reads of a weight tile come from L2.
+Prefill (M > 16) runs ceil(M / 16) row tiles; consecutive programs share an N tile (pid_m
+varies fastest) so the re-reads of a weight tile come from L2.
 """
 
 from __future__ import annotations
@@ -35,54 +39,48 @@ from .quant_tiles import check_quant_rows, dequant_ref, dequant_tile, quant_form
 class QMatmulConfig:
     block_m: int  # rows of x per program (weights are re-read once per row tile)
     block_n: int  # output features per program
-    groups: int  # sub-blocks per K tile: a K tile is groups * sub weights
+    block_k: int  # weights along K per step (a multiple of the format's sub-block)
     num_warps: int
 
 
 # Launch configurations, per format. Fixed: never chosen from M (batch invariance).
 QMATMUL_CONFIGS: dict[str, QMatmulConfig] = {
-    "Q8_0": QMatmulConfig(block_m=16, block_n=64, groups=4, num_warps=4),  # K tile 128
-    "Q5_0": QMatmulConfig(block_m=16, block_n=64, groups=4, num_warps=4),  # K tile 128
-    "Q4_K": QMatmulConfig(block_m=16, block_n=32, groups=8, num_warps=4),  # K tile 256
-    "Q6_K": QMatmulConfig(block_m=16, block_n=32, groups=16, num_warps=4),  # K tile 256
+    "Q8_0": QMatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4),
+    "Q5_0": QMatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4),
+    "Q4_K": QMatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4),
+    "Q6_K": QMatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4),
 }
+# "ieee": true float32 products and sums (FMA units). Never "tf32" (the GPU default).
+QMATMUL_INPUT_PRECISION = "ieee"
 
 
 @triton.jit(do_not_specialize=["M"])
 def _qmatmul_kernel(
     x_ptr, w_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym, row_bytes,
-    QTYPE: tl.constexpr, SUB: tl.constexpr, GROUPS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QTYPE: tl.constexpr, SUB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m_tiles = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_m_tiles
+    pid_m = pid % num_m_tiles  # fastest: the row tiles of one N tile run back to back
     pid_n = pid // num_m_tiles
-    m0 = pid_m * BLOCK_M
-    num_rows = tl.minimum(M - m0, BLOCK_M)
-
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    g = tl.arange(0, GROUPS)
-    s = tl.arange(0, SUB)
-    row_ptr = w_ptr + n[:, None, None].to(tl.int64) * row_bytes  # [BN, 1, 1]
-    num_sub = K // SUB
-    rows = tl.arange(0, BLOCK_M)
+    col_ptr = w_ptr + n[None, :].to(tl.int64) * row_bytes  # [1, BN]: row starts of W
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-
-    for kt in range(0, tl.cdiv(num_sub, GROUPS)):
-        ksub = kt * GROUPS + g  # [G]
-        wmask = (n[:, None, None] < N) & (ksub[None, :, None] < num_sub)
-        w = dequant_tile(row_ptr, ksub[None, :, None], s[None, None, :], wmask, QTYPE)  # [BN, G, S]
-        kx = ksub[:, None] * SUB + s[None, :]  # [G, S]
-        xmask = ksub[:, None] < num_sub
-        for i in range(0, num_rows):
-            xv = tl.load(x_ptr + (m0 + i) * stride_xm + kx, mask=xmask, other=0.0).to(tl.float32)
-            part = tl.sum(tl.sum(w * xv[None, :, :], axis=2), axis=1)  # [BN]
-            acc = tl.where(rows[:, None] == i, acc + part[None, :], acc)
-
-    y_ptrs = y_ptr + (m0 + rows)[:, None] * stride_ym + n[None, :]
-    tl.store(y_ptrs, acc, mask=(rows[:, None] < num_rows) & (n[None, :] < N))
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        # W^T tile [BK, BN], decoded once, used by every row of the tile
+        w = dequant_tile(col_ptr, (k // SUB)[:, None], (k % SUB)[:, None], kmask[:, None] & (n < N)[None, :], QTYPE)
+        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=(m < M)[:, None] & kmask[None, :], other=0.0)
+        if USE_DOT:
+            acc = tl.dot(x.to(tl.float32), w, acc, input_precision=INPUT_PRECISION)
+        else:  # the same sums without tl.dot: the interpreter's tl.dot (numpy) is not row-invariant
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
+    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc, mask=(m < M)[:, None] & (n < N)[None, :])
 
 
 def qmatmul(
@@ -92,11 +90,13 @@ def qmatmul(
     N: int,
     K: int,
     out: torch.Tensor | None = None,
+    use_dot: bool | None = None,
 ) -> torch.Tensor:
     """float32 [M, N] = x[M, K] @ dequant(raw)^T; ``raw`` is the uint8 [N, row_bytes] GGUF bytes.
 
     x: float32 or bfloat16 [M, K], unit stride along K. Batch-invariant: row i of the result is
-    bitwise equal to ``qmatmul(x[i:i+1], ...)``.
+    bitwise equal to ``qmatmul(x[i:i+1], ...)``. ``use_dot`` picks the tile product (default:
+    tl.dot on a GPU, the tl.sum form on the CPU interpreter; see the module docstring).
     """
     fmt = quant_format(qtype)
     cfg = QMATMUL_CONFIGS[fmt.name]
@@ -119,8 +119,9 @@ def qmatmul(
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     _qmatmul_kernel[grid](
         x, raw, out, M, N, K, x.stride(0), out.stride(0), raw.stride(0),
-        QTYPE=fmt.code, SUB=fmt.sub, GROUPS=cfg.groups,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        QTYPE=fmt.code, SUB=fmt.sub, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        INPUT_PRECISION=QMATMUL_INPUT_PRECISION, USE_DOT=x.is_cuda if use_dot is None else use_dot,
+        num_warps=cfg.num_warps,
     )
     return out
 

@@ -45,8 +45,8 @@ def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str = "cpu
     """float32 [head_dim / 2]: theta ** (-2i / head_dim), computed in float64, rounded once."""
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim must be a positive even number, got {head_dim}")
-    i = torch.arange(0, head_dim, 2, dtype=torch.float64)
-    return (float(theta) ** (-i / head_dim)).to(torch.float32).to(device)
+    i = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device)
+    return (float(theta) ** (-i / head_dim)).to(torch.float32)
 
 
 def rope(

@@ -90,6 +90,11 @@ STRINGS: list[str] = [
     "!!!???...,,,;;;:::---___===+++***///\\\\\\",
     "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
     "                                                  fifty spaces before",
+    "x" + " " * 40 + "y" + " " * 33 + "z",  # runs longer than the longest space token (31)
+    " ",
+    "ends with a newline\n",
+    "literal \u2581 metaspace \u2581\u2581 and  \u2581 mixed \u2581",
+    "<b>bold</b> <s>strike</s> <table><tr><td>1</td></tr></table>",
 ]
 
 LONG_TEXT = """\

@@ -11,9 +11,13 @@ cached, and loading it back needs `tokenizers` alone (no transformers import, no
 
 What it covers: `tokenizer.ggml.model` "llama" (SentencePiece BPE with byte fallback, incl.
 Gemma 1/2/3's quirks) and "gpt2" (byte-level BPE with a known `tokenizer.ggml.pre` split).
-Only Gemma 3 ("llama" model) is checked against llama.cpp's ids (tests/goldens). Text that spells
-a control or user-defined token (e.g. "<start_of_turn>") is encoded as that one token, as
-llama.cpp's server does (`parse_special=True`); BOS follows `tokenizer.ggml.add_bos_token`.
+Only Gemma 3 ("llama" model) is checked against llama.cpp's ids (tests/goldens; plus 3,500 fuzzed
+strings when this was written). Text that spells a control or user-defined token (e.g.
+"<start_of_turn>") is encoded as that one token, as llama.cpp's server does (`parse_special=True`);
+BOS follows `tokenizer.ggml.add_bos_token`. One correction on top of transformers' converter makes
+user-defined tokens (Gemma's runs of spaces) match as llama.cpp matches them; see
+`_match_user_tokens_like_llamacpp`. A literal U+2581 in the text is the vocabulary's spelling of a
+space, so it decodes as " " (llama.cpp does the same).
 
 Streaming: `StreamDecoder` turns ids into text increments, holding back bytes of a UTF-8
 character split across byte-fallback tokens (<0xE2><0x82><0xAC> -> "€") until it is complete.

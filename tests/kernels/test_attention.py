@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from workbench.kernels import attention as attention_mod
 from workbench.kernels.attention import (
     attention_rows,
     decode_attention,
@@ -53,6 +54,14 @@ def test_decode_gemma_shape(device):
     torch.testing.assert_close(o, decode_attention_ref(q, k, v, lens, window, 256**-0.5), **TOL[torch.float32])
 
 
+def test_decode_dot_form_matches_reference(device, monkeypatch):
+    """The tl.dot form (the GPU default), multi-segment, checked for accuracy on any device."""
+    monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", 32)
+    q, k, v, lens, window = _decode_case(3, 4, 2, 32, 77, torch.float32, device, seed=8)
+    o = decode_attention(q, k, v, lens, window, 0.2, use_dot=True)
+    torch.testing.assert_close(o, decode_attention_ref(q, k, v, lens, window, 0.2), **TOL[torch.float32])
+
+
 def test_decode_rows_are_batch_invariant(device):
     q, k, v, lens, window = _decode_case(5, 4, 2, 32, 77, torch.float32, device, seed=5)
     o = decode_attention(q, k, v, lens, window, 0.2)
@@ -61,10 +70,13 @@ def test_decode_rows_are_batch_invariant(device):
         assert torch.equal(o[s], decode_attention(q[s], k[s], v[s], lens[s], window[s], 0.2)), f"row {b}"
 
 
-@pytest.mark.parametrize("window", [0, 24])
-def test_prefill_chunking_is_invariant_and_equals_decode(window, device):
+@pytest.mark.parametrize("window,segment", [(0, None), (24, None), (0, 32), (40, 32)])
+def test_prefill_chunking_is_invariant_and_equals_decode(window, segment, device, monkeypatch):
     """Any chunking of a prefill gives bitwise the same rows, and each row is bitwise the decode
-    attention at that position (one kernel: same key blocks, same order)."""
+    attention at that position (same kernels: same segments, key blocks and order). segment=32
+    splits the 70 keys over 3 partial programs per row (the default: one)."""
+    if segment is not None:
+        monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", segment)
     L, Hq, Hkv, D, scale = 70, 4, 1, 32, 0.17
     gen = torch.Generator().manual_seed(11 + window)
     q = _randn(L, Hq, D, device=device, gen=gen)

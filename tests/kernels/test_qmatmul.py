@@ -52,6 +52,16 @@ def test_qmatmul_rows_are_batch_invariant(name, device, quant_rows):
     assert torch.equal(y[2:7], qmatmul(x[2:7], raw, name, N, K))
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
+def test_qmatmul_dot_form_matches_reference(name, device, quant_rows):
+    """The tl.dot form (the GPU default) is checked for accuracy here too; its batch invariance
+    is asserted by the tests above when they run on a GPU."""
+    N, K = SHAPES[name]
+    raw = quant_rows(FORMATS[name], N, K, seed=4, device=device)
+    x = _x(3, K, torch.float32, device, seed=4)
+    assert_close_dot(qmatmul(x, raw, name, N, K, use_dot=True), x, raw, name, N, K)
+
+
 @pytest.mark.parametrize("name", ["Q8_0", "Q5_0"])
 def test_qmatmul_gguf_quantizer_bytes_and_strided_x(name, device):
     """Bytes from gguf's own quantizer decode as gguf decodes them; x may be a column slice."""

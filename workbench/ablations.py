@@ -1,0 +1,624 @@
+"""Ablations: a registry of parameterized notebooks, their parameters, and sweeps as run specs.
+
+An ablation is a notebook under ``notebooks/`` with a papermill ``parameters`` cell of flat
+literals. The registry names each one with its parameter spec (type, allowed values, default)
+and its quick overrides. `validate` refuses a bad value before anything runs, naming the
+parameter and what it allows; the notebook's second cell calls it too, so a notebook run by
+hand in JupyterLab is checked the same way.
+
+A sweep is a list of independent `RunSpec`s (`plan_sweep`): list-valued parameters (prompt
+lengths, chunk sizes) are swept inside one run, because the run compares them; a scalar
+parameter given several values is swept across runs, one `RunSpec` per combination. An
+executor runs the specs; `LocalExecutor` runs them one after another through papermill.
+Each run is recorded in the run store: the runner starts it, the notebook writes its tables
+into it, the runner ends it ("complete", or "failed" with the error line) and saves the
+executed notebook beside the tables in ``runs/<run_id>/``.
+
+The chunk-sizing measurement itself (`measure_chunk_sizing`) lives here too, so that the
+notebook holds only parameters and calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import random
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from workbench.errors import WorkbenchError
+
+NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+# Parameters every ablation notebook has and the runner sets (never the user, never recorded).
+RUNNER_PARAMS = ("data_dir", "run_id")
+SUMMARY_TABLE = "summary"  # the table the dashboards read (workbench.dashboard.SUMMARY_TABLE)
+KERNEL_NAME = "python3"
+
+# ---- parameter specs ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Param:
+    """One notebook parameter: its kind, default and allowed values.
+
+    kind: "int" (an integer lo..hi), "int_list" (a non-empty list of distinct such integers,
+    each item may also be one of `words`), or "path" (an existing file, or None if optional).
+    """
+
+    name: str
+    kind: str
+    default: Any
+    help: str
+    lo: int | None = None
+    hi: int | None = None
+    words: tuple[str, ...] = ()
+    optional: bool = False
+
+    @property
+    def is_list(self) -> bool:
+        return self.kind == "int_list"
+
+    def allowed(self) -> str:
+        if self.kind == "path":
+            return "a path to an existing file" + (" or None" if self.optional else "")
+        span = f"{self.lo}..{self.hi}" if self.hi is not None else f">= {self.lo}"
+        if self.kind == "int":
+            return f"an integer {span}"
+        extra = "".join(f" or {w!r}" for w in self.words)
+        return f"a non-empty list of distinct integers {span}{extra}"
+
+    def check(self, value: Any) -> Any:
+        """The value, normalized (tuples to lists); WorkbenchError naming what is allowed."""
+        if value is None and self.optional:
+            return None
+        if self.kind == "path":
+            if not isinstance(value, (str, Path)) or not Path(value).is_file():
+                raise self._refuse(value, "is not an existing file")
+            return str(value)
+        if self.kind == "int":
+            self._check_int(value, value)
+            return value
+        if not isinstance(value, (list, tuple)) or not value:
+            raise self._refuse(value, "is not a non-empty list")
+        for item in value:
+            if item not in self.words:
+                self._check_int(item, value)
+        if len(set(map(str, value))) != len(value):
+            raise self._refuse(value, "repeats a value")
+        return list(value)
+
+    def parse(self, text: str) -> Any:
+        """A command-line value: "none", "7", "7,8" (several values: a list), or "[7, 8]".
+
+        Items that are not integers stay text, so that `check` names them in its message.
+        """
+        text = text.strip()
+        if self.kind == "path":
+            return None if text.lower() == "none" else text
+        if text.lower() == "none":
+            return None
+        items = [p.strip().strip("'\"") for p in text.strip("[]").split(",")]
+        values = [int(p) if _is_int(p) else p for p in items if p]
+        return values if (self.is_list or "," in text or text.startswith("[")) else (values[0] if values else text)
+
+    def describe(self) -> str:
+        return f"{self.name} = {self.default!r}: {self.help} (allowed: {self.allowed()})"
+
+    def _check_int(self, item: Any, value: Any) -> None:
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise self._refuse(value, "is not an integer" if self.kind == "int" else f"has a non-integer item {item!r}")
+        if item < self.lo or (self.hi is not None and item > self.hi):
+            raise self._refuse(value, "is out of range" if self.kind == "int" else f"has an item {item} out of range")
+
+    def _refuse(self, value: Any, why: str) -> WorkbenchError:
+        return WorkbenchError(f"{self.name}={value!r} {why}: allowed {self.allowed()}")
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Ablation:
+    name: str
+    notebook: str  # file name under notebooks/
+    description: str
+    params: tuple[Param, ...]
+    quick: Mapping[str, Any] = field(default_factory=dict)  # overrides of --quick
+
+    @property
+    def notebook_path(self) -> Path:
+        return NOTEBOOK_DIR / self.notebook
+
+    def param(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise WorkbenchError(
+            f"{self.name} has no parameter {name!r}; parameters: {', '.join(p.name for p in self.params)}"
+        )
+
+    def defaults(self) -> dict[str, Any]:
+        return {p.name: p.default for p in self.params}
+
+
+def _chunk_sizing() -> Ablation:
+    from workbench.engine_config import MAX_CONCURRENCY
+
+    return Ablation(
+        name="chunk-sizing",
+        notebook="chunk_sizing.ipynb",
+        description="prefill chunk size vs TTFT, the decode stall of other slots, throughput and memory; "
+        "proves outputs are identical across chunk sizes",
+        params=(
+            Param("model", "path", None, "GGUF file (None: the embedded Gemma 3 270M)", optional=True),
+            Param("concurrency", "int", 4, "slots; all but one decode while the long prompt prefills",
+                  lo=2, hi=MAX_CONCURRENCY),
+            Param("prompt_lens", "int_list", [256, 1024], "lengths of the long prompt that arrives", lo=1),
+            Param("chunk_sizes", "int_list", [32, 128, 512, "auto"],
+                  "prefill rows per step ('auto': sized from the memory budget, capped at chunk_cap)",
+                  lo=1, words=("auto",)),
+            Param("chunk_cap", "int", 4096, "most prefill rows an auto-sized step takes", lo=1),
+            Param("gen_tokens", "int", 16, "tokens the long prompt generates", lo=1, hi=65536),
+            Param("decode_prompt_len", "int", 16, "prompt length of the slots already decoding", lo=1),
+            Param("repeats", "int", 3, "repeats of every measurement", lo=1, hi=1000),
+            Param("seed", "int", 0, "seeds the prompts' text", lo=0, hi=2**63 - 1),
+        ),
+        quick={"concurrency": 2, "prompt_lens": [64, 256], "chunk_sizes": [16, 64, "auto"],
+               "gen_tokens": 8, "repeats": 1},
+    )
+
+
+def registry() -> dict[str, Ablation]:
+    """Every ablation, by name."""
+    return {a.name: a for a in (_chunk_sizing(),)}
+
+
+def get(name: str) -> Ablation:
+    found = registry()
+    if name not in found:
+        raise WorkbenchError(f"unknown ablation {name!r}; ablations: {', '.join(found)}")
+    return found[name]
+
+
+def validate(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Every parameter of ablation `name`, defaults filled in, each checked; refuses unknown
+    names and bad values with a WorkbenchError naming the parameter and what it allows.
+
+    The runner's parameters (`RUNNER_PARAMS`: data_dir, run_id) pass through, defaulting to
+    "data" and None.
+    """
+    ablation = get(name)
+    known = [p.name for p in ablation.params]
+    unknown = [k for k in params if k not in known and k not in RUNNER_PARAMS]
+    if unknown:
+        raise WorkbenchError(
+            f"{name}: unknown parameter(s) {', '.join(map(repr, unknown))}; parameters: {', '.join(known)}"
+        )
+    config = {p.name: p.check(params.get(p.name, p.default)) for p in ablation.params}
+    data_dir = params.get("data_dir", "data")
+    run_id = params.get("run_id")
+    if not isinstance(data_dir, (str, Path)) or not str(data_dir):
+        raise WorkbenchError(f"data_dir={data_dir!r} is not allowed: allowed a folder path")
+    if run_id is not None and not isinstance(run_id, str):
+        raise WorkbenchError(f"run_id={run_id!r} is not allowed: allowed a run id (text) or None")
+    return config | {"data_dir": str(data_dir), "run_id": run_id}
+
+
+def describe(name: str) -> str:
+    """The ablation, its parameters with defaults and allowed values, and its quick overrides."""
+    a = get(name)
+    lines = [f"{a.name}: {a.description}", f"  notebook: notebooks/{a.notebook}"]
+    lines += [f"  {p.describe()}" for p in a.params]
+    lines.append("  --quick: " + ", ".join(f"{k}={v!r}" for k, v in a.quick.items()))
+    return "\n".join(lines)
+
+
+def parse_overrides(name: str, pairs: Sequence[str]) -> dict[str, Any]:
+    """`-p name=value` pairs into values (see `Param.parse`); refuses unknown and runner params."""
+    ablation = get(name)
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise WorkbenchError(f"-p {pair!r} is not name=value; parameters: "
+                                 f"{', '.join(p.name for p in ablation.params)}")
+        if key in RUNNER_PARAMS:
+            raise WorkbenchError(f"-p {key}: set by the runner, not a parameter (use --data-dir for the run store)")
+        out[key] = ablation.param(key).parse(text)
+    return out
+
+
+# ---- sweeps ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One independent run: an ablation's notebook with validated parameters, into a run store.
+
+    Holds only plain data (picklable, JSON-able), so that any executor can ship it elsewhere.
+    """
+
+    ablation: str
+    notebook: str  # absolute path of the notebook to execute
+    params: Mapping[str, Any]  # validated, every parameter; without the runner's parameters
+    data_dir: str  # absolute path of the run store's root
+    index: int = 0  # position in its sweep
+    swept: Mapping[str, Any] = field(default_factory=dict)  # the values that differ across the sweep
+
+    @property
+    def label(self) -> str:
+        extra = " ".join(f"{k}={v}" for k, v in self.swept.items())
+        return f"{self.ablation} {extra}".strip()
+
+
+@dataclass(frozen=True)
+class RunResult:
+    spec: RunSpec
+    run_id: str
+    status: str  # "complete" | "failed"
+    run_dir: Path
+    notebook_path: Path  # the executed notebook, beside the tables
+    tables: tuple[str, ...]
+    wall_s: float
+    error: str | None = None
+
+
+def plan_sweep(name: str, params: Mapping[str, Any] | None = None, *, quick: bool = False,
+               data_dir: str | Path = "data") -> list[RunSpec]:
+    """The runs of a sweep, every one validated before any runs.
+
+    `params` override the quick overrides (`quick=True`), which override the defaults. A
+    scalar parameter given a list of values is an axis: one RunSpec per combination of axes.
+    """
+    ablation = get(name)
+    params = dict(params or {})
+    for key in RUNNER_PARAMS:
+        if key in params:
+            raise WorkbenchError(f"{key} is set by the runner, not a parameter (use data_dir= / --data-dir)")
+    merged = {**(ablation.quick if quick else {}), **params}
+    axes = {k: list(v) for k, v in merged.items()
+            if isinstance(v, (list, tuple)) and not ablation.param(k).is_list}
+    for k, values in axes.items():
+        if not values:
+            raise WorkbenchError(f"{k}: a sweep needs at least one value: allowed {ablation.param(k).allowed()}")
+    if not ablation.notebook_path.is_file():
+        raise WorkbenchError(f"notebook {ablation.notebook_path} of {name} is missing")
+    root = str(Path(data_dir).resolve())
+    specs = []
+    for index, combo in enumerate(itertools.product(*axes.values())):
+        swept = dict(zip(axes, combo))
+        config = validate(name, {**merged, **swept})
+        user = {k: v for k, v in config.items() if k not in RUNNER_PARAMS}
+        if user.get("model") is not None:
+            user["model"] = str(Path(user["model"]).resolve())
+        specs.append(RunSpec(name, str(ablation.notebook_path), user, root, index, swept))
+    return specs
+
+
+# ---- executors ------------------------------------------------------------------------------
+
+
+class Executor(Protocol):
+    def run(self, specs: Sequence[RunSpec]) -> list[RunResult]: ...
+
+
+class LocalExecutor:
+    """Runs the specs one after another in this process's Python, each in its own kernel.
+
+    A run that fails is recorded as failed and the next one still runs.
+
+    A Ray executor would map each `RunSpec` to one task, since specs are independent and hold
+    plain data::
+
+        execute = ray.remote(num_cpus=1, num_gpus=1)(execute_run)   # one GPU per run
+        refs = [execute.options(name=spec.label).remote(spec, progress_bar=False) for spec in specs]
+        results = ray.get(refs)                                      # in spec order
+
+    `spec.data_dir` must then be storage that every worker and the driver see (a shared file
+    system), or each task writes to a node-local store and returns its run folder for the
+    driver to copy into its own store; run ids are unique per run, so folders never collide.
+    Each worker needs the workbench installed and the model file at the same path (or
+    `params["model"] = None`, the embedded default, which every install carries).
+    """
+
+    def __init__(self, *, progress_bar: bool = True, log_output: bool = False,
+                 on_start: Callable[[RunSpec, int, int], None] | None = None):
+        self.progress_bar = progress_bar
+        self.log_output = log_output
+        self.on_start = on_start
+
+    def run(self, specs: Sequence[RunSpec]) -> list[RunResult]:
+        results = []
+        for i, spec in enumerate(specs):
+            if self.on_start is not None:
+                self.on_start(spec, i, len(specs))
+            results.append(execute_run(spec, progress_bar=self.progress_bar, log_output=self.log_output))
+        return results
+
+
+def execute_run(spec: RunSpec, *, progress_bar: bool = True, log_output: bool = False) -> RunResult:
+    """Run one spec: start a run in the store, execute the notebook into the run's folder
+    through papermill, then end the run complete (or failed, with the error line)."""
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    from workbench.runstore import RunStore
+
+    started = time.perf_counter()
+    run = RunStore(spec.data_dir).start_run(spec.ablation, dict(spec.params))
+    notebook_out = run.path / Path(spec.notebook).name
+    error = None
+    try:
+        papermill.execute_notebook(
+            spec.notebook,
+            str(notebook_out),
+            parameters={**spec.params, "data_dir": spec.data_dir, "run_id": run.run_id},
+            kernel_name=KERNEL_NAME,
+            language="python",
+            progress_bar=progress_bar,
+            log_output=log_output,
+            kernel_manager_class=this_python_kernel_manager(),
+        )
+    except PapermillExecutionError as exc:  # a cell raised
+        error = f"{exc.ename}: {_first_line(exc.evalue)} (cell {exc.exec_count})"
+    except Exception as exc:  # the kernel died, timed out, or did not start
+        error = f"{type(exc).__name__}: {_first_line(str(exc))}"
+    except BaseException as exc:  # interrupted: record it, then stop
+        _end(spec.data_dir, run.run_id, "failed", f"{type(exc).__name__}: {_first_line(str(exc))}")
+        raise
+    run = attach_run(spec.data_dir, run.run_id)
+    if error is None and not run.manifest["tables"]:
+        error = "the notebook wrote no tables"
+    status = "complete" if error is None else "failed"
+    run.finish(status, error=error)
+    return RunResult(spec, run.run_id, status, run.path, notebook_out, tuple(run.manifest["tables"]),
+                     time.perf_counter() - started, error)
+
+
+def _end(data_dir: str, run_id: str, status: str, error: str | None) -> None:
+    run = attach_run(data_dir, run_id)
+    if run.status == "running":
+        run.finish(status, error=error)
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+def this_python_kernel_manager() -> type:
+    """A kernel manager whose kernel is this interpreter's ipykernel.
+
+    Papermill looks "python3" up among the installed kernel specs, where a user-level spec
+    may point at another Python; pinning the command to `sys.executable` makes the notebook
+    run in the same environment as the runner, installed or fresh.
+    """
+    import zmq
+    from ipykernel.kernelspec import RESOURCES, get_kernel_dict
+    from jupyter_client.kernelspec import KernelSpec
+    from jupyter_client.manager import AsyncKernelManager
+
+    class ThisPythonKernelManager(AsyncKernelManager):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            # Encrypt the local kernel's sockets where this jupyter_client and libzmq can
+            # (the kernel warns on stderr otherwise).
+            if self.has_trait("transport_encryption") and zmq.has("curve"):
+                self.transport_encryption = "auto"
+
+        @property
+        def kernel_spec(self) -> KernelSpec:
+            return KernelSpec(resource_dir=RESOURCES, **get_kernel_dict())  # argv[0] = sys.executable
+
+    return ThisPythonKernelManager
+
+
+# ---- the run a notebook writes into ---------------------------------------------------------
+
+
+def attach_run(data_dir: str | Path, run_id: str):
+    """The `Run` of a run started elsewhere (the runner), read back from its manifest."""
+    from workbench.runstore import MANIFEST, Run, RunStore
+
+    path = RunStore(data_dir).runs_dir / run_id
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise WorkbenchError(f"run {run_id!r} has no readable manifest under {path}: {exc}") from None
+    return Run(path, manifest)
+
+
+@contextmanager
+def recording(config: Mapping[str, Any], ablation: str) -> Iterator[Any]:
+    """The run a notebook writes its tables into.
+
+    With `config["run_id"]` set (the runner's run), that run, which the runner ends. Without
+    (the notebook run by hand), a new run in `config["data_dir"]`, ended here: complete, or
+    failed if the block raises.
+    """
+    if config.get("run_id"):
+        run = attach_run(config["data_dir"], config["run_id"])
+        if run.status != "running" or run.manifest["ablation"] != ablation:
+            raise WorkbenchError(f"run {run.run_id} is {run.status} {run.manifest['ablation']!r}, "
+                                 f"not a running {ablation!r} run")
+        yield run
+        return
+    from workbench.runstore import RunStore
+
+    params = {k: v for k, v in config.items() if k not in RUNNER_PARAMS}
+    with RunStore(config["data_dir"]).start_run(ablation, params) as run:
+        yield run
+
+
+def run_rows(run, table: str = SUMMARY_TABLE):
+    """The rows `run` has written to `table` so far, as the store tags them."""
+    from workbench.runstore import RunStore
+
+    return RunStore(run.path.parent.parent).load(table, run_status=None, run_id=run.run_id)
+
+
+# ---- chunk sizing ---------------------------------------------------------------------------
+
+
+def prompt_ids(model, length: int, key: str) -> list[int]:
+    """`length` token ids of seeded random text (the same for the same key and model)."""
+    from workbench.synthetic import WORDS
+
+    rng = random.Random(key)
+    ids: list[int] = []
+    while len(ids) < length:
+        text = " ".join(rng.choice(WORDS) for _ in range(max(8, length)))
+        ids += model.tokenize(text, add_bos=not ids)
+    return ids[:length]
+
+
+def measure_chunk_sizing(
+    model,
+    *,
+    concurrency: int,
+    prompt_lens: Sequence[int],
+    chunk_sizes: Sequence[int | str],
+    chunk_cap: int,
+    gen_tokens: int,
+    decode_prompt_len: int,
+    repeats: int,
+    seed: int,
+):
+    """One row per (prompt length, repeat, chunk size): a long prompt arrives while the other
+    `concurrency - 1` slots are decoding.
+
+    The decoding slots generate long enough to keep decoding through the whole prefill at the
+    smallest chunk size. Measured: TTFT (the long prompt's, and the worst), the inter-token
+    latency the decoding slots see while the long prompt prefills (max, p99; and their p50
+    over the whole run), aggregate throughput (generated tokens / wall), and memory: the
+    process's peak RSS (`peak_memory_bytes`: weights included, and it never shrinks within a
+    process, so a small chunk measured after a large one inherits its peak), the peak KV
+    bytes, and the activation bytes of the largest prefill step by the runner's own per-row
+    figure (`prefill_activation_bytes`, the part that scales with the chunk).
+    Evidence: the chunk size the planner used and why, the steps that mixed decode rows with
+    prefill rows, and each row's token ids hashed, with `outputs_identical` against the first
+    chunk size of the same prompt length.
+    """
+    import polars as pl
+
+    from workbench.engine import Engine
+    from workbench.engine_config import EngineConfig
+    from workbench.telemetry import percentile
+
+    fixed = [c for c in chunk_sizes if c != "auto"]
+    smallest = min(fixed + [chunk_cap])
+    context = model.config.context_length
+    _warm_up(model, EngineConfig(max_concurrency=concurrency, dtype=model.dtype_name))
+    rows = []
+    for prompt_len in prompt_lens:
+        decode_tokens = gen_tokens + math.ceil(prompt_len / smallest) + 1
+        if prompt_len + gen_tokens > context or decode_prompt_len + decode_tokens > context:
+            raise WorkbenchError(
+                f"prompt_len={prompt_len} with gen_tokens={gen_tokens} (decoding slots: {decode_prompt_len} + "
+                f"{decode_tokens}) does not fit the model's context of {context} tokens"
+            )
+        short = [prompt_ids(model, decode_prompt_len, f"{seed}-decode-{i}") for i in range(concurrency - 1)]
+        long = prompt_ids(model, prompt_len, f"{seed}-long-{prompt_len}")
+        reference = None
+        for repeat in range(repeats):
+            for chunk in chunk_sizes:
+                config = EngineConfig(max_concurrency=concurrency, chunk_size=None if chunk == "auto" else chunk,
+                                      chunk_cap=chunk_cap, dtype=model.dtype_name)
+                row, outputs = _long_prompt_arrives(Engine(model, config), short, long, decode_tokens, gen_tokens,
+                                                    percentile)
+                reference = outputs if reference is None else reference
+                rows.append({
+                    "prompt_len": prompt_len,
+                    "chunk_setting": str(chunk),
+                    "repeat": repeat,
+                    **row,
+                    "decode_prompt_len": decode_prompt_len,
+                    "decode_slot_tokens": decode_tokens,
+                    "outputs_identical": outputs == reference,
+                    "tokens_sha256": hashlib.sha256(json.dumps(outputs).encode()).hexdigest(),
+                    "model_name": str(model.source.get("general.name", model.path.stem)),
+                    "model_sha256": model.source.index.sha256,
+                })
+    return pl.DataFrame(rows, infer_schema_length=None)
+
+
+def _warm_up(model, config) -> None:
+    """One tiny generation, so that the first measurement does not pay one-off start-up costs."""
+    from workbench.engine import Engine
+
+    Engine(model, config).generate([prompt_ids(model, 8, "warm-up")], max_tokens=2, ignore_eos=True)
+
+
+def _long_prompt_arrives(engine, short, long, decode_tokens, gen_tokens, percentile):
+    """Start the short prompts, step until each has its first token (they now decode), then
+    submit the long prompt and run to the end."""
+    start = time.perf_counter()
+    decoding = [engine.submit(p, max_tokens=decode_tokens, ignore_eos=True, request_id=f"decode-{i}")
+                for i, p in enumerate(short)]
+    for handle in decoding:
+        next(iter(handle.tokens()))
+    first_step = len(engine.telemetry.step_records)
+    arriving = engine.submit(long, max_tokens=gen_tokens, ignore_eos=True, request_id="long")
+    engine.run_until_done()
+    wall = time.perf_counter() - start
+    results = [h.result() for h in decoding] + [arriving.result()]
+    slow = arriving.result()
+    stall = [
+        b - a
+        for r in results[:-1]
+        for a, b in zip(r.token_times, r.token_times[1:])
+        if slow.submitted_at < b <= slow.first_token_at
+    ]
+    every_gap = [g for r in results[:-1] for g in r.inter_token_s]
+    after = engine.telemetry.steps()[first_step:]
+    prefill = after.filter(after["prefill_rows"] > 0)
+    generated = sum(r.num_generated_tokens for r in results)
+    row = {
+        "chunk_size": int(prefill["chunk_size"].max()),
+        "chunk_reason": prefill["chunk_reason"][0],
+        "max_prefill_rows": int(prefill["prefill_rows"].max()),
+        "num_prefill_steps": prefill.height,
+        "num_mixed_steps": int((prefill["decode_rows"] > 0).sum()),
+        "ttft_s": slow.ttft_s,
+        "ttft_s_max": max(r.ttft_s for r in results),
+        "itl_s_max": max(stall) if stall else None,
+        "itl_s_p99": percentile(stall, 99),
+        "itl_s_p50": percentile(every_gap, 50),
+        "num_stall_gaps": len(stall),
+        "generated_tokens": generated,
+        "wall_s": wall,
+        "decode_tok_s_aggregate": generated / wall,
+        "peak_memory_bytes": engine.peak_memory_bytes,
+        "peak_kv_bytes": engine.telemetry.peak_kv_bytes,
+        "prefill_activation_bytes": int(prefill["prefill_rows"].max()) * engine.runner.bytes_per_prefill_row,
+    }
+    return row, [r.token_ids for r in results]
+
+
+def require_identical(summary) -> None:
+    """Raise (failing the run) unless every row's outputs equal its reference chunk size's."""
+    bad = summary.filter(~summary["outputs_identical"])
+    if bad.height:
+        cases = ", ".join(f"prompt_len={r['prompt_len']} chunk={r['chunk_setting']} repeat={r['repeat']}"
+                          for r in bad.head(5).iter_rows(named=True))
+        raise WorkbenchError(f"outputs differ across chunk sizes in {bad.height} measurement(s): {cases}")
+
+
+def chunk_sizing_charts(rows) -> list:
+    """The dashboard's chunk-sizing views over tagged summary rows (as the store holds them)."""
+    from workbench import dashboard
+
+    return [view(rows) for _, columns, view in dashboard.ABLATION_VIEWS["chunk-sizing"]
+            if all(c in rows.columns and rows[c].null_count() < rows.height for c in columns)]

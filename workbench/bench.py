@@ -1,0 +1,176 @@
+"""`workbench bench`: throughput at several concurrencies, as tidy parquet in the run store.
+
+For each concurrency C and repeat, C distinct prompts of `prompt_len` tokens run together for
+`gen` tokens each (EOS ignored). Reported per measurement, in the shape of seed 000's table:
+
+- prefill tok/s: prompt tokens of all slots over the time until the last slot's first token;
+- decode tok/s aggregate: tokens produced by pure decode steps over those steps' wall time,
+  and per stream (aggregate / C);
+- TTFT (mean, max), peak RSS, the engine's memory reservation;
+- bandwidth floor: C * copy-bandwidth / weight-bytes-per-step, the decode rate no version can
+  beat when every step streams the weights once; `fraction_of_floor` = measured / floor;
+- matches_solo: slot 0's tokens equal the C=1 run of the same prompt (exactness evidence).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from .errors import WorkbenchError
+
+CORPUS = (
+    "The history of computing is a history of memory. Early machines stored a few words in "
+    "mercury delay lines; later ones in magnetic cores, then in transistors packed by the billion. "
+    "Each step made memory larger and faster, yet processors grew faster still, and the gap between "
+    "arithmetic and the bytes it consumes became the central problem of system design. Serving a "
+    "language model is a clean example: every generated token reads every weight once, so a single "
+    "sequence is limited by bandwidth, not by arithmetic. Running several sequences together lets "
+    "one pass over the weights serve all of them. "
+)
+
+
+def bench_prompts(model, num: int, prompt_len: int) -> list[list[int]]:
+    """`num` distinct prompts of exactly `prompt_len` tokens (BOS + text from rotated corpora)."""
+    base = model.tokenize(CORPUS * (2 + prompt_len // 60), add_bos=False)
+    bos = [model.tokenizer.bos_id] if model.tokenizer.bos_id is not None else []
+    out = []
+    for i in range(num):
+        off = (i * 37) % max(1, len(base) - prompt_len)
+        body = base[off : off + prompt_len - len(bos)]
+        out.append(bos + body)
+    return out
+
+
+def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | None, policy: str = "decode-first"):
+    from .engine import Engine, EngineConfig
+
+    cfg = EngineConfig(max_concurrency=concurrency, chunk_size=chunk, policy=policy, dtype=model.dtype_name)
+    engine = Engine(model, cfg)
+    prompts = bench_prompts(model, concurrency, prompt_len)
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, max_tokens=gen, ignore_eos=True)
+    t1 = time.perf_counter()
+    steps = engine.telemetry.steps()
+    dec = steps.filter(steps["phase"] == "decode")
+    dec_tokens = int(dec["decode_rows"].sum()) if dec.height else 0
+    dec_s = float(dec["wall_ms"].sum()) / 1e3 if dec.height else 0.0
+    last_first = max(r.first_token_at for r in results)
+    ttfts = [r.ttft_s for r in results]
+    agg = dec_tokens / dec_s if dec_s > 0 else 0.0
+    return {
+        "prefill_tok_s": concurrency * prompt_len / (last_first - t0),
+        "decode_tok_s_aggregate": agg,
+        "decode_tok_s_per_stream": agg / concurrency,
+        "ttft_s_mean": statistics.fmean(ttfts),
+        "ttft_s_max": max(ttfts),
+        "wall_s": t1 - t0,
+        "peak_memory_bytes": engine.peak_memory_bytes,
+        "kv_peak_bytes": engine.telemetry.peak_kv_bytes,
+        "num_steps": steps.height,
+        "num_solo_fallback": int(steps["num_solo"].sum()),
+        "chunk_size_used": int(steps["chunk_size"].max()),
+        "weight_bytes": engine.runner.fixed_bytes,
+    }, [r.token_ids for r in results]
+
+
+def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk: int | None,
+              repeats: int, data_dir: str, progress=print) -> tuple[object, list[dict]]:
+    from .hardware import measure_copy_bandwidth
+    from .runstore import RunStore
+
+    if prompt_len + gen > model.config.context_length:
+        raise WorkbenchError(
+            f"prompt-len {prompt_len} + gen {gen} exceeds the model context of {model.config.context_length}"
+        )
+    params = {
+        "model": str(model.path.name),
+        "model_sha256": model.source.index.sha256,
+        "dtype": model.dtype_name,
+        "backend": "torch",
+        "prompt_len": prompt_len,
+        "gen": gen,
+        "chunk": chunk if chunk is not None else "auto",
+        "repeats": repeats,
+    }
+    progress("measuring copy bandwidth ...")
+    bw = measure_copy_bandwidth("cpu")
+    # warm-up: allocators, thread pools, first-touch of the weights
+    measure(model, 1, min(prompt_len, 32), 4, chunk)
+    rows = []
+    solo_tokens = None
+    store = RunStore(data_dir)
+    with store.start_run("bench", params) as run:
+        for c in concurrency:
+            for r in range(repeats):
+                m, toks = measure(model, c, prompt_len, gen, chunk)
+                if c == 1 and solo_tokens is None:
+                    solo_tokens = toks[0]
+                floor = c * bw / m["weight_bytes"]
+                row = {
+                    "concurrency": c,
+                    "repeat": r,
+                    **m,
+                    "copy_bandwidth_bytes_s": bw,
+                    "bandwidth_floor_tok_s": floor,
+                    "fraction_of_floor": m["decode_tok_s_aggregate"] / floor,
+                    "matches_solo": None if solo_tokens is None else toks[0] == solo_tokens,
+                }
+                rows.append(row)
+                progress(
+                    f"C={c} repeat {r}: decode {m['decode_tok_s_aggregate']:.1f} tok/s aggregate, "
+                    f"prefill {m['prefill_tok_s']:.1f} tok/s, TTFT {m['ttft_s_max']:.2f}s"
+                )
+        run.write_rows("summary", rows)
+    return run, rows
+
+
+def format_table(rows: list[dict]) -> str:
+    by_c: dict[int, list[dict]] = {}
+    for r in rows:
+        by_c.setdefault(r["concurrency"], []).append(r)
+    base = None
+    lines = [
+        "| slots | prefill tok/s | decode tok/s per stream | decode tok/s aggregate | vs 1 slot | TTFT max s | peak RSS GiB | floor tok/s | exact vs solo |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
+    for c in sorted(by_c):
+        rs = by_c[c]
+        med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
+        agg = med("decode_tok_s_aggregate")
+        if c == 1:
+            base = agg
+        ratio = f"{agg / base:.2f}x" if base else "-"
+        exact = {r["matches_solo"] for r in rs}
+        lines.append(
+            f"| {c} | {med('prefill_tok_s'):.1f} | {med('decode_tok_s_per_stream'):.1f} | {agg:.1f} | {ratio} | "
+            f"{med('ttft_s_max'):.2f} | {med('peak_memory_bytes') / 2**30:.2f} | {med('bandwidth_floor_tok_s'):.0f} | "
+            f"{'yes' if exact == {True} else 'n/a' if exact == {None} else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def _cmd_bench(args) -> int:
+    from .model import load_model
+
+    model = load_model(args.model, dtype=args.dtype)
+    run, rows = run_bench(model, concurrency=args.concurrency, prompt_len=args.prompt_len, gen=args.gen,
+                          chunk=args.chunk, repeats=args.repeats, data_dir=args.data_dir,
+                          progress=lambda s: print(s, flush=True))
+    print(format_table(rows))
+    print(f"results: {run.path}")
+    return 0
+
+
+def register_cli(sub) -> None:
+    from .cli import add_model_args, int_list, int_range
+
+    p = sub.add_parser("bench", help="throughput at several concurrencies (tidy parquet in the run store)")
+    p.add_argument("--concurrency", type=int_list(1, 64), default=[1, 2, 4, 8], help="comma list, e.g. 1,2,4,8")
+    p.add_argument("--prompt-len", type=int_range(1), default=512)
+    p.add_argument("--gen", type=int_range(1), default=128)
+    p.add_argument("--chunk", type=int_range(1), default=None, help="prefill chunk rows (default: auto)")
+    p.add_argument("--repeats", type=int_range(1, 100), default=1)
+    p.add_argument("--data-dir", default="data")
+    add_model_args(p)
+    p.set_defaults(func=_cmd_bench)
