@@ -78,46 +78,45 @@ def _attention_partial_kernel(
     sg = tl.program_id(2)
     lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
     seg_lo = tl.maximum(lo, sg * SEG)
-    seg_hi = tl.minimum(hi, (sg + 1) * SEG)
-    if seg_lo < seg_hi:
-        seq = tl.load(row_seq_ptr + r).to(tl.int64)
-        g = tl.arange(0, QROWS)
-        d = tl.arange(0, D_P)
-        dmask = d < D
-        q = tl.load(
-            q_ptr + r * stride_qr + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :],
-            mask=(g < GROUP)[:, None] & dmask[None, :], other=0.0,
-        ).to(tl.float32)  # [QROWS, D]
-        k_base = k_ptr + seq * stride_ks + kvh * stride_kh
-        v_base = v_ptr + seq * stride_vs + kvh * stride_vh
-        m_i = tl.full([QROWS], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([QROWS], dtype=tl.float32)
-        acc = tl.zeros([QROWS, D_P], dtype=tl.float32)
-        for blk in range(seg_lo // BLOCK_N, tl.cdiv(seg_hi, BLOCK_N)):
-            j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-            jmask = (j >= seg_lo) & (j < seg_hi)
-            kvmask = jmask[:, None] & dmask[None, :]
-            k = tl.load(k_base + j[:, None].to(tl.int64) * stride_kl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
-            if USE_DOT:
-                s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # [QROWS, BN]
-            else:
-                s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-            s = tl.where(jmask[None, :], s * qk_scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + j[:, None].to(tl.int64) * stride_vl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
-            if USE_DOT:
-                pv = tl.dot(p, v, input_precision=INPUT_PRECISION)  # [QROWS, D]
-            else:
-                pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        slot = ((r * Hkv + kvh) * num_seg + sg) * QROWS + g  # [QROWS]
-        tl.store(ws_m_ptr + slot, m_i)
-        tl.store(ws_l_ptr + slot, l_i)
-        tl.store(ws_acc_ptr + slot[:, None].to(tl.int64) * D_P + d[None, :], acc)
+    seg_hi = tl.minimum(hi, (sg + 1) * SEG)  # empty segments run no block; the combine skips them
+    seq = tl.load(row_seq_ptr + r).to(tl.int64)
+    g = tl.arange(0, QROWS)
+    d = tl.arange(0, D_P)
+    dmask = d < D
+    q = tl.load(
+        q_ptr + r * stride_qr + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :],
+        mask=(g < GROUP)[:, None] & dmask[None, :], other=0.0,
+    ).to(tl.float32)  # [QROWS, D]
+    k_base = k_ptr + seq * stride_ks + kvh * stride_kh
+    v_base = v_ptr + seq * stride_vs + kvh * stride_vh
+    m_i = tl.full([QROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([QROWS], dtype=tl.float32)
+    acc = tl.zeros([QROWS, D_P], dtype=tl.float32)
+    for blk in range(seg_lo // BLOCK_N, tl.cdiv(seg_hi, BLOCK_N)):
+        j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        jmask = (j >= seg_lo) & (j < seg_hi)
+        kvmask = jmask[:, None] & dmask[None, :]
+        k = tl.load(k_base + j[:, None].to(tl.int64) * stride_kl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # [QROWS, BN]
+        else:
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        s = tl.where(jmask[None, :], s * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + j[:, None].to(tl.int64) * stride_vl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
+        if USE_DOT:
+            pv = tl.dot(p, v, input_precision=INPUT_PRECISION)  # [QROWS, D]
+        else:
+            pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    slot = ((r * Hkv + kvh) * num_seg + sg) * QROWS + g  # [QROWS]
+    tl.store(ws_m_ptr + slot, m_i)
+    tl.store(ws_l_ptr + slot, l_i)
+    tl.store(ws_acc_ptr + slot[:, None].to(tl.int64) * D_P + d[None, :], acc)
 
 
 @triton.jit

@@ -68,14 +68,20 @@ def _qmatmul_kernel(
     pid_n = pid // num_m_tiles
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ptr = w_ptr + n[None, :].to(tl.int64) * row_bytes  # [1, BN]: row starts of W
+    g = tl.arange(0, BLOCK_K // SUB)
+    s = tl.arange(0, SUB)
+    row_ptr = w_ptr + n[:, None, None].to(tl.int64) * row_bytes  # [BN, 1, 1]: row starts of W
+    num_sub = K // SUB
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
+        # the weight tile as [BN, G, S] sub-blocks (S: contiguous bytes, coalesced loads), decoded
+        # once, then viewed as W^T [BK, BN] for every row of the tile
+        ksub = k0 // SUB + g
+        wmask = (n < N)[:, None, None] & (ksub < num_sub)[None, :, None]
+        w = dequant_tile(row_ptr, ksub[None, :, None], s[None, None, :], wmask, QTYPE)
+        w = tl.trans(tl.reshape(w, [BLOCK_N, BLOCK_K]))
         k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < K
-        # W^T tile [BK, BN], decoded once, used by every row of the tile
-        w = dequant_tile(col_ptr, (k // SUB)[:, None], (k % SUB)[:, None], kmask[:, None] & (n < N)[None, :], QTYPE)
-        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=(m < M)[:, None] & kmask[None, :], other=0.0)
+        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
         if USE_DOT:
             acc = tl.dot(x.to(tl.float32), w, acc, input_precision=INPUT_PRECISION)
         else:  # the same sums without tl.dot: the interpreter's tl.dot (numpy) is not row-invariant

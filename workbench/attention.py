@@ -18,6 +18,8 @@ decode all agree with solo. `tests/test_attention.py` asserts this bitwise.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 KV_BLOCK = 256
@@ -28,6 +30,41 @@ def round_up_capacity(n: int) -> int:
     return max(KV_BLOCK, -(-n // KV_BLOCK) * KV_BLOCK)
 
 
+@dataclass(frozen=True)
+class TilePlan:
+    """Where one query tile looks: key blocks lo..hi and the visibility mask. It depends only on
+    positions and window, so a forward computes it once per segment and reuses it in every
+    layer of that window kind."""
+
+    start: int  # first query row of the tile within the segment
+    n: int  # real rows (the rest of Q_TILE is padding)
+    lo: int
+    hi: int
+    hidden: torch.Tensor  # bool [nb, 1, G*Q_TILE, KV_BLOCK]: True where a key is not visible
+
+
+def plan_tiles(positions: torch.Tensor, window: int, group: int) -> list[TilePlan]:
+    c = positions.shape[0]
+    pos_list = positions.tolist()
+    plans = []
+    for t0 in range(0, c, Q_TILE):
+        n = min(Q_TILE, c - t0)
+        tile_pos = pos_list[t0 : t0 + n]
+        qpos = torch.full((Q_TILE,), tile_pos[-1], dtype=torch.int64)
+        qpos[:n] = positions[t0 : t0 + n]
+        hi = max(tile_pos) // KV_BLOCK
+        first = min(tile_pos) - window + 1 if window else 0
+        lo = max(first, 0) // KV_BLOCK
+        nb = hi - lo + 1
+        kpos = torch.arange(lo * KV_BLOCK, (hi + 1) * KV_BLOCK, dtype=torch.int64).view(nb, 1, 1, KV_BLOCK)
+        rpos = qpos.repeat(group).view(1, 1, group * Q_TILE, 1)
+        visible = kpos <= rpos
+        if window:
+            visible &= (rpos - kpos) < window
+        plans.append(TilePlan(t0, n, lo, hi, ~visible))
+    return plans
+
+
 def attend(
     q: torch.Tensor,  # [C, H, D] float32, rope applied
     k_cache: torch.Tensor,  # [cap, Hkv, D] float32, cap % KV_BLOCK == 0
@@ -35,34 +72,25 @@ def attend(
     positions: torch.Tensor,  # [C] int64, absolute positions of the queries (cache holds <= max)
     window: int,  # 0 = global; else a key is visible when 0 <= qpos - kpos < window
     scale: float,
+    tiles: list[TilePlan] | None = None,  # plan_tiles(positions, window, H // Hkv), if precomputed
 ) -> torch.Tensor:
     c, h, d = q.shape
     hkv = k_cache.shape[1]
     g = h // hkv
+    if tiles is None:
+        tiles = plan_tiles(positions, window, g)
     out = torch.empty(c, h, d, dtype=torch.float32)
-    pos_list = positions.tolist()
-    for t0 in range(0, c, Q_TILE):
-        n = min(Q_TILE, c - t0)
-        tile_pos = pos_list[t0 : t0 + n]
+    for tp in tiles:
+        t0, n, lo, hi = tp.start, tp.n, tp.lo, tp.hi
+        nb = hi - lo + 1
         qt = q.new_zeros(Q_TILE, h, d)
         qt[:n] = q[t0 : t0 + n]
-        qpos = torch.full((Q_TILE,), tile_pos[-1], dtype=torch.int64)
-        qpos[:n] = positions[t0 : t0 + n]
-        hi = max(tile_pos) // KV_BLOCK
-        first = min(tile_pos) - window + 1 if window else 0
-        lo = max(first, 0) // KV_BLOCK
-        nb = hi - lo + 1
         kb = k_cache[lo * KV_BLOCK : (hi + 1) * KV_BLOCK].view(nb, KV_BLOCK, hkv, d).permute(0, 2, 1, 3)
         vb = v_cache[lo * KV_BLOCK : (hi + 1) * KV_BLOCK].view(nb, KV_BLOCK, hkv, d).permute(0, 2, 1, 3)
         # rows ordered (group, query) so each kv head sees one fixed [G*Q_TILE, D] operand
         qg = qt.view(Q_TILE, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * Q_TILE, d)
         s = torch.matmul(qg.expand(nb, -1, -1, -1), kb.transpose(-1, -2).contiguous()) * scale
-        kpos = torch.arange(lo * KV_BLOCK, (hi + 1) * KV_BLOCK, dtype=torch.int64).view(nb, 1, 1, KV_BLOCK)
-        rpos = qpos.repeat(g).view(1, 1, g * Q_TILE, 1)
-        visible = kpos <= rpos
-        if window:
-            visible &= (rpos - kpos) < window
-        s = s.masked_fill(~visible, float("-inf"))
+        s = s.masked_fill(tp.hidden, float("-inf"))
         m = s.amax(dim=(0, 3), keepdim=True)
         p = torch.exp(s - m)
         l = p.sum(dim=-1, keepdim=True).cumsum(0)[-1]

@@ -21,7 +21,7 @@ from typing import Literal, Sequence
 import torch
 import torch.nn.functional as F
 
-from .attention import attend, round_up_capacity
+from .attention import attend, plan_tiles, round_up_capacity
 from .errors import WorkbenchError
 from .gguf_file import GGUFFile, cache_dir
 from .linear import linear
@@ -72,12 +72,17 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, base: float, neox: bool) -> torch.Tensor:
-    """Rotary embedding with a position vector: x [R, H, D], positions [R]."""
-    d = x.shape[-1]
+def rope_tables(positions: torch.Tensor, base: float, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [R, 1, D/2] for a position vector; computed once per forward per base."""
     inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     ang = positions.float()[:, None] * inv_freq[None, :]  # [R, D/2]
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    return ang.cos()[:, None, :], ang.sin()[:, None, :]
+
+
+def rope(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], neox: bool) -> torch.Tensor:
+    """Rotary embedding with a position vector: x [R, H, D], tables from rope_tables."""
+    d = x.shape[-1]
+    cos, sin = tables
     if neox:
         x1, x2 = x[..., : d // 2], x[..., d // 2 :]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -164,6 +169,12 @@ class Model:
         positions = torch.cat(pos_parts)
         x = self.embed(torch.tensor(ids, dtype=torch.int64))
         h_q, h_kv, d = c.n_heads, c.n_kv_heads, c.head_dim
+        # Everything that depends only on positions is computed once per forward, not per layer.
+        ropes = {b: rope_tables(positions, b, d) for b in {c.layer_rope_base(i) for i in range(c.n_layers)}}
+        tiles = {
+            w: [plan_tiles(positions[r0 : r0 + n], w, h_q // h_kv) for (r0, n, _) in spans]
+            for w in {c.layer_window(i) for i in range(c.n_layers)}
+        }
         for li, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_eps)
             qkv = linear(h, layer.wqkv)
@@ -173,17 +184,17 @@ class Model:
             if c.qk_norm:
                 q = rms_norm(q, layer.q_norm, c.rms_eps)
                 k = rms_norm(k, layer.k_norm, c.rms_eps)
-            base = c.layer_rope_base(li)
-            q = rope(q, positions, base, c.rope_neox)
-            k = rope(k, positions, base, c.rope_neox)
+            tables = ropes[c.layer_rope_base(li)]
+            q = rope(q, tables, c.rope_neox)
+            k = rope(k, tables, c.rope_neox)
             attn = torch.empty(rows, h_q, d)
             window = c.layer_window(li)
-            for seg, (r0, n, start) in zip(segments, spans):
+            for si, (seg, (r0, n, start)) in enumerate(zip(segments, spans)):
                 kc, vc = seg.state.k[li], seg.state.v[li]
                 kc[start : start + n] = k[r0 : r0 + n]
                 vc[start : start + n] = v[r0 : r0 + n]
                 attn[r0 : r0 + n] = attend(
-                    q[r0 : r0 + n], kc, vc, positions[r0 : r0 + n], window, c.attn_scale
+                    q[r0 : r0 + n], kc, vc, positions[r0 : r0 + n], window, c.attn_scale, tiles[window][si]
                 )
             o = linear(attn.view(rows, h_q * d), layer.wo)
             if c.post_norms:
