@@ -8,6 +8,16 @@ from pathlib import Path
 
 import pytest
 
+# Triton reads TRITON_INTERPRET when a kernel module is first imported: without a GPU, the
+# kernels run under the interpreter, whichever test imports them first.
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+
 # Every test session gets its own start-up cache, so tests never depend on a user's cache.
 os.environ.setdefault("SLOTLAB_CACHE", tempfile.mkdtemp(prefix="slotlab-test-cache-"))
 
