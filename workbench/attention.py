@@ -1,9 +1,9 @@
 """Blocked causal attention whose per-row result depends only on that row's own sequence.
 
-Keys are processed in fixed blocks of `KV_BLOCK` positions and queries in fixed tiles of
-`Q_TILE` rows, so every product has the same shape whatever the chunk size or batch:
+Keys are processed in fixed blocks of `KV_BLOCK` positions. Each query row is its own matrix
+product operand: for row r and block b, `s[r, b] = q_r [G, D] @ K_b^T [D, KV_BLOCK]`, one element
+of a batched product of always the same shape (G = query heads per kv head). Then
 
-    s = q_tile @ K_block^T            fixed [G*Q_TILE, KV_BLOCK] per block
     m = max over all blocks           exact (max is order-free)
     p = exp(s - m)                    elementwise
     l = sum_b rowsum(p_b)             block sums of fixed length, blocks added in order (cumsum)
@@ -12,8 +12,14 @@ Keys are processed in fixed blocks of `KV_BLOCK` positions and queries in fixed 
 
 A block that is fully masked for a row (it lies past the row's position, or before its sliding
 window) contributes exact zeros, and adding +-0 leaves a float unchanged. So whichever blocks a
-tile happens to visit, each row gets the same bits: prefill in any chunking, decode, and batched
+pass happens to visit, each row gets the same bits: prefill in any chunking, decode, and batched
 decode all agree with solo. `tests/test_attention.py` asserts this bitwise.
+
+Why rows are separate product operands rather than tiles of a [rows, D] matrix: BLAS sgemm on
+this machine gives a row different bits depending on the row count of the call (1, 2-3, >= 4
+rows take different kernels, and so do the last rows of some counts), so an operand whose row
+count varied with the chunk would break exactness. `[G, D]` per row is the same in every call.
+Both operands are laid out contiguously before the product, so every call takes the same path.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 KV_BLOCK = 256
-Q_TILE = 8
+ROWS_PER_PASS = 64  # query rows per pass: bounds memory only; results do not depend on it
 
 
 def round_up_capacity(n: int) -> int:
@@ -31,37 +37,34 @@ def round_up_capacity(n: int) -> int:
 
 
 @dataclass(frozen=True)
-class TilePlan:
-    """Where one query tile looks: key blocks lo..hi and the visibility mask. It depends only on
-    positions and window, so a forward computes it once per segment and reuses it in every
-    layer of that window kind."""
+class RowPass:
+    """Where a pass of query rows looks: key blocks lo..hi and which keys each row cannot see.
+    It depends only on positions and window, so a forward computes it once per segment and
+    window kind and reuses it in every layer."""
 
-    start: int  # first query row of the tile within the segment
-    n: int  # real rows (the rest of Q_TILE is padding)
+    start: int  # first query row of the pass within the segment
+    n: int
     lo: int
     hi: int
-    hidden: torch.Tensor  # bool [nb, 1, G*Q_TILE, KV_BLOCK]: True where a key is not visible
+    hidden: torch.Tensor  # bool [n, nb, 1, 1, KV_BLOCK]: True where a key is not visible
 
 
-def plan_tiles(positions: torch.Tensor, window: int, group: int) -> list[TilePlan]:
+def plan_tiles(positions: torch.Tensor, window: int, group: int = 0) -> list[RowPass]:
     c = positions.shape[0]
-    pos_list = positions.tolist()
     plans = []
-    for t0 in range(0, c, Q_TILE):
-        n = min(Q_TILE, c - t0)
-        tile_pos = pos_list[t0 : t0 + n]
-        qpos = torch.full((Q_TILE,), tile_pos[-1], dtype=torch.int64)
-        qpos[:n] = positions[t0 : t0 + n]
-        hi = max(tile_pos) // KV_BLOCK
-        first = min(tile_pos) - window + 1 if window else 0
+    for r0 in range(0, c, ROWS_PER_PASS):
+        pos = positions[r0 : r0 + ROWS_PER_PASS]
+        n = pos.shape[0]
+        hi = int(pos.max()) // KV_BLOCK
+        first = int(pos.min()) - window + 1 if window else 0
         lo = max(first, 0) // KV_BLOCK
         nb = hi - lo + 1
-        kpos = torch.arange(lo * KV_BLOCK, (hi + 1) * KV_BLOCK, dtype=torch.int64).view(nb, 1, 1, KV_BLOCK)
-        rpos = qpos.repeat(group).view(1, 1, group * Q_TILE, 1)
+        kpos = torch.arange(lo * KV_BLOCK, (hi + 1) * KV_BLOCK, dtype=torch.int64).view(1, nb, 1, 1, KV_BLOCK)
+        rpos = pos.view(n, 1, 1, 1, 1)
         visible = kpos <= rpos
         if window:
             visible &= (rpos - kpos) < window
-        plans.append(TilePlan(t0, n, lo, hi, ~visible))
+        plans.append(RowPass(r0, n, lo, hi, ~visible))
     return plans
 
 
@@ -72,32 +75,30 @@ def attend(
     positions: torch.Tensor,  # [C] int64, absolute positions of the queries (cache holds <= max)
     window: int,  # 0 = global; else a key is visible when 0 <= qpos - kpos < window
     scale: float,
-    tiles: list[TilePlan] | None = None,  # plan_tiles(positions, window, H // Hkv), if precomputed
+    tiles: list[RowPass] | None = None,  # plan_tiles(positions, window), if precomputed
 ) -> torch.Tensor:
     c, h, d = q.shape
     hkv = k_cache.shape[1]
     g = h // hkv
     if tiles is None:
-        tiles = plan_tiles(positions, window, g)
+        tiles = plan_tiles(positions, window)
     out = torch.empty(c, h, d, dtype=torch.float32)
     for tp in tiles:
-        t0, n, lo, hi = tp.start, tp.n, tp.lo, tp.hi
+        r0, n, lo, hi = tp.start, tp.n, tp.lo, tp.hi
         nb = hi - lo + 1
-        qt = q.new_zeros(Q_TILE, h, d)
-        qt[:n] = q[t0 : t0 + n]
-        kb = k_cache[lo * KV_BLOCK : (hi + 1) * KV_BLOCK].view(nb, KV_BLOCK, hkv, d).permute(0, 2, 1, 3)
-        vb = v_cache[lo * KV_BLOCK : (hi + 1) * KV_BLOCK].view(nb, KV_BLOCK, hkv, d).permute(0, 2, 1, 3)
-        # rows ordered (group, query) so each kv head sees one fixed [G*Q_TILE, D] operand
-        qg = qt.view(Q_TILE, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * Q_TILE, d)
-        s = torch.matmul(qg.expand(nb, -1, -1, -1), kb.transpose(-1, -2).contiguous()) * scale
+        span = slice(lo * KV_BLOCK, (hi + 1) * KV_BLOCK)
+        kb = k_cache[span].view(nb, KV_BLOCK, hkv, d).permute(0, 2, 3, 1).contiguous()  # [nb, hkv, d, B]
+        vb = v_cache[span].view(nb, KV_BLOCK, hkv, d).permute(0, 2, 1, 3).contiguous()  # [nb, hkv, B, d]
+        qa = q[r0 : r0 + n].reshape(n, 1, hkv, g, d).expand(n, nb, hkv, g, d).reshape(-1, g, d)
+        kb = kb.expand(n, nb, hkv, d, KV_BLOCK).reshape(-1, d, KV_BLOCK)
+        vb = vb.expand(n, nb, hkv, KV_BLOCK, d).reshape(-1, KV_BLOCK, d)
+        s = torch.bmm(qa, kb).view(n, nb, hkv, g, KV_BLOCK) * scale
         s = s.masked_fill(tp.hidden, float("-inf"))
-        m = s.amax(dim=(0, 3), keepdim=True)
+        m = s.amax(dim=(1, 4), keepdim=True)
         p = torch.exp(s - m)
-        l = p.sum(dim=-1, keepdim=True).cumsum(0)[-1]
-        o = torch.matmul(p, vb.contiguous()).cumsum(0)[-1]
-        o = o / l  # [hkv, g*Q_TILE, d]
-        o = o.view(hkv, g, Q_TILE, d).permute(2, 0, 1, 3).reshape(Q_TILE, h, d)
-        out[t0 : t0 + n] = o[:n]
+        l = p.sum(dim=-1, keepdim=True).cumsum(1)[:, -1]  # [n, hkv, g, 1]
+        o = torch.bmm(p.view(-1, g, KV_BLOCK), vb).view(n, nb, hkv, g, d).cumsum(1)[:, -1]
+        out[r0 : r0 + n] = (o / l).reshape(n, h, d)
     return out
 
 

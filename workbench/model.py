@@ -172,7 +172,7 @@ class Model:
         # Everything that depends only on positions is computed once per forward, not per layer.
         ropes = {b: rope_tables(positions, b, d) for b in {c.layer_rope_base(i) for i in range(c.n_layers)}}
         tiles = {
-            w: [plan_tiles(positions[r0 : r0 + n], w, h_q // h_kv) for (r0, n, _) in spans]
+            w: [plan_tiles(positions[r0 : r0 + n], w) for (r0, n, _) in spans]
             for w in {c.layer_window(i) for i in range(c.n_layers)}
         }
         for li, layer in enumerate(self.layers):
