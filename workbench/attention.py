@@ -19,7 +19,9 @@ Why rows are separate product operands rather than tiles of a [rows, D] matrix: 
 this machine gives a row different bits depending on the row count of the call (1, 2-3, >= 4
 rows take different kernels, and so do the last rows of some counts), so an operand whose row
 count varied with the chunk would break exactness. `[G, D]` per row is the same in every call.
-Both operands are laid out contiguously before the product, so every call takes the same path.
+The cache is kept in a block layout (keys transposed inside each block) so that a decode row's
+operands are plain views of it; a prefill pass copies them into the same contiguous layout, so
+every call takes the same BLAS path.
 """
 
 from __future__ import annotations
@@ -34,6 +36,25 @@ ROWS_PER_PASS = 64  # query rows per pass: bounds memory only; results do not de
 
 def round_up_capacity(n: int) -> int:
     return max(KV_BLOCK, -(-n // KV_BLOCK) * KV_BLOCK)
+
+
+def to_blocks(k_rows: torch.Tensor, v_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-major caches [cap, Hkv, D] -> the block layout attend() reads:
+    K [nb, Hkv, D, KV_BLOCK] (keys transposed inside a block, ready as a product operand) and
+    V [nb, Hkv, KV_BLOCK, D]."""
+    cap, hkv, d = k_rows.shape
+    nb = cap // KV_BLOCK
+    kb = k_rows.view(nb, KV_BLOCK, hkv, d).permute(0, 2, 3, 1).contiguous()
+    vb = v_rows.view(nb, KV_BLOCK, hkv, d).permute(0, 2, 1, 3).contiguous()
+    return kb, vb
+
+
+def write_rows(k_blocks, v_blocks, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store rows k, v [n, Hkv, D] at positions start.. of block-layout caches."""
+    pos = torch.arange(start, start + k.shape[0])
+    blk, off = pos // KV_BLOCK, pos % KV_BLOCK
+    k_blocks[blk, :, :, off] = k
+    v_blocks[blk, :, off, :] = v
 
 
 @dataclass(frozen=True)
@@ -70,8 +91,8 @@ def plan_tiles(positions: torch.Tensor, window: int, group: int = 0) -> list[Row
 
 def attend(
     q: torch.Tensor,  # [C, H, D] float32, rope applied
-    k_cache: torch.Tensor,  # [cap, Hkv, D] float32, cap % KV_BLOCK == 0
-    v_cache: torch.Tensor,  # [cap, Hkv, D]
+    k_cache: torch.Tensor,  # [nb, Hkv, D, KV_BLOCK] float32 block layout (to_blocks)
+    v_cache: torch.Tensor,  # [nb, Hkv, KV_BLOCK, D]
     positions: torch.Tensor,  # [C] int64, absolute positions of the queries (cache holds <= max)
     window: int,  # 0 = global; else a key is visible when 0 <= qpos - kpos < window
     scale: float,
@@ -86,9 +107,8 @@ def attend(
     for tp in tiles:
         r0, n, lo, hi = tp.start, tp.n, tp.lo, tp.hi
         nb = hi - lo + 1
-        span = slice(lo * KV_BLOCK, (hi + 1) * KV_BLOCK)
-        kb = k_cache[span].view(nb, KV_BLOCK, hkv, d).permute(0, 2, 3, 1).contiguous()  # [nb, hkv, d, B]
-        vb = v_cache[span].view(nb, KV_BLOCK, hkv, d).permute(0, 2, 1, 3).contiguous()  # [nb, hkv, B, d]
+        kb = k_cache[lo : hi + 1]  # [nb, hkv, d, B], contiguous: a view, no copy
+        vb = v_cache[lo : hi + 1]  # [nb, hkv, B, d]
         qa = q[r0 : r0 + n].reshape(n, 1, hkv, g, d).expand(n, nb, hkv, g, d).reshape(-1, g, d)
         kb = kb.expand(n, nb, hkv, d, KV_BLOCK).reshape(-1, d, KV_BLOCK)
         vb = vb.expand(n, nb, hkv, KV_BLOCK, d).reshape(-1, KV_BLOCK, d)

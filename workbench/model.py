@@ -21,7 +21,7 @@ from typing import Literal, Sequence
 import torch
 import torch.nn.functional as F
 
-from .attention import attend, plan_tiles, round_up_capacity
+from .attention import KV_BLOCK, attend, plan_tiles, round_up_capacity, write_rows
 from .errors import WorkbenchError
 from .gguf_file import GGUFFile, cache_dir
 from .linear import linear
@@ -32,7 +32,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass
 class KVState:
-    """One sequence's KV cache: static buffers [n_layers, capacity, n_kv_heads, head_dim]."""
+    """One sequence's KV cache in blocks of KV_BLOCK positions (attention.py's layout):
+    k [n_layers, n_blocks, n_kv_heads, head_dim, KV_BLOCK], v [n_layers, n_blocks, n_kv_heads,
+    KV_BLOCK, head_dim]. A block is also the unit a paged pool will move."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -40,7 +42,7 @@ class KVState:
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[1] * KV_BLOCK
 
     def reset(self) -> None:
         # Stale rows stay finite and are always masked, so no clearing is needed.
@@ -120,10 +122,11 @@ class Model:
         return self.tokenizer.decode(list(ids))
 
     def new_state(self, capacity: int | None = None) -> KVState:
-        cap = round_up_capacity(capacity or self.config.context_length)
+        nb = round_up_capacity(capacity or self.config.context_length) // KV_BLOCK
         c = self.config
-        shape = (c.n_layers, cap, c.n_kv_heads, c.head_dim)
-        return KVState(torch.zeros(shape), torch.zeros(shape))
+        k = torch.zeros(c.n_layers, nb, c.n_kv_heads, c.head_dim, KV_BLOCK)
+        v = torch.zeros(c.n_layers, nb, c.n_kv_heads, KV_BLOCK, c.head_dim)
+        return KVState(k, v)
 
     @torch.inference_mode()
     def logits(self, ids: Sequence[int], chunk: int = 512) -> torch.Tensor:
@@ -191,8 +194,7 @@ class Model:
             window = c.layer_window(li)
             for si, (seg, (r0, n, start)) in enumerate(zip(segments, spans)):
                 kc, vc = seg.state.k[li], seg.state.v[li]
-                kc[start : start + n] = k[r0 : r0 + n]
-                vc[start : start + n] = v[r0 : r0 + n]
+                write_rows(kc, vc, start, k[r0 : r0 + n], v[r0 : r0 + n])
                 attn[r0 : r0 + n] = attend(
                     q[r0 : r0 + n], kc, vc, positions[r0 : r0 + n], window, c.attn_scale, tiles[window][si]
                 )

@@ -4,7 +4,11 @@ queries are chunked or what position in a tile a row takes."""
 import pytest
 import torch
 
-from workbench.attention import KV_BLOCK, attend, attend_ref, round_up_capacity
+from workbench.attention import KV_BLOCK, attend as _attend, attend_ref, round_up_capacity, to_blocks
+
+
+def attend(q, k, v, pos, window, scale):
+    return _attend(q, *to_blocks(k, v), pos, window, scale)
 
 
 def _setup(seed, length, h=4, hkv=2, d=32):
