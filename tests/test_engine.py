@@ -4,7 +4,6 @@ bitwise), whatever else runs, arrives, finishes or is cancelled."""
 import random
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

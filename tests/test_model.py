@@ -1,7 +1,6 @@
 """Forward pass on small random-weight GGUF models: chunk invariance, decode == prefill,
 batched segments == solo (bitwise), and the loader's errors."""
 
-import struct
 
 import numpy as np
 import pytest

@@ -12,9 +12,8 @@ its own sequence: batched equals solo and chunked prefill equals whole prefill, 
 
 from __future__ import annotations
 
-import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Sequence
 
@@ -233,12 +232,6 @@ class Model:
 
 
 # ---- loading ----------------------------------------------------------------------------------
-
-LLAMA_NAMES = {
-    "attn_norm": "attn_norm",
-    "ffn_norm": "ffn_norm",
-}
-
 
 def _tensor(g: GGUFFile, name: str, dtype: torch.dtype) -> torch.Tensor:
     from .quants import SUPPORTED, dequantize

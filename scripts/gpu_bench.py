@@ -1,0 +1,409 @@
+"""Exactness check and decode benchmarks of the Triton backend on a CUDA GPU (scripts/gpu_run.sh).
+
+    python scripts/gpu_bench.py main  --model M.gguf --out DIR   # exactness + triton/cuBLAS/engine
+    python scripts/gpu_bench.py hf    --model M.gguf --out DIR   # transformers on the same GGUF
+    python scripts/gpu_bench.py table DIR                         # print the summary table
+    python scripts/gpu_bench.py parquet DIR data/gpu/h200_bench.parquet   # here, with polars
+
+Every stage writes JSON into DIR as soon as it has a result, so a stage that fails or runs out
+of time leaves what came before. Decode rates: N slots, 128-token random prompts, 128 greedy
+tokens; "tok/s" is aggregate (N * steps / decode time; prefill excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PROMPT, GEN = 128, 128
+SLOTS = tuple(int(x) for x in os.environ.get("GPU_BENCH_SLOTS", "1,4,16,32").split(","))
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def dump(out: Path, name: str, obj) -> None:
+    (out / name).write_text(json.dumps(obj, indent=1, default=str))
+
+
+def fingerprint() -> dict:
+    try:
+        from workbench.hardware import fingerprint as fp
+
+        return fp()
+    except Exception as e:  # noqa: BLE001
+        return {"error": repr(e)}
+
+
+def copy_bandwidth() -> float:
+    """bytes/s of a 2 GiB device-to-device copy, read + write counted (median of 10)."""
+    import torch
+
+    n = 1 << 29
+    x = torch.rand(n, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * n * 4 / sorted(ts)[len(ts) // 2]
+
+
+def weight_bytes(r) -> int:
+    """Raw GGUF bytes one decode step reads: every layer projection, the norms, the head."""
+    n = sum(w.raw.numel() for L in r.layers for p in (L.qkv, L.wo, L.gate_up, L.down) for _, w in p.parts)
+    n += sum(4 * t.numel() for L in r.layers for t in vars(L).values() if hasattr(t, "numel") and t.dtype == __import__("torch").float32)
+    return n + r.head.parts[0][1].raw.numel()
+
+
+def kv_bytes_step(cfg, positions, elem: int) -> int:
+    """KV bytes attention reads for rows at these positions (each sees keys 0..pos, windowed)."""
+    total = 0
+    for p in positions:
+        for li in range(cfg.n_layers):
+            w = cfg.layer_window(li)
+            total += (min(p + 1, w) if w else p + 1) * 2 * cfg.kv_dim * elem
+    return total
+
+
+def prompts_for(n: int, vocab: int, seed: int, length: int = PROMPT):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+# ---- exactness ----------------------------------------------------------------------------------
+
+def stage_exact(m, out: Path, rows: list) -> None:
+    import torch
+
+    from workbench import Engine, EngineConfig
+
+    V = m.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    lens = [600, 5, 37, 128, 300, 64, 17, 520, 200, 90, 3, 256, 700, 45, 11, 150]
+    prompts = [torch.randint(10, V, (n,), generator=g).tolist() for n in lens]
+    for N, kw in ((4, dict(temperature=0.8, top_p=0.95, seed=11)), (16, dict(temperature=0.0))):
+        ps = prompts[:N]
+        cfg = EngineConfig(backend="triton", dtype=m.dtype_name, max_concurrency=N, max_context=1024,
+                           memory_budget_bytes=64 << 30, chunk_size=256)
+        t0 = time.perf_counter()
+        eng = Engine(m, cfg, keep_logits=True)
+        batched = eng.generate(ps, max_tokens=32, ignore_eos=True, **kw)
+        tb = time.perf_counter() - t0
+        solo_eng = Engine(m, replace(cfg, max_concurrency=1, chunk_size=None), keep_logits=True)
+        t0 = time.perf_counter()
+        solo = [solo_eng.submit(p, index=i, max_tokens=32, ignore_eos=True, **kw).result() for i, p in enumerate(ps)]
+        ts = time.perf_counter() - t0
+        tok_eq = [b.token_ids == s.token_ids for b, s in zip(batched, solo)]
+        lg_eq = [torch.equal(b.logits.cpu(), s.logits.cpu()) for b, s in zip(batched, solo)]
+        graphs = sorted(eng.runner._graphs)
+        row = dict(stage="exact", check=f"{N} slots vs solo", slots=N, prompt_lens=lens[:N], sampling=str(kw),
+                   tokens_equal=all(tok_eq), logits_equal=all(lg_eq), requests_differing=[i for i, (a, b) in enumerate(zip(tok_eq, lg_eq)) if not (a and b)],
+                   batched_s=tb, solo_s=ts, graphs=str(graphs), steps=len(eng.telemetry.steps) if hasattr(eng.telemetry, "steps") else None)
+        log("EXACT", row)
+        rows.append(row)
+        dump(out, "exact.json", rows)
+        del eng, solo_eng, batched, solo
+        torch.cuda.empty_cache()
+
+
+def stage_vs_torch(path: str, m, out: Path, rows: list) -> None:
+    """Teacher-forced triton (bf16 KV, GGUF weights) vs the torch reference in float32 (CPU)."""
+    import torch
+
+    from workbench.model import Segment as MSeg, load_model
+    from workbench.scheduler import Segment
+    from workbench.triton_runner import TritonRunner
+
+    torch.set_num_threads(min(16, os.cpu_count() or 1))
+    m32 = load_model(path, dtype="float32")
+    toks = prompts_for(1, m.config.vocab_size, 5, 40)[0] + prompts_for(1, m.config.vocab_size, 6, 8)[0]
+    for kv in (torch.float32, torch.bfloat16):
+        r = TritonRunner(m32, 1024, kv_dtype=kv)
+        st = m32.new_state(256)
+        errs, agree = [], 0
+        got = r.run([Segment(0, "a", tuple(toks[:40]), 0, True)], {0: 64})[0]
+        ref = m32.forward([MSeg(st, toks[:40], "last")])[0][0]
+        for i in range(40, 48):
+            errs.append(float((got.cpu() - ref).norm() / ref.norm()))
+            agree += int(got.argmax()) == int(ref.argmax())
+            got = r.run([Segment(0, "a", (toks[i],), i, True)], {0: 64})[0]
+            ref = m32.forward([MSeg(st, [toks[i]], "last")])[0][0]
+        row = dict(stage="vs_torch", kv_dtype=str(kv), max_rel_err=max(errs), mean_rel_err=sum(errs) / len(errs),
+                   argmax_agree=f"{agree}/8")
+        log("VS_TORCH", row)
+        rows.append(row)
+        dump(out, "exact.json", rows)
+        del r
+    del m32
+
+
+# ---- decode benchmarks --------------------------------------------------------------------------
+
+def bench_runner(m, variant: str, slots_list, out: Path, rows: list, bw: float, **kw) -> None:
+    import torch
+
+    from workbench.scheduler import Segment
+    from workbench.triton_runner import TritonRunner
+
+    r = TritonRunner(m, 1024, **kw)
+    V = m.config.vocab_size
+    wbytes = weight_bytes(r)
+    elem = r._elem
+    for N in slots_list:
+        try:
+            ps = prompts_for(N, V, 100 + N)
+
+            def prefill(tag):
+                first = []
+                for sl, p in enumerate(ps):
+                    o = r.run([Segment(sl, f"{tag}-{N}-{sl}", tuple(p), 0, True)], {sl: PROMPT + GEN + 8})
+                    first.append(int(o[sl].argmax()))
+                return first
+
+            if r.use_graphs:
+                first = prefill("warm")
+                r.decode_loop(list(range(N)), first, GEN)  # captures the graph
+                first = prefill("timed")
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                hist = r.decode_loop(list(range(N)), first, GEN)
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                steps = GEN
+            else:  # eager: one run() per step, tokens through the host
+                steps = 32
+                first = prefill("timed")
+                toks = first
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for t in range(steps):
+                    o = r.run([Segment(sl, f"timed-{N}-{sl}", (toks[sl],), PROMPT + t, True) for sl in range(N)],
+                              {sl: PROMPT + GEN + 8 for sl in range(N)})
+                    toks = torch.stack([o[sl] for sl in range(N)]).argmax(1).tolist()
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+            kvb = kv_bytes_step(m.config, [PROMPT + steps // 2] * N, elem)
+            step_s = dt / steps
+            floor_w = wbytes / bw
+            row = dict(stage="bench", variant=variant, slots=N, prompt=PROMPT, steps=steps, tok_s=N * steps / dt,
+                       step_ms=1e3 * step_s, launches_per_step=r.launches, weight_bytes=wbytes, kv_bytes_step=kvb,
+                       floor_weights_us=1e6 * floor_w, floor_weights_kv_us=1e6 * (wbytes + kvb) / bw,
+                       x_floor=step_s / floor_w, copy_bw_gbs=bw / 1e9)
+            log("BENCH", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
+            rows.append(row)
+            dump(out, "bench.json", rows)
+        except Exception:  # noqa: BLE001
+            log(f"BENCH {variant} N={N} FAILED\n{traceback.format_exc()}")
+            rows.append(dict(stage="bench", variant=variant, slots=N, error=traceback.format_exc()[-800:]))
+            dump(out, "bench.json", rows)
+    del r
+    torch.cuda.empty_cache()
+
+
+def bench_engine(m, slots_list, out: Path, rows: list) -> None:
+    """End to end through Engine (host sampling each step, as served): aggregate decode tok/s."""
+    import torch
+
+    from workbench import Engine, EngineConfig
+
+    V = m.config.vocab_size
+    for N in slots_list:
+        try:
+            cfg = EngineConfig(backend="triton", dtype=m.dtype_name, max_concurrency=N, max_context=PROMPT + GEN + 8,
+                               memory_budget_bytes=64 << 30)
+            eng = Engine(m, cfg)
+            eng.generate(prompts_for(N, V, 7), max_tokens=8, ignore_eos=True)  # warm: graphs
+            res = eng.generate(prompts_for(N, V, 8 + N), max_tokens=GEN, ignore_eos=True)
+            t0 = min(r.first_token_at for r in res)
+            t1 = max(r.token_times[-1] for r in res)
+            n = sum(len(r.token_ids) - 1 for r in res)
+            row = dict(stage="bench", variant="engine_triton", slots=N, prompt=PROMPT, steps=GEN, tok_s=n / (t1 - t0),
+                       step_ms=1e3 * (t1 - t0) / (GEN - 1))
+            log("BENCH", row)
+            rows.append(row)
+            dump(out, "bench.json", rows)
+            del eng
+        except Exception:  # noqa: BLE001
+            log(f"ENGINE N={N} FAILED\n{traceback.format_exc()}")
+
+
+def main_stage(args) -> None:
+    import torch
+
+    from workbench.model import load_model
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dump(out, "fingerprint.json", fingerprint())
+    t0 = time.perf_counter()
+    m = load_model(args.model, dtype="bfloat16")
+    log(f"model loaded in {time.perf_counter() - t0:.1f}s")
+    bw = copy_bandwidth()
+    log(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    rows: list = [dict(stage="copy_bw", copy_bw_gbs=bw / 1e9)]
+    dump(out, "bench.json", rows)
+    exact_rows: list = []
+    for name, fn in (
+        ("triton graphs", lambda: bench_runner(m, "triton_graphs", SLOTS, out, rows, bw)),
+        ("exact", lambda: stage_exact(m, out, exact_rows)),
+        ("cublas bf16 graphs", lambda: bench_runner(m, "cublas_bf16_graphs", SLOTS, out, rows, bw, dense="cublas_bf16")),
+        ("engine", lambda: bench_engine(m, (1, 16), out, rows)),
+        ("triton eager", lambda: bench_runner(m, "triton_eager", (1, 16), out, rows, bw, graphs=False)),
+        ("vs torch", lambda: stage_vs_torch(args.model, m, out, exact_rows)),
+    ):
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception:  # noqa: BLE001
+            log(f"STAGE {name} FAILED\n{traceback.format_exc()}")
+            exact_rows.append(dict(stage=name, error=traceback.format_exc()[-1500:]))
+            dump(out, "exact.json", exact_rows)
+        log(f"stage {name}: {time.perf_counter() - t0:.1f}s")
+
+
+# ---- transformers -------------------------------------------------------------------------------
+
+def hf_stage(args) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(args.out)
+    rows: list = []
+    path = Path(args.model)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16)
+    model = model.to("cuda").eval()
+    log(f"hf loaded in {time.perf_counter() - t0:.1f}s")
+    V = model.config.vocab_size
+    modes = ["eager"] + (["static_compile"] if args.compile else [])
+    for mode in modes:
+        for N in SLOTS:
+            try:
+                ids = torch.tensor(prompts_for(N, V, 100 + N), device="cuda")
+                kw = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+                if mode == "static_compile":
+                    kw["cache_implementation"] = "static"
+                def gen(n):
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    with torch.no_grad():
+                        o = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+                    torch.cuda.synchronize()
+                    assert o.shape[1] == ids.shape[1] + n
+                    return time.perf_counter() - t
+                gen(4)  # warm up
+                t1, t128 = gen(1), gen(GEN)
+                row = dict(stage="bench", variant=f"hf_{mode}_bf16", slots=N, prompt=PROMPT, steps=GEN,
+                           tok_s=N * (GEN - 1) / (t128 - t1), step_ms=1e3 * (t128 - t1) / (GEN - 1))
+                log("BENCH", row)
+                rows.append(row)
+                dump(out, f"hf_{mode}.json", rows)
+            except Exception:  # noqa: BLE001
+                log(f"HF {mode} N={N} FAILED\n{traceback.format_exc()}")
+                rows.append(dict(stage="bench", variant=f"hf_{mode}_bf16", slots=N, error=traceback.format_exc()[-800:]))
+                dump(out, f"hf_{mode}.json", rows)
+
+
+# ---- reporting ----------------------------------------------------------------------------------
+
+def load_rows(d: Path) -> list[dict]:
+    rows = []
+    for f in sorted(d.glob("*.json")):
+        if f.name == "fingerprint.json":
+            continue
+        try:
+            rows += json.loads(f.read_text())
+        except Exception:  # noqa: BLE001
+            pass
+    return rows
+
+
+def table(args) -> None:
+    rows = load_rows(Path(args.dir))
+    for r in rows:
+        if r.get("stage") in ("exact", "vs_torch") or "error" in r:
+            log({k: v for k, v in r.items() if k not in ("prompt_lens",)} if "error" not in r else
+                {"stage": r.get("stage"), "variant": r.get("variant"), "slots": r.get("slots"), "error": r["error"][-200:]})
+    log(f"{'variant':<22}{'slots':>6}{'tok/s':>10}{'ms/step':>9}{'launch':>7}{'x floor':>8}")
+    for r in rows:
+        if r.get("stage") == "bench" and "tok_s" in r:
+            log(f"{r['variant']:<22}{r['slots']:>6}{r['tok_s']:>10.0f}{r['step_ms']:>9.3f}"
+                f"{r.get('launches_per_step', ''):>7}{(format(r['x_floor'], '.1f') if 'x_floor' in r else ''):>8}")
+        elif r.get("stage") == "copy_bw":
+            log(f"copy bandwidth {r['copy_bw_gbs']:.0f} GB/s")
+
+
+def to_parquet(args) -> None:
+    import polars as pl
+
+    d = Path(args.dir)
+    fp = json.loads((d / "fingerprint.json").read_text()) if (d / "fingerprint.json").exists() else {}
+    rows = [r for r in load_rows(d) if r.get("stage") in ("bench", "copy_bw")]
+    for r in rows:
+        r["hardware_id"] = fp.get("hardware_id")
+        r["gpu_name"] = fp.get("gpu_name")
+        r["fingerprint"] = json.dumps(fp, default=str)
+    cols = sorted({k for r in rows for k in r})
+    df = pl.DataFrame([{k: r.get(k) for k in cols} for r in rows], infer_schema_length=None)
+    df.write_parquet(args.dest)
+    exact = [r for r in load_rows(d) if r.get("stage") not in ("bench", "copy_bw")]
+    Path(args.dest).with_name(Path(args.dest).stem.replace("bench", "exact") + ".json").write_text(
+        json.dumps(exact, indent=1, default=str))
+    print(df)
+
+
+def synth(args) -> None:
+    """A random-weight GGUF with Gemma 3 270M's layer shapes (a tiny vocabulary): a dress rehearsal."""
+    from workbench.synthetic import SyntheticSpec, write_random_gguf
+
+    write_random_gguf(args.path, SyntheticSpec(arch="gemma3", n_layers=int(args.layers), n_embd=640, n_heads=4,
+                                               n_kv_heads=1, head_dim=256, n_ff=2048, context_length=32768,
+                                               sliding_window=512, weight_type="Q8_0"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    y = sub.add_parser("synth")
+    y.add_argument("path")
+    y.add_argument("--layers", default=6)
+    a = sub.add_parser("main")
+    a.add_argument("--model", required=True)
+    a.add_argument("--out", required=True)
+    h = sub.add_parser("hf")
+    h.add_argument("--model", required=True)
+    h.add_argument("--out", required=True)
+    h.add_argument("--compile", action="store_true")
+    t = sub.add_parser("table")
+    t.add_argument("dir")
+    p = sub.add_parser("parquet")
+    p.add_argument("dir")
+    p.add_argument("dest")
+    args = ap.parse_args()
+    {"main": main_stage, "hf": hf_stage, "table": table, "parquet": to_parquet, "synth": synth}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

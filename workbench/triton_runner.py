@@ -1,0 +1,683 @@
+"""TritonRunner: the whole forward on the device, with the Triton kernels of `workbench.kernels`.
+
+Same interface as `runner.TorchRunner` (the engine picks it with EngineConfig(backend="triton")).
+
+* Weights: the RAW GGUF blocks go to the device ("cuda" if available, else "cpu" under
+  TRITON_INTERPRET=1); `qmatmul`'s kernel decodes them in registers. Same-format projections of
+  one input are fused by concatenating their rows (q|k|v, gate|up). Llama's NORM rope (adjacent
+  pairs) is turned into the kernels' NEOX rope by permuting the rows of W_q and W_k within each
+  head (q.k is unchanged by a common permutation of q and k; V is not permuted).
+* KV: one pool per layer [S, L_max, Hkv, D] (slot id = pool index, the last index a scratch
+  slot that padded rows write into); it grows (copying) when a slot id or a reservation needs it.
+* Each step: embedding -> per layer [qkv qmatmul -> fused QK-norm + rope + KV write ->
+  attention_rows -> wo qmatmul -> fused (post-norm, residual add, next pre-norm) -> gate|up
+  qmatmul -> fused split-K sum + GeGLU/SwiGLU -> down qmatmul -> fused add+norm] -> head.
+  The qmatmul launches write their fixed split-K partials and the consumer kernel adds them in
+  slice order, so no separate sum launch. Every kernel computes a row from that row alone, with
+  shapes, tiles and split-K fixed by the weight shapes, never by the number of rows: a slot's
+  logits are bitwise the same whatever else shares the step.
+* Decode-only forwards on CUDA replay a CUDA graph captured per (row bucket, attention segment
+  bucket): rows are padded to 1, 2, 4, ..., 64; padded rows read token 0 at position 0 and write
+  their KV into the scratch slot. Prefill and mixed forwards run eagerly (any row count).
+
+`dense="cublas_bf16"` swaps the quantized products for cuBLAS bf16 products on dequantized
+weights: the fastest NON-batch-invariant variant, for measuring what invariance costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from .errors import WorkbenchError
+from .model import Model
+from .planner import SlotView
+from .scheduler import Segment
+
+GRAPHS: bool | str = True  # the default of TritonRunner(graphs=None); tests set "emulate"
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode rows per captured graph
+# run() returns the logits rows on the host: the engine samples there, with CPU generators
+# (torch.multinomial cannot take a CPU generator for CUDA probabilities). One copy per forward.
+LOGITS_TO_HOST = True
+POOL_BLOCK = 256  # KV pool lengths are powers of two >= this (the attention segment)
+MAX_EMBD = 8192  # the fused norms hold a whole row in one tile
+
+
+# ---- fused kernels (each a function of one row; batch-invariant by construction) ------------
+
+@triton.jit
+def _sum_parts(ptr, offs, mask, stride_s, NSPLIT: tl.constexpr):
+    """((p[0] + p[1]) + ...) at offs: the qmatmul split-K slices added in slice order."""
+    acc = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for sp in tl.static_range(1, NSPLIT):
+        acc += tl.load(ptr + sp * stride_s + offs, mask=mask, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _add_rmsnorm_kernel(
+    x_ptr, p_ptr, wpost_ptr, wn_ptr, h_ptr, E, eps,
+    stride_x, stride_ps, stride_pm, stride_h,
+    NSPLIT: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """x += post_norm(sum of partials) (or the plain sum); h = rmsnorm(x) * wn."""
+    r = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < E
+    d = _sum_parts(p_ptr + r * stride_pm, cols, mask, stride_ps, NSPLIT)
+    if HAS_POST:
+        rs = 1.0 / tl.sqrt_rn(tl.sum(d * d, axis=0) / E + eps)
+        d = (d * rs) * tl.load(wpost_ptr + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0.0) + d
+    tl.store(x_ptr + r * stride_x + cols, x, mask=mask)
+    rs2 = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / E + eps)
+    h = (x * rs2) * tl.load(wn_ptr + cols, mask=mask, other=0.0)
+    tl.store(h_ptr + r * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _glu_kernel(p_ptr, o_ptr, F, stride_ps, stride_pm, stride_o,
+                NSPLIT: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """out = act(gate) * up from the partials of the fused [gate | up] product. ACT 0: gelu_tanh
+    (as kernels/geglu.py: g * sigmoid(2u), overflow-free), 1: silu."""
+    r = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < F
+    base = p_ptr + r * stride_pm
+    g = _sum_parts(base, offs, mask, stride_ps, NSPLIT)
+    u = _sum_parts(base + F, offs, mask, stride_ps, NSPLIT)
+    if ACT == 0:
+        t = 2.0 * 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+    else:
+        t = g
+    z = tl.exp(-tl.abs(t))
+    sig = tl.where(t >= 0, 1.0 / (1.0 + z), z / (1.0 + z))
+    y = (g * sig) * u
+    tl.store(o_ptr + r * stride_o + offs, y.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_rope_heads(base, offs, mask, stride_ps, nw_ptr, i, imask, c, s, D, eps,
+                     NSPLIT: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    x1 = _sum_parts(base, offs, mask, stride_ps, NSPLIT)
+    x2 = _sum_parts(base, offs + HALF, mask, stride_ps, NSPLIT)
+    if HAS_NORM:
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        rs = 1.0 / tl.sqrt_rn(ss / D + eps)
+        w1 = tl.load(nw_ptr + i, mask=imask, other=0.0)[None, :]
+        w2 = tl.load(nw_ptr + HALF + i, mask=imask, other=0.0)[None, :]
+        x1 = (x1 * rs[:, None]) * w1
+        x2 = (x2 * rs[:, None]) * w2
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
+def _qk_rope_kv_kernel(
+    p_ptr, q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, eps,
+    stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    HQ_P: tl.constexpr, HKV_P: tl.constexpr, HALF_P: tl.constexpr,
+    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    """From the qkv partials of one row: q = rope(qnorm(q)) -> q_out; k = rope(knorm(k)) and v
+    -> the row's KV slot (seq, pos). NEOX rope: pairs (i, i + D/2), angle = f32(pos) * inv_freq."""
+    r = tl.program_id(0)
+    pos = tl.load(pos_ptr + r)
+    seq = tl.load(seq_ptr + r).to(tl.int64)
+    i = tl.arange(0, HALF_P)
+    imask = i < HALF
+    ang = pos.to(tl.float32) * tl.load(inv_ptr + i, mask=imask, other=0.0)
+    c = tl.cos(ang)[None, :]
+    s = tl.sin(ang)[None, :]
+    base = p_ptr + r * stride_pm
+    hq = tl.arange(0, HQ_P)
+    qmask = (hq < HQ)[:, None] & imask[None, :]
+    qoffs = hq[:, None] * D + i[None, :]
+    o1, o2 = _norm_rope_heads(base, qoffs, qmask, stride_ps, qn_ptr, i, imask, c, s, D, eps, NSPLIT, HALF, HAS_NORM)
+    tl.store(q_ptr + r * stride_qr + qoffs, o1, mask=qmask)
+    tl.store(q_ptr + r * stride_qr + qoffs + HALF, o2, mask=qmask)
+    hk = tl.arange(0, HKV_P)
+    kmask = (hk < HKV)[:, None] & imask[None, :]
+    koffs = hk[:, None] * D + i[None, :]
+    k1, k2 = _norm_rope_heads(base + HQ * D, koffs, kmask, stride_ps, kn_ptr, i, imask, c, s, D, eps, NSPLIT, HALF, HAS_NORM)
+    dst = seq * stride_ks + pos.to(tl.int64) * stride_kl + koffs
+    tl.store(k_ptr + dst, k1.to(k_ptr.dtype.element_ty), mask=kmask)
+    tl.store(k_ptr + dst + HALF, k2.to(k_ptr.dtype.element_ty), mask=kmask)
+    vbase = base + (HQ + HKV) * D
+    v1 = _sum_parts(vbase, koffs, kmask, stride_ps, NSPLIT)
+    v2 = _sum_parts(vbase, koffs + HALF, kmask, stride_ps, NSPLIT)
+    tl.store(v_ptr + dst, v1.to(v_ptr.dtype.element_ty), mask=kmask)
+    tl.store(v_ptr + dst + HALF, v2.to(v_ptr.dtype.element_ty), mask=kmask)
+
+
+# ---- weights ----------------------------------------------------------------------------------
+
+@dataclass
+class QWeight:
+    raw: torch.Tensor  # uint8 [N, row_bytes] GGUF blocks on the device
+    fmt: object  # kernels.quant_tiles.QuantFormat
+    N: int
+    K: int
+    splits: int
+
+
+@dataclass
+class Proj:
+    """One product x @ [W_0; W_1; ...]^T: same-format members fused, each written into its
+    column range of one partial buffer [splits, M, N]."""
+
+    parts: list[tuple[int, QWeight]]
+    N: int
+    K: int
+    splits: int
+    dense: torch.Tensor | None = None  # bf16 [N, K] for dense="cublas_bf16"
+
+
+@dataclass
+class DevLayer:
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    qkv: Proj
+    wo: Proj
+    gate_up: Proj
+    down: Proj
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_ffw_norm: torch.Tensor | None = None
+
+
+@dataclass
+class _Graph:
+    graph: object
+    bucket: int
+    nseg: int
+    launches: int
+
+
+class _Eager:
+    """Stands in for a CUDA graph: replay() runs the captured body eagerly."""
+
+    def __init__(self, body):
+        self.replay = body
+
+
+def _pow2_at_least(n: int, lo: int) -> int:
+    return max(lo, triton.next_power_of_2(max(1, n)))
+
+
+class TritonRunner:
+    supports_fused_step = True
+
+    def __init__(self, model: Model, slot_capacity: int, *, device: str | torch.device | None = None,
+                 graphs: bool | str | None = None, dense: str = "quant", kv_dtype: torch.dtype | None = None):
+        from .kernels import qmatmul as qm
+        from .kernels.quant_tiles import FORMATS
+
+        self._qm = qm
+        self.model = model
+        c = self.cfg = model.config
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cpu":
+            import os
+
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                raise WorkbenchError("backend='triton' without a CUDA device needs TRITON_INTERPRET=1 "
+                                     "set before triton is first imported")
+        if dense not in ("quant", "cublas_bf16"):
+            raise WorkbenchError(f"dense={dense!r} is not allowed: allowed quant, cublas_bf16")
+        self.dense = dense
+        self.use_dot = self.device.type == "cuda"
+        # graphs="emulate": the graph path (buckets, padding, scratch slot, device-fed tokens)
+        # replayed eagerly, so that the CPU tests cover it; True: CUDA graphs where CUDA is.
+        graphs = GRAPHS if graphs is None else graphs
+        self._emulate = graphs == "emulate"
+        self.use_graphs = self._emulate or (bool(graphs) and self.device.type == "cuda")
+        self.slot_capacity = slot_capacity
+        if c.head_dim % 2 or c.n_embd > MAX_EMBD:
+            raise WorkbenchError(f"backend='triton' needs an even head_dim and n_embd <= {MAX_EMBD}")
+        self._formats = FORMATS
+        self.kv_dtype = kv_dtype or model.dtype
+        g = model.source
+        # Llama GGUF rope rotates adjacent pairs; the kernels rotate (i, i + D/2). Permuting the
+        # rows of W_q and W_k inside each head turns one into the other.
+        d = c.head_dim
+        self._perm = None if c.rope_neox else torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+        raw_cache: dict[str, torch.Tensor] = {}
+        self.fixed_bytes = 0
+
+        def raw(name: str, heads: int | None = None) -> QWeight:
+            if name not in g.tensors:
+                raise WorkbenchError(f"{g.path.name} lacks tensor '{name}', which backend='triton' needs")
+            t = g.tensors[name]
+            fmt = FORMATS.get(t.qtype_name)
+            if fmt is None:
+                raise WorkbenchError(
+                    f"backend='triton': tensor {name} has quant type {t.qtype_name}; the Triton "
+                    f"kernels read {', '.join(FORMATS)} (use backend='torch')")
+            n, k = t.shape
+            if k % fmt.block_size:
+                raise WorkbenchError(f"tensor {name}: K={k} is not a multiple of the {fmt.name} block size")
+            b = torch.from_numpy(np.ascontiguousarray(g.raw(name))).view(n, fmt.row_bytes(k))
+            if heads is not None and self._perm is not None:
+                idx = (torch.arange(heads)[:, None] * d + self._perm[None, :]).reshape(-1)
+                b = b[idx]
+            return QWeight(b, fmt, n, k, qm.num_k_splits(n, k))
+
+        def proj(names: list[tuple[str, int | None]], dense_w: torch.Tensor | None) -> Proj:
+            ws = [raw(n, h) for n, h in names]
+            K = ws[0].K
+            parts: list[tuple[int, QWeight]] = []
+            off = 0
+            for w in ws:  # fuse consecutive members of one format
+                if parts and parts[-1][1].fmt.name == w.fmt.name:
+                    o, p = parts[-1]
+                    parts[-1] = (o, QWeight(torch.cat([p.raw, w.raw]), p.fmt, p.N + w.N, K, 0))
+                else:
+                    parts.append((off, w))
+                off += w.N
+            splits = qm.num_k_splits(off, K)
+            out = []
+            for o, w in parts:
+                w.splits = qm.num_k_splits(w.N, K)
+                if w.splits != splits:
+                    raise WorkbenchError("backend='triton': fused projections need one split-K")
+                w.raw = w.raw.contiguous().to(self.device)
+                self.fixed_bytes += w.raw.numel()
+                out.append((o, w))
+            dw = None
+            if dense == "cublas_bf16":
+                dw = dense_w.to(torch.bfloat16).to(self.device)
+            return Proj(out, off, K, splits, dw)
+
+        def vec(t: torch.Tensor | None, permute: bool = False) -> torch.Tensor | None:
+            if t is None:
+                return None
+            t = t.float()
+            if permute and self._perm is not None:
+                t = t[self._perm]
+            self.fixed_bytes += 4 * t.numel()
+            return t.contiguous().to(self.device)
+
+        def perm_rows(w: torch.Tensor, heads_q: int, heads_k: int) -> torch.Tensor:
+            if self._perm is None:
+                return w
+            idx = torch.cat([
+                (torch.arange(heads_q)[:, None] * d + self._perm[None, :]).reshape(-1),
+                c.q_dim + (torch.arange(heads_k)[:, None] * d + self._perm[None, :]).reshape(-1),
+                torch.arange(c.q_dim + c.kv_dim, c.q_dim + 2 * c.kv_dim),
+            ])
+            return w[idx]
+
+        self.layers: list[DevLayer] = []
+        for i, L in enumerate(model.layers):
+            p = f"blk.{i}."
+            dense_qkv = perm_rows(L.wqkv, c.n_heads, c.n_kv_heads) if dense != "quant" else None
+            self.layers.append(DevLayer(
+                attn_norm=vec(L.attn_norm), ffn_norm=vec(L.ffn_norm),
+                qkv=proj([(p + "attn_q.weight", c.n_heads), (p + "attn_k.weight", c.n_kv_heads),
+                          (p + "attn_v.weight", None)], dense_qkv),
+                wo=proj([(p + "attn_output.weight", None)], L.wo),
+                gate_up=proj([(p + "ffn_gate.weight", None), (p + "ffn_up.weight", None)], L.w_gate_up),
+                down=proj([(p + "ffn_down.weight", None)], L.w_down),
+                q_norm=vec(L.q_norm, True), k_norm=vec(L.k_norm, True),
+                post_attn_norm=vec(L.post_attn_norm), post_ffw_norm=vec(L.post_ffw_norm),
+            ))
+        self.output_norm = vec(model.output_norm)
+        emb = raw("token_embd.weight")
+        emb.raw = emb.raw.to(self.device)
+        self.fixed_bytes += emb.raw.numel()
+        self.embed = emb
+        if c.tied_output:
+            head = QWeight(emb.raw, emb.fmt, emb.N, emb.K, 1)
+        else:
+            head = raw("output.weight")
+            head.raw = head.raw.to(self.device)
+            self.fixed_bytes += head.raw.numel()
+        head.splits = 1  # one K pass: the logits are written directly (a shape-only choice)
+        self.head = Proj([(0, head)], head.N, head.K, 1,
+                         model.head.to(torch.bfloat16).to(self.device) if dense != "quant" else None)
+        self.vocab = head.N
+        from .kernels.rope import rope_inv_freq
+
+        self._inv_freq = {b: rope_inv_freq(d, b, self.device)
+                          for b in {c.layer_rope_base(i) for i in range(c.n_layers)}}
+        self._block_e = triton.next_power_of_2(c.n_embd)
+        # Activation bytes of one row at the widest point (float32 residual, normed input, qkv
+        # partials, q, attention output, gate|up partials, GLU output, down partials) plus the
+        # attention workspace of a row at full slot capacity.
+        qrows = max(16, triton.next_power_of_2(c.n_heads // c.n_kv_heads)) if self.use_dot else \
+            triton.next_power_of_2(c.n_heads // c.n_kv_heads)
+        nseg_cap = -(-slot_capacity // POOL_BLOCK)
+        ws = c.n_kv_heads * nseg_cap * qrows * (max(16, triton.next_power_of_2(d)) + 2)
+        sp = self.layers[0]
+        per_row = (2 * c.n_embd + sp.qkv.splits * sp.qkv.N + 2 * c.q_dim + sp.gate_up.splits * sp.gate_up.N
+                   + c.n_ff + max(sp.down.splits, sp.wo.splits) * c.n_embd + ws)
+        self.bytes_per_prefill_row = int(4 * per_row)
+        self._elem = torch.empty(0, dtype=self.kv_dtype).element_size()
+        self._kv_per_token = c.kv_bytes_per_token(self._elem)
+        # KV pool and per-slot bookkeeping
+        self._pool_slots = 0  # real slots in the pool (scratch is index _pool_slots)
+        self._pool_len = 0
+        self.k_pool: torch.Tensor | None = None
+        self.v_pool: torch.Tensor | None = None
+        self._owner: dict[int, Hashable] = {}
+        self._len: dict[int, int] = {}
+        # graph state
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._gpool = None
+        self._g_in: torch.Tensor | None = None
+        self._g_tok: torch.Tensor | None = None
+        self._g_logits: torch.Tensor | None = None
+        self._zeros = torch.zeros(BUCKETS[-1], dtype=torch.int32, device=self.device)
+        self._wins = torch.full((BUCKETS[-1],), max(c.sliding_window, 0), dtype=torch.int32, device=self.device)
+        self.launches = 0  # kernel launches of the last forward (counted where they are issued)
+
+    # -- RunnerInfo ----------------------------------------------------------------------------
+    def cache_bytes(self, num_tokens: int) -> int:
+        return self._kv_per_token * (-(-num_tokens // POOL_BLOCK) * POOL_BLOCK)
+
+    def batch_verdict(self, view: SlotView) -> tuple[bool, str | None]:
+        if self.dense != "quant":
+            return False, "dense products are not batch-invariant"
+        return True, None
+
+    def reset(self, slot: int) -> None:
+        self._owner.pop(slot, None)
+        self._len.pop(slot, None)
+
+    @property
+    def kv_bytes(self) -> int:
+        if self.k_pool is None:
+            return 0
+        return 2 * self.k_pool.numel() * self.k_pool.element_size()
+
+    # -- KV pool ------------------------------------------------------------------------------
+    def _ensure_pool(self, slots: int, length: int) -> None:
+        cap = -(-self.slot_capacity // POOL_BLOCK) * POOL_BLOCK
+        if length > cap:
+            raise WorkbenchError(f"a slot needs {length} tokens but the slot capacity is {self.slot_capacity}")
+        if slots <= self._pool_slots and length <= self._pool_len:
+            return
+        new_s = max(self._pool_slots, _pow2_at_least(slots, 1))
+        new_l = min(cap, max(self._pool_len, _pow2_at_least(length, POOL_BLOCK)))
+        c = self.cfg
+        shape = (c.n_layers, new_s + 1, new_l, c.n_kv_heads, c.head_dim)
+        k = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        v = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        if self.k_pool is not None:
+            s0, l0 = self._pool_slots, self._pool_len
+            k[:, :s0, :l0] = self.k_pool[:, :s0]
+            v[:, :s0, :l0] = self.v_pool[:, :s0]
+        self.k_pool, self.v_pool = k, v
+        self._pool_slots, self._pool_len = new_s, new_l
+        self._graphs.clear()  # they point at the old pool
+
+    # -- the forward ----------------------------------------------------------------------------
+    def _project(self, x: torch.Tensor, p: Proj) -> torch.Tensor:
+        """Partials [splits, M, N] of x @ W^T (float32; bf16 [1, M, N] for the dense variant)."""
+        M = x.shape[0]
+        if p.dense is not None:
+            self.launches += 2
+            return (x.to(torch.bfloat16) @ p.dense.T).unsqueeze(0)
+        part = torch.empty((p.splits, M, p.N), dtype=torch.float32, device=self.device)
+        qm = self._qm
+        for off, w in p.parts:
+            cfg = qm.QMATMUL_CONFIGS[w.fmt.name]
+            grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(w.N, cfg.block_n), w.splits)
+            qm._qmatmul_kernel[grid](
+                x, w.raw, part[:, :, off:], M, w.N, w.K, qm.QMATMUL_SPLIT_K if w.splits > 1 else w.K,
+                x.stride(0), part.stride(1), part.stride(0), w.raw.stride(0),
+                QTYPE=w.fmt.code, SUB=w.fmt.sub, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k, INPUT_PRECISION=qm.QMATMUL_INPUT_PRECISION, USE_DOT=self.use_dot,
+                num_warps=cfg.num_warps,
+            )
+            self.launches += 1
+        return part
+
+    def _add_norm(self, x, part, w_post, w_next, h) -> None:
+        c = self.cfg
+        _add_rmsnorm_kernel[(x.shape[0],)](
+            x, part, w_post if w_post is not None else w_next, w_next, h, c.n_embd, float(c.rms_eps),
+            x.stride(0), part.stride(0), part.stride(1), h.stride(0),
+            NSPLIT=part.shape[0], HAS_POST=w_post is not None, BLOCK=self._block_e,
+            num_warps=4 if self._block_e <= 1024 else 8,
+        )
+        self.launches += 1
+
+    def _forward(self, ids, pos, seq, R: int, max_pos: int, sel=None, logits_out=None):
+        """Logits [len(sel) or R, vocab] of the rows (ids, pos, seq: int32 [R] on the device)."""
+        from .kernels.attention import attention_rows
+        from .kernels.embedding import embedding
+        from .kernels.norm import rmsnorm
+
+        c = self.cfg
+        dev = self.device
+        E, Hq, Hkv, D = c.n_embd, c.n_heads, c.n_kv_heads, c.head_dim
+        hdt = torch.bfloat16 if self.dense != "quant" else torch.float32
+        x = torch.empty((R, E), dtype=torch.float32, device=dev)
+        h = torch.empty((R, E), dtype=hdt, device=dev)
+        embedding(ids, self.embed.raw, E, c.embed_scale, self.embed.fmt.name, out=x)
+        rmsnorm(x, self.layers[0].attn_norm, c.rms_eps, out=h) if hdt == torch.float32 else \
+            h.copy_(rmsnorm(x, self.layers[0].attn_norm, c.rms_eps))
+        self.launches += 2 + (hdt != torch.float32)
+        if R <= self._zeros.shape[0]:
+            zeros, wins = self._zeros[:R], self._wins[:R]
+        else:
+            zeros = torch.zeros(R, dtype=torch.int32, device=dev)
+            wins = torch.full((R,), max(c.sliding_window, 0), dtype=torch.int32, device=dev)
+        half = D // 2
+        act = 0 if c.activation == "gelu_tanh" else 1
+        glu_block = min(1024, triton.next_power_of_2(c.n_ff))
+        for li, L in enumerate(self.layers):
+            part = self._project(h, L.qkv)
+            q = torch.empty((R, Hq, D), dtype=torch.float32, device=dev)
+            kp, vp = self.k_pool[li], self.v_pool[li]
+            has_norm = L.q_norm is not None
+            _qk_rope_kv_kernel[(R,)](
+                part, q, kp, vp, seq, pos,
+                L.q_norm if has_norm else self._inv_freq[c.layer_rope_base(li)],
+                L.k_norm if has_norm else self._inv_freq[c.layer_rope_base(li)],
+                self._inv_freq[c.layer_rope_base(li)], float(c.rms_eps),
+                part.stride(0), part.stride(1), q.stride(0), kp.stride(0), kp.stride(1),
+                HQ=Hq, HKV=Hkv, D=D, HALF=half, HQ_P=max(2, triton.next_power_of_2(Hq)),
+                HKV_P=max(2, triton.next_power_of_2(Hkv)), HALF_P=max(2, triton.next_power_of_2(half)),
+                NSPLIT=part.shape[0], HAS_NORM=has_norm, num_warps=4,
+            )
+            attn = attention_rows(q, kp, vp, seq, pos, wins if c.layer_window(li) else zeros,
+                                  c.attn_scale, max_pos=max_pos, use_dot=self.use_dot)
+            self.launches += 3
+            a = attn.view(R, Hq * D)
+            part = self._project(a, L.wo)
+            self._add_norm(x, part, L.post_attn_norm, L.ffn_norm, h)
+            part = self._project(h, L.gate_up)
+            g = torch.empty((R, c.n_ff), dtype=hdt, device=dev)
+            _glu_kernel[(R, triton.cdiv(c.n_ff, glu_block))](
+                part, g, c.n_ff, part.stride(0), part.stride(1), g.stride(0),
+                NSPLIT=part.shape[0], ACT=act, BLOCK=glu_block, num_warps=4,
+            )
+            self.launches += 1
+            part = self._project(g, L.down)
+            nxt = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.output_norm
+            self._add_norm(x, part, L.post_ffw_norm, nxt, h)
+        hs = h if sel is None else h.index_select(0, sel)
+        if logits_out is None:
+            logits_out = torch.empty((hs.shape[0], self.vocab), dtype=torch.float32, device=dev)
+        part = self._project(hs, self.head) if self.head.dense is not None else None
+        if part is not None:
+            logits_out.copy_(part[0])
+            self.launches += 1
+        else:
+            w = self.head.parts[0][1]
+            qm = self._qm
+            cfg = qm.QMATMUL_CONFIGS[w.fmt.name]
+            M = hs.shape[0]
+            grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(w.N, cfg.block_n), 1)
+            qm._qmatmul_kernel[grid](
+                hs, w.raw, logits_out, M, w.N, w.K, w.K, hs.stride(0), logits_out.stride(0), 0,
+                w.raw.stride(0), QTYPE=w.fmt.code, SUB=w.fmt.sub, BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, INPUT_PRECISION=qm.QMATMUL_INPUT_PRECISION,
+                USE_DOT=self.use_dot, num_warps=cfg.num_warps,
+            )
+            self.launches += 1
+        return logits_out
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    def _begin(self, forward: Sequence[Segment], max_context: dict[int, int]) -> None:
+        for s in forward:
+            if self._owner.get(s.slot_id) != s.request_id:
+                self._owner[s.slot_id] = s.request_id
+                self._len[s.slot_id] = 0
+            if self._len[s.slot_id] != s.start_pos:
+                raise RuntimeError(f"slot {s.slot_id}: KV holds {self._len[s.slot_id]} tokens, plan starts at {s.start_pos}")
+        need_len = max(list(max_context.values()) + [s.start_pos + len(s.token_ids) for s in forward])
+        # size the pool for every admitted slot (max_context has them all), not only this forward's
+        self._ensure_pool(max([s.slot_id for s in forward] + list(max_context)) + 1, need_len)
+
+    # -- run ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, forward: Sequence[Segment], max_context: dict[int, int]) -> dict[int, torch.Tensor]:
+        """One forward; slot id -> float32 logits [vocab] of its last row (where sampled). Rows
+        of a graphed decode step are views of a static buffer, valid until the next run()."""
+        if not forward:
+            return {}
+        self._begin(forward, max_context)
+        decode = all(len(s.token_ids) == 1 and s.samples for s in forward)
+        if decode and self.use_graphs and len(forward) <= BUCKETS[-1]:
+            g = self._graph_for(len(forward), max(s.start_pos for s in forward))
+            self._fill_inputs(forward, g.bucket)
+            g.graph.replay()
+            self.launches = g.launches or self.launches
+            # a copy: a later forward of the same step may replay a graph into the buffer
+            rows = self._g_logits[: len(forward)]
+            rows = rows.cpu() if LOGITS_TO_HOST else rows.clone()
+            out = {s.slot_id: rows[i] for i, s in enumerate(forward)}
+        else:
+            out = self._run_eager(forward)
+        for s in forward:
+            self._len[s.slot_id] = s.start_pos + len(s.token_ids)
+        return out
+
+    def _run_eager(self, forward: Sequence[Segment]) -> dict[int, torch.Tensor]:
+        ids, pos, seq, sel = [], [], [], []
+        for s in forward:
+            n = len(s.token_ids)
+            ids += list(s.token_ids)
+            pos += range(s.start_pos, s.start_pos + n)
+            seq += [s.slot_id] * n
+            if s.samples:
+                sel.append(len(ids) - 1)
+        R = len(ids)
+        host = torch.tensor([ids, pos, seq], dtype=torch.int32)
+        dev = host.to(self.device)
+        self.launches = 0
+        sel_t = None if len(sel) == R else torch.tensor(sel, dtype=torch.int64).to(self.device)
+        if not sel:
+            # no row is sampled: run the layers (the KV writes) and skip the head
+            self._forward_no_head(dev[0], dev[1], dev[2], R, max(pos))
+            return {}
+        logits = self._forward(dev[0], dev[1], dev[2], R, max(pos), sel=sel_t)
+        if LOGITS_TO_HOST:
+            logits = logits.cpu()
+        out, i = {}, 0
+        for s in forward:
+            if s.samples:
+                out[s.slot_id] = logits[i]
+                i += 1
+        return out
+
+    def _forward_no_head(self, ids, pos, seq, R, max_pos):
+        # the head on one row is cheap next to a prefill chunk; its result is dropped
+        sel = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._forward(ids, pos, seq, R, max_pos, sel=sel)
+
+    # -- CUDA graphs ------------------------------------------------------------------------------
+    def _graph_inputs(self) -> None:
+        if self._g_in is None:
+            B = BUCKETS[-1]
+            self._g_in = torch.zeros((3, B), dtype=torch.int32, device=self.device)
+            self._g_tok = torch.zeros(B, dtype=torch.int64, device=self.device)
+            self._g_logits = torch.zeros((B, self.vocab), dtype=torch.float32, device=self.device)
+            self._gpool = None if self._emulate else torch.cuda.graph_pool_handle()
+
+    def _pad_inputs(self, bucket: int) -> None:
+        self._g_in[:, :bucket] = 0
+        self._g_in[2, :bucket] = self._pool_slots  # the scratch slot
+
+    def _graph_body(self, bucket: int, max_pos: int) -> None:
+        from .kernels.sampling import argmax
+
+        self.launches = 0
+        ids, pos, seq = self._g_in[0, :bucket], self._g_in[1, :bucket], self._g_in[2, :bucket]
+        self._forward(ids, pos, seq, bucket, max_pos, logits_out=self._g_logits[:bucket])
+        # greedy fast path: the next step's inputs, on the device (the engine overwrites them)
+        argmax(self._g_logits[:bucket], out=self._g_tok[:bucket])
+        self._g_in[0, :bucket].copy_(self._g_tok[:bucket])
+        self._g_in[1, :bucket].add_(1)
+        self.launches += 4
+
+    def _graph_for(self, rows: int, max_pos: int) -> _Graph:
+        bucket = next(b for b in BUCKETS if b >= rows)
+        nseg = min(_pow2_at_least(-(-(max_pos + 1) // POOL_BLOCK), 1), self._pool_len // POOL_BLOCK)
+        key = (bucket, nseg)
+        g = self._graphs.get(key)
+        if g is not None:
+            return g
+        self._graph_inputs()
+        if self._emulate:
+            g = self._graphs[key] = _Graph(_Eager(lambda: self._graph_body(bucket, nseg * POOL_BLOCK - 1)),
+                                           bucket, nseg, 0)
+            return g
+        torch.cuda.synchronize()
+        saved = self._g_in.clone()
+        self._pad_inputs(bucket)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile and warm up outside the capture
+            self._graph_body(bucket, nseg * POOL_BLOCK - 1)
+        torch.cuda.current_stream().wait_stream(side)
+        self._pad_inputs(bucket)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._gpool):
+            self._graph_body(bucket, nseg * POOL_BLOCK - 1)
+        torch.cuda.synchronize()
+        self._g_in.copy_(saved)
+        g = self._graphs[key] = _Graph(graph, bucket, nseg, self.launches)
+        return g
+
+    def _fill_inputs(self, forward: Sequence[Segment], bucket: int) -> None:
+        host = torch.zeros((3, bucket), dtype=torch.int32)
+        host[2, :] = self._pool_slots
+        for i, s in enumerate(forward):
+            host[0, i] = s.token_ids[0]
+            host[1, i] = s.start_pos
+            host[2, i] = s.slot_id
+        self._g_in[:, :bucket].copy_(host)
+
+    # -- benchmark fast path ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode_loop(self, slots: Sequence[int], tokens: Sequence[int], steps: int,
+                    max_context: dict[int, int] | None = None) -> torch.Tensor:
+        """Greedy decode `steps` tokens for `slots` (each already prefilled; `tokens` are their
+        next input tokens) by chained graph replays, the tokens fed back on the device.
+        Returns int64 [steps, len(slots)] on the device. CUDA graphs only."""
+        if not self.use_graphs:
+            raise WorkbenchError("decode_loop needs CUDA graphs")
+        segs = [Segment(s, self._owner[s], (int(t),), self._len[s], True) for s, t in zip(slots, tokens)]
+        last = max(s.start_pos for s in segs) + steps - 1
+        self._ensure_pool(max(slots) + 1, last + 1)
+        g = self._graph_for(len(segs), last)
+        self._fill_inputs(segs, g.bucket)
+        hist = torch.empty((steps, len(segs)), dtype=torch.int64, device=self.device)
+        for t in range(steps):
+            g.graph.replay()
+            hist[t].copy_(self._g_tok[: len(segs)])
+        for s in segs:
+            self._len[s.slot_id] = s.start_pos + steps
+        self.launches = g.launches or self.launches
+        return hist
