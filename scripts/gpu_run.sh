@@ -14,9 +14,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 # workbench.kernels is kernels/ (pyproject's package-dir); this copy of the tree is not installed
 ln -sfn ../kernels workbench/kernels
+mkdir -p $SLOTLAB_CACHE/tokenizers; cp .carry/tok/*.json $SLOTLAB_CACHE/tokenizers/ 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
-if [ -f .carry/model/part5 ]; then cat .carry/model/part5 >> "$MODEL"; fi
+# (the upload chain appended the last part already)
 echo "$SHA  $MODEL" | sha256sum -c || { ls -l "$MODEL"; exit 1; }
 stamp main
 timeout ${MAIN_S:-330} python3 scripts/gpu_bench.py main --model "$MODEL" --out "$OUT" 2>&1 | tee "$OUT/main.log"

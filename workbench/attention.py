@@ -109,15 +109,29 @@ def attend(
         nb = hi - lo + 1
         kb = k_cache[lo : hi + 1]  # [nb, hkv, d, B], contiguous: a view, no copy
         vb = v_cache[lo : hi + 1]  # [nb, hkv, B, d]
-        qa = q[r0 : r0 + n].reshape(n, 1, hkv, g, d).expand(n, nb, hkv, g, d).reshape(-1, g, d)
-        kb = kb.expand(n, nb, hkv, d, KV_BLOCK).reshape(-1, d, KV_BLOCK)
-        vb = vb.expand(n, nb, hkv, KV_BLOCK, d).reshape(-1, KV_BLOCK, d)
-        s = torch.bmm(qa, kb).view(n, nb, hkv, g, KV_BLOCK) * scale
+        qr = q[r0 : r0 + n].reshape(n, hkv, g, d)
+        if n == 1:
+            # one query row: every (block, head) product in a single batched call
+            qa = qr.expand(nb, hkv, g, d).reshape(-1, g, d)
+            s = torch.bmm(qa, kb.reshape(-1, d, KV_BLOCK)).view(1, nb, hkv, g, KV_BLOCK)
+        else:
+            # many rows: per (block, head), the block is shared by all rows through a
+            # stride-0 batch (no copies); each row is still its own [G, D] operand
+            s = torch.stack(
+                [torch.stack([torch.bmm(qr[:, kh], kb[b, kh].expand(n, d, KV_BLOCK)) for kh in range(hkv)], 1)
+                 for b in range(nb)], 1)
+        s = s * scale
         s = s.masked_fill(tp.hidden, float("-inf"))
         m = s.amax(dim=(1, 4), keepdim=True)
         p = torch.exp(s - m)
-        l = p.sum(dim=-1, keepdim=True).cumsum(1)[:, -1]  # [n, hkv, g, 1]
-        o = torch.bmm(p.view(-1, g, KV_BLOCK), vb).view(n, nb, hkv, g, d).cumsum(1)[:, -1]
+        l = p.sum(dim=-1, keepdim=True).cumsum(1)[:, -1]  # [n, hkv, g, 1], blocks added in order
+        if n == 1:
+            o = torch.bmm(p.view(-1, g, KV_BLOCK), vb.reshape(-1, KV_BLOCK, d)).view(1, nb, hkv, g, d)
+        else:
+            o = torch.stack(
+                [torch.stack([torch.bmm(p[:, b, kh], vb[b, kh].expand(n, KV_BLOCK, d)) for kh in range(hkv)], 1)
+                 for b in range(nb)], 1)
+        o = o.cumsum(1)[:, -1]
         out[r0 : r0 + n] = (o / l).reshape(n, h, d)
     return out
 
