@@ -120,7 +120,7 @@ def stage_exact(m, out: Path, rows: list) -> None:
         graphs = sorted(eng.runner._graphs)
         row = dict(stage="exact", check=f"{N} slots vs solo", slots=N, prompt_lens=lens[:N], sampling=str(kw),
                    tokens_equal=all(tok_eq), logits_equal=all(lg_eq), requests_differing=[i for i, (a, b) in enumerate(zip(tok_eq, lg_eq)) if not (a and b)],
-                   batched_s=tb, solo_s=ts, graphs=str(graphs), steps=len(eng.telemetry.steps) if hasattr(eng.telemetry, "steps") else None)
+                   batched_s=tb, solo_s=ts, graphs=str(graphs))
         log("EXACT", row)
         rows.append(row)
         dump(out, "exact.json", rows)
@@ -273,6 +273,8 @@ def main_stage(args) -> None:
         ("triton eager", lambda: bench_runner(m, "triton_eager", (1, 16), out, rows, bw, graphs=False)),
         ("vs torch", lambda: stage_vs_torch(args.model, m, out, exact_rows)),
     ):
+        if os.environ.get("STAGES") and name not in os.environ["STAGES"].split(","):
+            continue
         t0 = time.perf_counter()
         try:
             fn()

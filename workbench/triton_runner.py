@@ -643,7 +643,8 @@ class TritonRunner:
         torch.cuda.current_stream().wait_stream(side)
         self._pad_inputs(bucket)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._gpool):
+        # cuBLAS (the dense variant) tripped the caching allocator with a shared pool
+        with torch.cuda.graph(graph, pool=self._gpool if self.dense == "quant" else None):
             self._graph_body(bucket, nseg * POOL_BLOCK - 1)
         torch.cuda.synchronize()
         self._g_in.copy_(saved)
