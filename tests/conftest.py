@@ -72,3 +72,34 @@ def real_model_f32():
     from workbench.model import load_model
 
     return load_model(dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def q2k_gguf(tiny_dir):
+    """A tiny llama whose blk.0.ffn_down is declared Q2_K (a type the engine does not support)."""
+    import gguf
+    import numpy as np
+
+    from workbench.synthetic import SyntheticSpec, write_random_gguf
+
+    src = write_random_gguf(tiny_dir / "f32-src.gguf", SyntheticSpec(weight_type="F32"))
+    r = gguf.GGUFReader(str(src))
+    out = tiny_dir / "q2k.gguf"
+    w = gguf.GGUFWriter(str(out), "llama")
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        vt = f.types[0]
+        w.add_key_value(f.name, f.contents(), vt, sub_type=f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        if t.name == "blk.0.ffn_down.weight":  # [128 rows, 256 cols]: one Q2_K block (84 bytes) per row
+            rows, cols = int(t.shape[1]), int(t.shape[0])
+            raw = np.random.default_rng(0).integers(0, 255, (rows, cols // 256 * 84), dtype=np.uint8)
+            w.add_tensor(t.name, raw, raw_dtype=gguf.GGMLQuantizationType.Q2_K)
+        else:
+            w.add_tensor(t.name, np.array(t.data).reshape([int(s) for s in reversed(t.shape)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

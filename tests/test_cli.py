@@ -49,6 +49,10 @@ def test_unsupported_architecture(tmp_path):
     one_line_error(run("info", "--model", str(tmp_path / "rwkv.gguf")), "'rwkv6' is not supported", "gemma3, llama")
 
 
+def test_unsupported_quant_type(q2k_gguf):
+    one_line_error(run("generate", "hi", "--model", str(q2k_gguf)), "quant type Q2_K, which is not supported", "Q8_0")
+
+
 def test_prompt_longer_than_context(tiny_gguf):
     path = tiny_gguf("llama", "Q8_0", context_length=64)
     one_line_error(run("generate", "the " * 100, "--model", str(path)), "does not fit the context of 64")

@@ -183,3 +183,15 @@ def test_real_model_four_slots_bitwise_equal_solo(real_model_bf16):
     got = _engine(m, 4, chunk_size=128).generate(ids, max_tokens=8, ignore_eos=True)
     for a, b in zip(got, solos):
         _same(a, b)
+
+
+@pytest.mark.real_model
+def test_real_model_eight_slots_identical_and_distinct(real_model_bf16):
+    m = real_model_bf16
+    texts = ["Hello", "The year 1969 saw", "import numpy as np\n", "Les fleurs du", "2 + 2 =", "Dear Sir,", "\u4f60\u597d", "In summary"]
+    ids = [m.tokenize(t) for t in texts]
+    for prompts in (ids, [ids[1]] * 8):
+        solos = {tuple(p): _solo(m, p, 4) for p in prompts}
+        got = _engine(m, 8).generate(prompts, max_tokens=4, ignore_eos=True)
+        for p, r in zip(prompts, got):
+            _same(r, solos[tuple(p)])

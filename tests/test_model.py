@@ -121,28 +121,6 @@ def test_unsupported_architecture(tmp_path):
         load_model(p)
 
 
-def test_unsupported_quant_type(tiny_gguf, tmp_path):
-    import gguf
-
-    from workbench.synthetic import SyntheticSpec, write_random_gguf
-
-    p = write_random_gguf(tmp_path / "q2k.gguf", SyntheticSpec(weight_type="F32"))
-    # rewrite: same model, one tensor declared Q2_K (random bytes of the right size)
-    r = gguf.GGUFReader(str(p))
-    w = gguf.GGUFWriter(str(tmp_path / "q2k_2.gguf"), "llama")
-    for f in r.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue
-        vt = f.types[0]
-        sub = f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(f.name, f.contents(), vt, sub_type=sub)
-    for t in r.tensors:
-        if t.name == "blk.0.ffn_down.weight":  # [128 rows, 256 cols]: one Q2_K block per row
-            rows, cols = int(t.shape[1]), int(t.shape[0])
-            raw = np.random.default_rng(0).integers(0, 255, (rows, cols // 256 * 84), dtype=np.uint8)
-            w.add_tensor(t.name, raw, raw_dtype=gguf.GGMLQuantizationType.Q2_K)
-        else:
-            w.add_tensor(t.name, np.array(t.data).reshape([int(s) for s in reversed(t.shape)]))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+def test_unsupported_quant_type(q2k_gguf):
     with pytest.raises(WorkbenchError, match="quant type Q2_K, which is not supported; supported: .*Q4_K"):
-        load_model(tmp_path / "q2k_2.gguf")
+        load_model(q2k_gguf)

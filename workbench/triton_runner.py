@@ -215,7 +215,8 @@ class TritonRunner:
     supports_fused_step = True
 
     def __init__(self, model: Model, slot_capacity: int, *, device: str | torch.device | None = None,
-                 graphs: bool | str | None = None, dense: str = "quant", kv_dtype: torch.dtype | None = None):
+                 graphs: bool | str | None = None, dense: str = "quant", kv_dtype: torch.dtype | None = None,
+                 attn_segment: int | None = None):
         from .kernels import qmatmul as qm
         from .kernels.quant_tiles import FORMATS
 
@@ -232,6 +233,14 @@ class TritonRunner:
         if dense not in ("quant", "cublas_bf16"):
             raise WorkbenchError(f"dense={dense!r} is not allowed: allowed quant, cublas_bf16")
         self.dense = dense
+        from .kernels import attention as _attn
+
+        self._attn = _attn
+        # keys per attention partial program (kernels.attention.ATTENTION_SEGMENT by default): one
+        # value per runner, used by prefill and decode alike, so rows stay bitwise invariant
+        self.attn_segment = int(attn_segment or _attn.ATTENTION_SEGMENT)
+        if self.attn_segment not in (32, 64, 128, 256):
+            raise WorkbenchError(f"attn_segment={attn_segment!r} is not allowed: allowed 32, 64, 128, 256")
         self.use_dot = self.device.type == "cuda"
         # graphs="emulate": the graph path (buckets, padding, scratch slot, device-fed tokens)
         # replayed eagerly, so that the CPU tests cover it; True: CUDA graphs where CUDA is.
@@ -353,7 +362,7 @@ class TritonRunner:
         # attention workspace of a row at full slot capacity.
         qrows = max(16, triton.next_power_of_2(c.n_heads // c.n_kv_heads)) if self.use_dot else \
             triton.next_power_of_2(c.n_heads // c.n_kv_heads)
-        nseg_cap = -(-slot_capacity // POOL_BLOCK)
+        nseg_cap = -(-slot_capacity // self.attn_segment)
         ws = c.n_kv_heads * nseg_cap * qrows * (max(16, triton.next_power_of_2(d)) + 2)
         sp = self.layers[0]
         per_row = (2 * c.n_embd + sp.qkv.splits * sp.qkv.N + 2 * c.q_dim + sp.gate_up.splits * sp.gate_up.N
@@ -489,6 +498,7 @@ class TritonRunner:
                 HKV_P=max(2, triton.next_power_of_2(Hkv)), HALF_P=max(2, triton.next_power_of_2(half)),
                 NSPLIT=part.shape[0], HAS_NORM=has_norm, num_warps=4,
             )
+            self._attn.ATTENTION_SEGMENT = self.attn_segment
             attn = attention_rows(q, kp, vp, seq, pos, wins if c.layer_window(li) else zeros,
                                   c.attn_scale, max_pos=max_pos, use_dot=self.use_dot)
             self.launches += 3
@@ -623,14 +633,15 @@ class TritonRunner:
 
     def _graph_for(self, rows: int, max_pos: int) -> _Graph:
         bucket = next(b for b in BUCKETS if b >= rows)
-        nseg = min(_pow2_at_least(-(-(max_pos + 1) // POOL_BLOCK), 1), self._pool_len // POOL_BLOCK)
+        seg = self.attn_segment
+        nseg = min(_pow2_at_least(-(-(max_pos + 1) // seg), 1), self._pool_len // seg)
         key = (bucket, nseg)
         g = self._graphs.get(key)
         if g is not None:
             return g
         self._graph_inputs()
         if self._emulate:
-            g = self._graphs[key] = _Graph(_Eager(lambda: self._graph_body(bucket, nseg * POOL_BLOCK - 1)),
+            g = self._graphs[key] = _Graph(_Eager(lambda: self._graph_body(bucket, nseg * seg - 1)),
                                            bucket, nseg, 0)
             return g
         torch.cuda.synchronize()
@@ -639,13 +650,13 @@ class TritonRunner:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile and warm up outside the capture
-            self._graph_body(bucket, nseg * POOL_BLOCK - 1)
+            self._graph_body(bucket, nseg * seg - 1)
         torch.cuda.current_stream().wait_stream(side)
         self._pad_inputs(bucket)
         graph = torch.cuda.CUDAGraph()
         # cuBLAS (the dense variant) tripped the caching allocator with a shared pool
         with torch.cuda.graph(graph, pool=self._gpool if self.dense == "quant" else None):
-            self._graph_body(bucket, nseg * POOL_BLOCK - 1)
+            self._graph_body(bucket, nseg * seg - 1)
         torch.cuda.synchronize()
         self._g_in.copy_(saved)
         g = self._graphs[key] = _Graph(graph, bucket, nseg, self.launches)
