@@ -87,7 +87,7 @@ def bandwidth_fraction_chart(summary: pl.DataFrame) -> alt.LayerChart:
 def ttft_vs_chunk_chart(summary: pl.DataFrame) -> alt.Chart:
     """Worst time to first token against the prefill chunk size."""
     return _measured_vs(summary, "chunk_size", "ttft_s_max", "max TTFT (s)", "Time to first token vs chunk size",
-                        x_log=True, per_hardware=True)
+                        x_log=True, per_hardware=True, series="prompt_len")
 
 
 def itl_vs_chunk_chart(summary: pl.DataFrame) -> alt.Chart:
@@ -97,20 +97,21 @@ def itl_vs_chunk_chart(summary: pl.DataFrame) -> alt.Chart:
                            variable_name="statistic", value_name="itl_s")
     long = long.with_columns(pl.col("statistic").str.replace("itl_s_", ""))
     return _measured_vs(long, "chunk_size", "itl_s", "inter-token latency (s)",
-                        "Inter-token latency vs chunk size (max, p99)", x_log=True, per_hardware=True, dash="statistic")
+                        "Inter-token latency vs chunk size (max, p99)", x_log=True, per_hardware=True, dash="statistic",
+                        series="prompt_len")
 
 
 def throughput_vs_chunk_chart(summary: pl.DataFrame) -> alt.Chart:
     """Aggregate decode tok/s against the prefill chunk size."""
     return _measured_vs(summary, "chunk_size", "decode_tok_s_aggregate", "decode tok/s (aggregate)",
-                        "Aggregate throughput vs chunk size", x_log=True, per_hardware=True)
+                        "Aggregate throughput vs chunk size", x_log=True, per_hardware=True, series="prompt_len")
 
 
 def peak_memory_vs_chunk_chart(summary: pl.DataFrame) -> alt.Chart:
     """Peak memory (GiB) against the prefill chunk size."""
     frame = summary.with_columns((pl.col("peak_memory_bytes") / 2**30).alias("peak_memory_gib"))
     return _measured_vs(frame, "chunk_size", "peak_memory_gib", "peak memory (GiB)", "Peak memory vs chunk size",
-                        x_log=True, per_hardware=True)
+                        x_log=True, per_hardware=True, series="prompt_len")
 
 
 def metric_vs_param_chart(summary: pl.DataFrame, param: str, metric: str) -> alt.Chart:
@@ -296,8 +297,11 @@ def _swept_params(store: RunStore, ablation: str, summary: pl.DataFrame) -> list
 
 
 def _measured_vs(frame, x, y, y_title, title, *, x_log, dash=None, y_format=None, x_type="Q", y_log=False,
-                 per_hardware=False):
+                 per_hardware=False, series=None):
     """Points for every row, a line through the mean per x; colour by hardware_id.
+
+    `series` (a column such as prompt_len) splits the lines and gives the points a shape, so
+    that rows of different settings are not averaged into one curve.
 
     `per_hardware` draws one panel per hardware_id, each with its own y scale, so that a slow
     machine's curve keeps its shape next to a fast one.
@@ -311,10 +315,15 @@ def _measured_vs(frame, x, y, y_title, title, *, x_log, dash=None, y_format=None
     y_scale = alt.Scale(type="log") if y_log else alt.Undefined
     color = alt.Color("hardware_id:N", title="hardware")
     extra = {"strokeDash": alt.StrokeDash(f"{dash}:N")} if dash and dash in keep.columns else {}
+    split = series if series and series in keep.columns else None
+    if split:
+        tooltip.append(f"{split}:N")
+        extra["detail"] = alt.Detail(f"{split}:N")
     base = alt.Chart().encode(x=x_enc, color=color, **extra)
     line = base.mark_line().encode(y=alt.Y(f"mean({y}):Q", title=y_title, axis=axis, scale=y_scale))
-    dots = base.mark_circle(size=50, opacity=0.6).encode(
-        y=alt.Y(f"{y}:Q", title=y_title, axis=axis, scale=y_scale), tooltip=tooltip
+    shape = {"shape": alt.Shape(f"{split}:N")} if split else {}
+    dots = base.mark_point(size=50, opacity=0.7, filled=True).encode(
+        y=alt.Y(f"{y}:Q", title=y_title, axis=axis, scale=y_scale), tooltip=tooltip, **shape
     )
     layer = alt.layer(line, dots, data=_data(keep))
     if not per_hardware:
