@@ -46,10 +46,8 @@ llama_cpp_python_version, use_extra_bufts.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import hashlib
 import os
-import statistics
 import sys
 import tempfile
 import time

@@ -3,7 +3,7 @@
     python scripts/gpu_bench.py main  --model M.gguf --out DIR   # exactness + triton/cuBLAS/engine
     python scripts/gpu_bench.py hf    --model M.gguf --out DIR   # transformers on the same GGUF
     python scripts/gpu_bench.py table DIR                         # print the summary table
-    python scripts/gpu_bench.py parquet DIR data/gpu/h200_bench.parquet   # here, with polars
+    python scripts/gpu_bench.py parquet data/gpu/h200_bench.parquet DIR...   # here, with polars
 
 Every stage writes JSON into DIR as soon as it has a result, so a stage that fails or runs out
 of time leaves what came before. Decode rates: N slots, 128-token random prompts, 128 greedy
@@ -132,7 +132,8 @@ def stage_vs_torch(path: str, m, out: Path, rows: list) -> None:
     """Teacher-forced triton (bf16 KV, GGUF weights) vs the torch reference in float32 (CPU)."""
     import torch
 
-    from workbench.model import Segment as MSeg, load_model
+    from workbench.model import Segment as MSeg
+    from workbench.model import load_model
     from workbench.scheduler import Segment
     from workbench.triton_runner import TritonRunner
 
@@ -155,7 +156,6 @@ def stage_vs_torch(path: str, m, out: Path, rows: list) -> None:
         log("VS_TORCH", row)
         rows.append(row)
         dump(out, "exact.json", rows)
-        del r
     del m32
 
 
@@ -188,7 +188,7 @@ def bench_runner(m, variant: str, slots_list, out: Path, rows: list, bw: float, 
                 first = prefill("timed")
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                hist = r.decode_loop(list(range(N)), first, GEN)
+                r.decode_loop(list(range(N)), first, GEN)
                 torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
                 steps = GEN
@@ -222,9 +222,57 @@ def bench_runner(m, variant: str, slots_list, out: Path, rows: list, bw: float, 
     torch.cuda.empty_cache()
 
 
+def stage_profile(m, out: Path, rows: list, seg: int | None = None) -> None:
+    """Per-kernel device time of decode steps (torch.profiler, CUPTI): graph replays, and eager."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from workbench.scheduler import Segment
+    from workbench.triton_runner import TritonRunner
+
+    V = m.config.vocab_size
+    for graphs in (True, False):
+        r = TritonRunner(m, 1024, graphs=graphs, attn_segment=seg)
+        for N in (1, 16):
+            ps = prompts_for(N, V, 300 + N)
+            toks = [int(r.run([Segment(sl, f"p{graphs}{N}-{sl}", tuple(p), 0, True)], {sl: 400})[sl].argmax())
+                    for sl, p in enumerate(ps)]
+            steps = 10 if graphs else 3
+            if graphs:
+                toks = r.decode_loop(list(range(N)), toks, 2)[-1].tolist()  # capture outside the profile
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                if graphs:
+                    r.decode_loop(list(range(N)), toks, steps)
+                else:
+                    for t in range(steps):
+                        o = r.run([Segment(sl, f"p{graphs}{N}-{sl}", (toks[sl],), PROMPT + t, True) for sl in range(N)],
+                                  {sl: 400 for sl in range(N)})
+                        toks = [int(o[sl].argmax()) for sl in range(N)]
+                torch.cuda.synchronize()
+            ka = prof.key_averages()
+            kern = []
+            for e in ka:
+                dt = getattr(e, "device_time_total", None)
+                if dt is None:
+                    dt = getattr(e, "cuda_time_total", 0)
+                if dt and dt > 0:
+                    kern.append((e.key, e.count, dt))
+            kern.sort(key=lambda k: -k[2])
+            total = sum(k[2] for k in kern) / steps
+            for name, count, dt in kern[:24]:
+                rows.append(dict(stage="profile", graphs=graphs, slots=N, seg=seg or 256, kernel=name[:90],
+                                 calls_per_step=count / steps, us_per_step=dt / steps))
+            rows.append(dict(stage="profile", graphs=graphs, slots=N, seg=seg or 256, kernel="TOTAL(kernel time)",
+                             calls_per_step=sum(k[1] for k in kern) / steps, us_per_step=total))
+            log(f"PROFILE graphs={graphs} N={N}: kernel time {total:.0f} us/step; top: " +
+                "; ".join(f"{n[:40]} {d / steps:.0f}us x{c / steps:.0f}" for n, c, d in kern[:8]))
+            dump(out, "profile.json", rows)
+        del r
+
+
 def bench_engine(m, slots_list, out: Path, rows: list) -> None:
     """End to end through Engine (host sampling each step, as served): aggregate decode tok/s."""
-    import torch
 
     from workbench import Engine, EngineConfig
 
@@ -249,8 +297,19 @@ def bench_engine(m, slots_list, out: Path, rows: list) -> None:
             log(f"ENGINE N={N} FAILED\n{traceback.format_exc()}")
 
 
+def _with_segment(seg: int, fn) -> None:
+    """Run fn with kernels.attention.ATTENTION_SEGMENT = seg (what runners built inside take)."""
+    from workbench.kernels import attention as A
+
+    old = A.ATTENTION_SEGMENT
+    A.ATTENTION_SEGMENT = seg
+    try:
+        fn()
+    finally:
+        A.ATTENTION_SEGMENT = old
+
+
 def main_stage(args) -> None:
-    import torch
 
     from workbench.model import load_model
 
@@ -265,11 +324,17 @@ def main_stage(args) -> None:
     rows: list = [dict(stage="copy_bw", copy_bw_gbs=bw / 1e9)]
     dump(out, "bench.json", rows)
     exact_rows: list = []
+    prof_rows: list = []
     for name, fn in (
+        ("profile", lambda: stage_profile(m, out, prof_rows)),
+        ("seg64", lambda: bench_runner(m, "triton_graphs_seg64", SLOTS, out, rows, bw, attn_segment=64)),
+        ("seg32", lambda: bench_runner(m, "triton_graphs_seg32", SLOTS, out, rows, bw, attn_segment=32)),
+        ("profile64", lambda: stage_profile(m, out, prof_rows, 64)),
+        ("exact64", lambda: _with_segment(64, lambda: stage_exact(m, out, exact_rows))),
         ("triton graphs", lambda: bench_runner(m, "triton_graphs", SLOTS, out, rows, bw)),
         ("exact", lambda: stage_exact(m, out, exact_rows)),
         ("cublas bf16 graphs", lambda: bench_runner(m, "cublas_bf16_graphs", SLOTS, out, rows, bw, dense="cublas_bf16")),
-        ("engine", lambda: bench_engine(m, (1, 16), out, rows)),
+        ("engine", lambda: bench_engine(m, (1, 4, 16), out, rows)),
         ("triton eager", lambda: bench_runner(m, "triton_eager", (1, 16), out, rows, bw, graphs=False)),
         ("vs torch", lambda: stage_vs_torch(args.model, m, out, exact_rows)),
     ):
@@ -299,9 +364,10 @@ def hf_stage(args) -> None:
     model = model.to("cuda").eval()
     log(f"hf loaded in {time.perf_counter() - t0:.1f}s")
     V = model.config.vocab_size
-    modes = ["eager"] + (["static_compile"] if args.compile else [])
+    modes = ["static_compile"] if args.compile else ["eager"]
+    hf_slots = tuple(int(x) for x in os.environ.get("HF_SLOTS", ",".join(map(str, SLOTS))).split(","))
     for mode in modes:
-        for N in SLOTS:
+        for N in hf_slots:
             try:
                 ids = torch.tensor(prompts_for(N, V, 100 + N), device="cuda")
                 kw = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
@@ -315,10 +381,19 @@ def hf_stage(args) -> None:
                     torch.cuda.synchronize()
                     assert o.shape[1] == ids.shape[1] + n
                     return time.perf_counter() - t
-                gen(4)  # warm up
-                t1, t128 = gen(1), gen(GEN)
+                if mode == "static_compile":
+                    # one shape only (the static cache is sized by max_new_tokens): compile, then
+                    # time the whole generate (prefill included: a slight underestimate)
+                    tc = gen(GEN)
+                    t1, t128 = 0.0, gen(GEN)
+                    log(f"hf static N={N}: first generate (compile) {tc:.1f}s")
+                else:
+                    gen(4)  # warm up
+                    t1, t128 = gen(1), gen(GEN)
+                n = GEN if mode == "static_compile" else GEN - 1
                 row = dict(stage="bench", variant=f"hf_{mode}_bf16", slots=N, prompt=PROMPT, steps=GEN,
-                           tok_s=N * (GEN - 1) / (t128 - t1), step_ms=1e3 * (t128 - t1) / (GEN - 1))
+                           tok_s=N * n / (t128 - t1), step_ms=1e3 * (t128 - t1) / n,
+                           includes_prefill=mode == "static_compile")
                 log("BENCH", row)
                 rows.append(row)
                 dump(out, f"hf_{mode}.json", rows)
@@ -358,22 +433,33 @@ def table(args) -> None:
 
 
 def to_parquet(args) -> None:
+    """Tidy parquet of every run directory's bench rows (one row per variant x slots x run, with
+    the run's hardware fingerprint), plus the exactness and profile rows beside it."""
     import polars as pl
 
-    d = Path(args.dir)
-    fp = json.loads((d / "fingerprint.json").read_text()) if (d / "fingerprint.json").exists() else {}
-    rows = [r for r in load_rows(d) if r.get("stage") in ("bench", "copy_bw")]
-    for r in rows:
-        r["hardware_id"] = fp.get("hardware_id")
-        r["gpu_name"] = fp.get("gpu_name")
-        r["fingerprint"] = json.dumps(fp, default=str)
-    cols = sorted({k for r in rows for k in r})
-    df = pl.DataFrame([{k: r.get(k) for k in cols} for r in rows], infer_schema_length=None)
-    df.write_parquet(args.dest)
-    exact = [r for r in load_rows(d) if r.get("stage") not in ("bench", "copy_bw")]
-    Path(args.dest).with_name(Path(args.dest).stem.replace("bench", "exact") + ".json").write_text(
-        json.dumps(exact, indent=1, default=str))
-    print(df)
+    bench, exact, prof = [], [], []
+    for dname in args.dirs:
+        d = Path(dname)
+        fp = json.loads((d / "fingerprint.json").read_text()) if (d / "fingerprint.json").exists() else {}
+        for r in load_rows(d):
+            r = {**r, "run": d.name, "hardware_id": fp.get("hardware_id"), "gpu_name": fp.get("gpu_name"),
+                 "fingerprint": json.dumps(fp, default=str)}
+            if "error" in r:
+                r["error"] = r["error"][-300:]
+            {"bench": bench, "copy_bw": bench, "profile": prof}.get(r.get("stage"), exact).append(r)
+    dest = Path(args.dest)
+
+    def frame(rows):
+        cols = sorted({k for r in rows for k in r})
+        return pl.DataFrame([{k: (json.dumps(r.get(k)) if isinstance(r.get(k), (list, dict)) else r.get(k))
+                              for k in cols} for r in rows], infer_schema_length=None)
+
+    df = frame(bench)
+    df.write_parquet(dest)
+    frame(prof).write_parquet(dest.with_name(dest.stem.replace("bench", "profile") + ".parquet"))
+    dest.with_name(dest.stem.replace("bench", "exact") + ".json").write_text(json.dumps(exact, indent=1, default=str))
+    print(df.select([c for c in ("run", "variant", "slots", "tok_s", "step_ms", "launches_per_step", "x_floor") if c in df.columns])
+          .filter(pl.col("variant").is_not_null()).sort("variant", "slots", "run"))
 
 
 def synth(args) -> None:
@@ -401,8 +487,8 @@ def main() -> None:
     t = sub.add_parser("table")
     t.add_argument("dir")
     p = sub.add_parser("parquet")
-    p.add_argument("dir")
     p.add_argument("dest")
+    p.add_argument("dirs", nargs="+")
     args = ap.parse_args()
     {"main": main_stage, "hf": hf_stage, "table": table, "parquet": to_parquet, "synth": synth}[args.cmd](args)
 

@@ -17,14 +17,14 @@ ln -sfn ../kernels workbench/kernels
 mkdir -p $SLOTLAB_CACHE/tokenizers; cp .carry/tok/*.json $SLOTLAB_CACHE/tokenizers/ 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
-# (the upload chain appended the last part already)
+# (the upload chain appends every part, the last one included: scripts/gpu_upload_model.sh)
 echo "$SHA  $MODEL" | sha256sum -c || { ls -l "$MODEL"; exit 1; }
 stamp main
 timeout ${MAIN_S:-330} python3 scripts/gpu_bench.py main --model "$MODEL" --out "$OUT" 2>&1 | tee "$OUT/main.log"
 stamp hf
-timeout ${HF_S:-100} python3 scripts/gpu_bench.py hf --model "$MODEL" --out "$OUT" 2>&1 | tee "$OUT/hf.log" | grep -v Warning
+timeout ${HF_S:-100} python3 scripts/gpu_bench.py hf ${HF_ARGS:-} --model "$MODEL" --out "$OUT" 2>&1 | tee "$OUT/hf.log" | grep -v Warning
 stamp test_triton_runner
-timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_triton_runner.py 2>&1 | tail -5
+timeout ${TR_S:-60} python3 -m pytest -q -p no:cacheprovider tests/test_triton_runner.py 2>&1 | tail -5
 stamp kernel_tests
 timeout ${KT_S:-60} python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -5
 stamp table
