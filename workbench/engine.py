@@ -247,11 +247,18 @@ class Engine:
             logits.update(self.runner.run(fwd, max_ctx))
         running = self.scheduler.running_ids()
         sampled = {}
+        # greedy rows: one argmax over the stacked rows and one host transfer (rows may live on
+        # a GPU); argmax is per row, so this equals sampling each row alone
+        greedy = [slot for slot in logits if self._live[running[slot]].params.greedy]
+        if greedy:
+            picks = torch.stack([logits[slot] for slot in greedy]).argmax(-1).tolist()
+            sampled.update(zip(greedy, picks))
         for slot, row in logits.items():
             live = self._live[running[slot]]
-            sampled[slot] = sample(row, live.params, live.generator)
+            if slot not in sampled:
+                sampled[slot] = sample(row.float().cpu(), live.params, live.generator)
             if self.keep_logits:
-                live.logits.append(row.clone())
+                live.logits.append(row.detach().to("cpu", torch.float32, copy=True))
         now = time.perf_counter()
         for slot, tok in sampled.items():
             live = self._live[running[slot]]
