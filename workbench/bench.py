@@ -42,10 +42,12 @@ def bench_prompts(model, num: int, prompt_len: int) -> list[list[int]]:
     return out
 
 
-def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | None, policy: str = "decode-first"):
+def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | None, policy: str = "decode-first",
+            backend: str = "torch"):
     from .engine import Engine, EngineConfig
 
-    cfg = EngineConfig(max_concurrency=concurrency, chunk_size=chunk, policy=policy, dtype=model.dtype_name)
+    cfg = EngineConfig(max_concurrency=concurrency, chunk_size=chunk, policy=policy, dtype=model.dtype_name,
+                       backend=backend)
     engine = Engine(model, cfg)
     prompts = bench_prompts(model, concurrency, prompt_len)
     t0 = time.perf_counter()
@@ -75,7 +77,7 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
 
 
 def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk: int | None,
-              repeats: int, data_dir: str, progress=print) -> tuple[object, list[dict]]:
+              repeats: int, data_dir: str, backend: str = "torch", progress=print) -> tuple[object, list[dict]]:
     from .hardware import measure_copy_bandwidth
     from .runstore import RunStore
 
@@ -87,23 +89,25 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
         "model": str(model.path.name),
         "model_sha256": model.source.index.sha256,
         "dtype": model.dtype_name,
-        "backend": "torch",
+        "backend": backend,
         "prompt_len": prompt_len,
         "gen": gen,
         "chunk": chunk if chunk is not None else "auto",
         "repeats": repeats,
     }
     progress("measuring copy bandwidth ...")
-    bw = measure_copy_bandwidth("cpu")
-    # warm-up: allocators, thread pools, first-touch of the weights
-    measure(model, 1, min(prompt_len, 32), 4, chunk)
+    import torch
+
+    bw = measure_copy_bandwidth("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+    # warm-up: allocators, thread pools, first-touch of the weights, kernel compilation
+    measure(model, 1, min(prompt_len, 32), 4, chunk, backend=backend)
     rows = []
     solo_tokens = None
     store = RunStore(data_dir)
     with store.start_run("bench", params) as run:
         for c in concurrency:
             for r in range(repeats):
-                m, toks = measure(model, c, prompt_len, gen, chunk)
+                m, toks = measure(model, c, prompt_len, gen, chunk, backend=backend)
                 if c == 1 and solo_tokens is None:
                     solo_tokens = toks[0]
                 floor = c * bw / m["weight_bytes"]
@@ -155,7 +159,7 @@ def _cmd_bench(args) -> int:
 
     model = load_model(args.model, dtype=args.dtype)
     run, rows = run_bench(model, concurrency=args.concurrency, prompt_len=args.prompt_len, gen=args.gen,
-                          chunk=args.chunk, repeats=args.repeats, data_dir=args.data_dir,
+                          chunk=args.chunk, repeats=args.repeats, data_dir=args.data_dir, backend=args.backend,
                           progress=lambda s: print(s, flush=True))
     print(format_table(rows))
     print(f"results: {run.path}")
@@ -172,5 +176,7 @@ def register_cli(sub) -> None:
     p.add_argument("--chunk", type=int_range(1), default=None, help="prefill chunk rows (default: auto)")
     p.add_argument("--repeats", type=int_range(1, 100), default=1)
     p.add_argument("--data-dir", default="data")
+    p.add_argument("--backend", default="torch", choices=["torch", "triton"],
+                   help="torch: the CPU reference path; triton: the kernels (a GPU, or the CPU interpreter)")
     add_model_args(p)
     p.set_defaults(func=_cmd_bench)

@@ -189,7 +189,10 @@ class Tokenizer:
                     f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre) for a gpt2 tokenizer; "
                     f"allowed: {', '.join(sorted(GGUF_PRE_TOKENIZER_SPLITS))}"
                 )
-        from transformers.integrations.gguf import convert_gguf_tokenizer
+        try:  # transformers >= 5.2x keeps the converter in a package; earlier releases in ggml.py
+            from transformers.integrations.gguf import convert_gguf_tokenizer
+        except ImportError:
+            from transformers.integrations.ggml import convert_gguf_tokenizer
 
         try:
             backend, _ = convert_gguf_tokenizer(architecture, td)

@@ -1,0 +1,22 @@
+"""`workbench bench` on a tiny model: the table, and tidy parquet with config and fingerprint."""
+
+import polars as pl
+
+from workbench.bench import format_table, run_bench
+from workbench.model import load_model
+
+
+def test_bench_writes_tidy_rows(tiny_gguf, tmp_path):
+    m = load_model(tiny_gguf("gemma3"), dtype="bfloat16")
+    run, rows = run_bench(m, concurrency=[1, 2], prompt_len=12, gen=3, chunk=None, repeats=1,
+                          data_dir=str(tmp_path), progress=lambda s: None)
+    frame = pl.read_parquet(run.path / "summary.parquet")
+    assert frame.height == 2
+    for col in ("concurrency", "decode_tok_s_aggregate", "prefill_tok_s", "ttft_s_max", "peak_memory_bytes",
+                "bandwidth_floor_tok_s", "matches_solo", "hardware_id", "run_id", "prompt_len", "gen", "backend"):
+        assert col in frame.columns, col
+    assert frame["matches_solo"].to_list() == [True, True]
+    assert (frame["decode_tok_s_aggregate"] > 0).all()
+    table = format_table(rows)
+    assert table.count("\n") == 3 and "| 2 |" in table
+    assert run.manifest["status"] == "complete"
