@@ -13,7 +13,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from workbench import runstore
+from workbench import atomic, runstore
 from workbench.errors import WorkbenchError
 from workbench.hardware import fingerprint, hardware_id, measure_copy_bandwidth
 from workbench.runstore import RunStore, atomic_write_bytes, atomic_write_text
@@ -123,7 +123,7 @@ def test_atomic_write_helpers(tmp_path, monkeypatch):
     def refuse(src, dst):
         raise OSError("replace failed")
 
-    monkeypatch.setattr(runstore.os, "replace", refuse)
+    monkeypatch.setattr(atomic.os, "replace", refuse)
     with pytest.raises(OSError):
         atomic_write_text(target, "three")
     assert target.read_text() == "two"

@@ -15,12 +15,10 @@ tables removed; a killed process leaves the manifest at "running" and only whole
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 import subprocess
-import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -62,36 +60,7 @@ _RUN_COLUMNS = {
 }
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see the old file or the whole new one."""
-    _atomic_write(Path(path), lambda tmp: tmp.write_bytes(data))
-
-
-def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> None:
-    """Write `text` to `path` atomically (see `atomic_write_bytes`)."""
-    atomic_write_bytes(path, text.encode(encoding))
-
-
-def atomic_write_parquet(path: str | Path, frame: pl.DataFrame) -> None:
-    """Write `frame` as parquet to `path` atomically (see `atomic_write_bytes`)."""
-    _atomic_write(Path(path), frame.write_parquet)
-
-
-def _atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        write(tmp)
-        # mkstemp makes the file 0600; give it the mode a plain open() would (or the old file's).
-        os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else 0o644)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+from .atomic import atomic_write_bytes, atomic_write_parquet, atomic_write_text  # noqa: E402,F401  (re-exported)
 
 
 class Run:
