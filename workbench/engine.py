@@ -149,7 +149,7 @@ class Engine:
         self.model = model
         self.keep_logits = keep_logits
         self.config = config = config or EngineConfig()
-        if config.dtype != model.dtype_name:
+        if config.dtype is not None and config.dtype != model.dtype_name:
             # The precision is a property of the loaded weights; say so rather than silently differ.
             raise WorkbenchError(
                 f"EngineConfig.dtype={config.dtype!r} but the model was loaded as {model.dtype_name!r}: "

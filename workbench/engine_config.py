@@ -31,7 +31,7 @@ class EngineConfig:
     memory_budget_bytes: int | None = None  # None = derived from the machine at run time
     policy: str = "decode-first"  # or "prefill-first"
     backend: str = "torch"  # or "triton"
-    dtype: str = "bfloat16"  # or "float32"
+    dtype: str | None = None  # None: the loaded model's precision; else it must match it
     max_batch_rows: int = 64  # most decode rows in one batched group
 
     def __post_init__(self):
@@ -43,7 +43,8 @@ class EngineConfig:
         _int_in_range("max_batch_rows", self.max_batch_rows, 1, None)
         _choice("policy", self.policy, POLICIES)
         _choice("backend", self.backend, BACKENDS)
-        _choice("dtype", self.dtype, DTYPES)
+        if self.dtype is not None:
+            _choice("dtype", self.dtype, DTYPES)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EngineConfig":
