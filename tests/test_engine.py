@@ -195,3 +195,11 @@ def test_real_model_eight_slots_identical_and_distinct(real_model_bf16):
         got = _engine(m, 8).generate(prompts, max_tokens=4, ignore_eos=True)
         for p, r in zip(prompts, got):
             _same(r, solos[tuple(p)])
+
+
+def test_engine_precision_follows_the_model(tiny_model):
+    m = tiny_model("llama", "float32")
+    r = workbench.Engine(m).generate([_prompt(5, seed=1)], max_tokens=2, ignore_eos=True)[0]
+    assert len(r.token_ids) == 2
+    with pytest.raises(WorkbenchError, match="loaded as 'float32'"):
+        workbench.Engine(m, workbench.EngineConfig(dtype="bfloat16"))
