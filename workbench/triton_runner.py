@@ -2,11 +2,15 @@
 
 Same interface as `runner.TorchRunner` (the engine picks it with EngineConfig(backend="triton")).
 
-* Weights: the RAW GGUF blocks go to the device ("cuda" if available, else "cpu" under
-  TRITON_INTERPRET=1); `qmatmul`'s kernel decodes them in registers. Same-format projections of
-  one input are fused by concatenating their rows (q|k|v, gate|up). Llama's NORM rope (adjacent
-  pairs) is turned into the kernels' NEOX rope by permuting the rows of W_q and W_k within each
-  head (q.k is unchanged by a common permutation of q and k; V is not permuted).
+* Weights: the GGUF blocks go to the device ("cuda" if available, else "cpu" under
+  TRITON_INTERPRET=1), regrouped once by `kernels.qmatmul.pack_weights` (PACKED; same bits);
+  the packed `qmatmul` kernel (plain float32 FMAs, decode-shaped) decodes them in registers.
+  Every product of a weight takes that one path whatever the row count (the path follows the
+  weight's representation, never M). The tied embedding keeps its raw bytes for the gather.
+  Same-format projections of one input are fused by concatenating their rows (q|k|v, gate|up).
+  Llama's NORM rope (adjacent pairs) is turned into the kernels' NEOX rope by permuting the rows
+  of W_q and W_k within each head (q.k is unchanged by a common permutation of q and k; V is not
+  permuted).
 * KV: one pool per layer [S, L_max, Hkv, D] (slot id = pool index, the last index a scratch
   slot that padded rows write into); it grows (copying) when a slot id or a reservation needs it.
 * Each step: embedding -> per layer [qkv qmatmul -> fused QK-norm + rope + KV write ->
@@ -46,6 +50,9 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode rows per captured graph
 LOGITS_TO_HOST = True
 POOL_BLOCK = 256  # KV pool lengths are powers of two >= this (the attention segment)
 MAX_EMBD = 8192  # the fused norms hold a whole row in one tile
+# Weights as kernels.qmatmul.PackedWeight (the FMA kernel) or raw GGUF bytes (the tl.dot kernel,
+# the earlier path, kept for comparison). One choice per runner: rows stay bitwise invariant.
+PACKED = True
 
 
 # ---- fused kernels (each a function of one row; batch-invariant by construction) ------------
@@ -159,11 +166,12 @@ def _qk_rope_kv_kernel(
 
 @dataclass
 class QWeight:
-    raw: torch.Tensor  # uint8 [N, row_bytes] GGUF blocks on the device
+    raw: torch.Tensor | None  # uint8 [N, row_bytes] GGUF blocks on the device (None once packed)
     fmt: object  # kernels.quant_tiles.QuantFormat
     N: int
     K: int
     splits: int
+    packed: object = None  # kernels.qmatmul.PackedWeight when PACKED
 
 
 @dataclass
@@ -216,7 +224,7 @@ class TritonRunner:
 
     def __init__(self, model: Model, slot_capacity: int, *, device: str | torch.device | None = None,
                  graphs: bool | str | None = None, dense: str = "quant", kv_dtype: torch.dtype | None = None,
-                 attn_segment: int | None = None):
+                 attn_segment: int | None = None, packed: bool | None = None):
         from .kernels import qmatmul as qm
         from .kernels.quant_tiles import FORMATS
 
@@ -233,6 +241,7 @@ class TritonRunner:
         if dense not in ("quant", "cublas_bf16"):
             raise WorkbenchError(f"dense={dense!r} is not allowed: allowed quant, cublas_bf16")
         self.dense = dense
+        self.packed = PACKED if packed is None else bool(packed)
         from .kernels import attention as _attn
 
         self._attn = _attn
@@ -296,7 +305,12 @@ class TritonRunner:
                 if w.splits != splits:
                     raise WorkbenchError("backend='triton': fused projections need one split-K")
                 w.raw = w.raw.contiguous().to(self.device)
-                self.fixed_bytes += w.raw.numel()
+                if self.packed:
+                    w.packed = qm.pack_weights(w.raw, w.fmt.name, w.N, K)
+                    w.raw = None
+                    self.fixed_bytes += w.packed.nbytes
+                else:
+                    self.fixed_bytes += w.raw.numel()
                 out.append((o, w))
             dw = None
             if dense == "cublas_bf16":
@@ -346,8 +360,14 @@ class TritonRunner:
         else:
             head = raw("output.weight")
             head.raw = head.raw.to(self.device)
-            self.fixed_bytes += head.raw.numel()
+            if not self.packed:
+                self.fixed_bytes += head.raw.numel()
         head.splits = 1  # one K pass: the logits are written directly (a shape-only choice)
+        if self.packed:  # (tied: a packed copy beside the embedding's raw bytes)
+            head.packed = qm.pack_weights(head.raw, head.fmt.name, head.N, head.K)
+            self.fixed_bytes += head.packed.nbytes
+            if not c.tied_output:
+                head.raw = None
         self.head = Proj([(0, head)], head.N, head.K, 1,
                          model.head.to(torch.bfloat16).to(self.device) if dense != "quant" else None)
         self.vocab = head.N
@@ -436,6 +456,10 @@ class TritonRunner:
         part = torch.empty((p.splits, M, p.N), dtype=torch.float32, device=self.device)
         qm = self._qm
         for off, w in p.parts:
+            if w.packed is not None:
+                qm.launch_qgemv(x, w.packed, part[:, :, off:], w.splits, part.stride(0))
+                self.launches += 1
+                continue
             cfg = qm.QMATMUL_CONFIGS[w.fmt.name]
             grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(w.N, cfg.block_n), w.splits)
             qm._qmatmul_kernel[grid](
@@ -523,6 +547,9 @@ class TritonRunner:
         part = self._project(hs, self.head) if self.head.dense is not None else None
         if part is not None:
             logits_out.copy_(part[0])
+            self.launches += 1
+        elif self.head.parts[0][1].packed is not None:
+            self._qm.launch_qgemv(hs, self.head.parts[0][1].packed, logits_out, 1, 0)
             self.launches += 1
         else:
             w = self.head.parts[0][1]

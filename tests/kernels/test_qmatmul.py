@@ -3,7 +3,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from workbench.kernels.qmatmul import QMATMUL_CONFIGS, qmatmul, qmatmul_ref
+from workbench.kernels import qmatmul as qmatmul_mod
+from workbench.kernels.qmatmul import QMATMUL_CONFIGS, GemvConfig, pack_weights, qmatmul, qmatmul_ref
 from workbench.kernels.quant_tiles import FORMATS, dequant_ref
 
 # K with a partial last K tile for the 32-blocks (5 blocks, tiles of 4); two super-blocks else.
@@ -85,3 +86,123 @@ def test_qmatmul_rejects_bad_inputs(device, quant_rows):
         qmatmul(x[:, :32], raw, "Q8_0", 8, 64)
     with pytest.raises(TypeError):
         qmatmul(x.half(), raw, "Q8_0", 8, 64)
+
+
+# ---- packed path (pack_weights + _qgemv_kernel: the decode-shaped FMA kernel) ----------------
+
+# Odd N (partial N tiles); Q8_0/Q5_0 K = 320: two K slices (256 + 64), the second a partial
+# BLOCK_K step; Q4_K/Q6_K K = 512: two slices of one super-block each.
+PACKED_SHAPES = {"Q8_0": (37, 320), "Q5_0": (37, 320), "Q4_K": (37, 512), "Q6_K": (37, 512)}
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("m", [1, 3, 5, 16, 17])
+def test_packed_matches_reference(name, m, device, quant_rows):
+    N, K = PACKED_SHAPES[name]
+    raw = quant_rows(FORMATS[name], N, K, seed=10 + m, device=device)
+    pw = pack_weights(raw, name, N, K)
+    x = _x(m, K, torch.bfloat16 if m == 3 else torch.float32, device, seed=m)
+    out = torch.full((m, N), float("nan"), device=device)  # every element must be written
+    y = qmatmul(x, pw, out=out)
+    assert y is out
+    assert_close_dot(y, x, raw, name, N, K)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q6_K"])
+def test_packed_unsplit_weight(name, device, quant_rows, monkeypatch):
+    """Wide weights (the head) are not split along K: one pass, QGEMV_WIDE_CONFIGS."""
+    monkeypatch.setattr(qmatmul_mod, "QMATMUL_SPLIT_MAX_N", 0)
+    N, K = PACKED_SHAPES[name]
+    assert qmatmul_mod.num_k_splits(N, K) == 1
+    raw = quant_rows(FORMATS[name], N, K, seed=5, device=device)
+    pw = pack_weights(raw, name, N, K)
+    x = _x(9, K, torch.float32, device, seed=5)
+    y = qmatmul(x, pw, out=torch.full((9, N), float("nan"), device=device))
+    assert_close_dot(y, x, raw, name, N, K)
+    for i in (0, 8):
+        assert torch.equal(y[i : i + 1], qmatmul(x[i : i + 1].clone(), pw)), f"row {i}"
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_packed_rows_are_batch_invariant(name, device, quant_rows):
+    """Metamorphic: row i of an M-row call is bitwise the 1-row call, at any position and in any
+    row tile (M = 17: tiles of M_TILE rows, the last one partial), and reordering rows reorders
+    the result exactly."""
+    N, K = PACKED_SHAPES[name]
+    M = 17
+    raw = quant_rows(FORMATS[name], N, K, seed=7, device=device)
+    pw = pack_weights(raw, name, N, K)
+    x = _x(M, K, torch.float32, device, seed=7)
+    y = qmatmul(x, pw)
+    assert torch.isfinite(y).all()
+    for i in (0, 3, 7, 8, M - 1):
+        assert torch.equal(y[i : i + 1], qmatmul(x[i : i + 1].clone(), pw)), f"row {i}"
+    assert torch.equal(y[2:7], qmatmul(x[2:7], pw))
+    assert torch.equal(y.flip(0), qmatmul(x.flip(0).contiguous(), pw))
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_packed_decodes_gguf_weights_exactly(name, device, quant_rows):
+    """x = I: every output is one decoded weight times 1 plus zeros, so it must equal the
+    gguf.quants weight bitwise (pack_weights + the decoders lose nothing). On a GPU, Q4_K's
+    (d * sc) * q - dmin * m may be contracted into one FMA: there, within half an ulp of the
+    product."""
+    N, K = 5, FORMATS[name].block_size * (2 if FORMATS[name].block_size == 32 else 1)
+    raw = quant_rows(FORMATS[name], N, K, seed=3, device=device)
+    eye = torch.eye(K, device=device)
+    y, ref = qmatmul(eye, pack_weights(raw, name, N, K)), dequant_ref(raw, name, K).T
+    if device.type == "cuda" and name == "Q4_K":
+        assert (y - ref).abs().max() <= 2.0**-21 * ref.abs().max()
+    else:
+        assert torch.equal(y, ref)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q5_0"])
+def test_packed_gguf_quantizer_bytes_and_strided_x(name, device):
+    N, K = 40, 96
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(N, K, generator=gen)
+    raw = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType[name])).to(device)
+    x = torch.randn(3, K + 8, generator=gen).to(device)[:, 4 : 4 + K]
+    assert_close_dot(qmatmul(x, pack_weights(raw, name, N, K)), x, raw, name, N, K)
+
+
+def test_packed_bytes_and_bad_inputs(device, quant_rows):
+    for name, (N, K) in PACKED_SHAPES.items():
+        raw = quant_rows(FORMATS[name], N, K, seed=0, device=device)
+        pw = pack_weights(raw, name, N, K)
+        extra = N * K // 16 - N * K // 256 * 12 if name == "Q4_K" else 0  # 6-bit scales as bytes
+        assert pw.nbytes == raw.numel() + extra, name
+    raw = quant_rows(FORMATS["Q8_0"], 8, 64, seed=0, device=device)
+    pw = pack_weights(raw, "Q8_0", 8, 64)
+    x = _x(2, 64, torch.float32, device)
+    with pytest.raises(ValueError, match="does not match"):
+        qmatmul(x, pw, "Q5_0")
+    with pytest.raises(ValueError, match="do not match"):
+        qmatmul(x, pw, N=9)
+    with pytest.raises(ValueError, match="x must be"):
+        qmatmul(x[:, :32], pw)
+    with pytest.raises(ValueError, match="need qtype"):
+        qmatmul(x, raw)
+    with pytest.raises(ValueError, match=r"\[8, 68\]"):
+        pack_weights(raw[:, :60].contiguous(), "Q8_0", 8, 64)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("variant", [
+    {"late_reduce": False},
+    {"late_reduce": True, "m_tile": 8, "block_k": 256},
+    {"late_reduce": False, "m_tile": 2, "num_stages": 2},
+])
+def test_packed_config_variants(name, variant, device, quant_rows):
+    """Other configurations than QGEMV_CONFIGS' (reduction mode, rows per program, K step,
+    pipelining): reference agreement and bitwise rows."""
+    cfg = GemvConfig(**{"block_n": 16, "block_k": 128, "m_tile": 4, "num_warps": 4, **variant})
+    N, K = PACKED_SHAPES[name]
+    raw = quant_rows(FORMATS[name], N, K, seed=11, device=device)
+    pw = pack_weights(raw, name, N, K)
+    x = _x(7, K, torch.float32, device, seed=11)
+    y = qmatmul(x, pw, out=torch.full((7, N), float("nan"), device=device), config=cfg)
+    assert_close_dot(y, x, raw, name, N, K)
+    for i in (0, 6):
+        assert torch.equal(y[i : i + 1], qmatmul(x[i : i + 1].clone(), pw, config=cfg)), f"row {i}"
