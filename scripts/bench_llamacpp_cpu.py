@@ -57,6 +57,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from goldens_llamacpp import model_path, sha256_file  # noqa: E402
+from llamacpp_common import open_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "data" / "reference" / "llamacpp_cpu.parquet"
@@ -145,25 +146,7 @@ def loadavg_1m() -> float:
 
 
 def load(path: str, threads: int):
-    import llama_cpp
-    import llama_cpp.llama_cpp as lowlevel
-
-    real_default = lowlevel.llama_model_default_params
-
-    def no_repack():
-        p = real_default()
-        p.use_extra_bufts = False
-        return p
-
-    lowlevel.llama_model_default_params = no_repack
-    try:
-        llm = llama_cpp.Llama(
-            model_path=path, n_ctx=512, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False
-        )
-    finally:
-        lowlevel.llama_model_default_params = real_default
-    assert llm.model_params.use_extra_bufts is False
-    return llm
+    return open_llama(path, n_ctx=512, n_batch=512, n_threads=threads, n_threads_batch=threads)
 
 
 def run_once(llm, prompt_ids: list[int], gen: int) -> tuple[float, float, list[int]]:

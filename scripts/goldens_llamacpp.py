@@ -37,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from llamacpp_common import open_llama
+
 ROOT = Path(__file__).resolve().parent.parent
 GOLDENS = ROOT / "tests" / "goldens"
 TOPK = 64
@@ -200,34 +202,8 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 def load_llama(path: str, n_batch: int):
     """A llama_cpp.Llama with every position's logits kept and weight repacking off."""
-    import llama_cpp
-    import llama_cpp.llama_cpp as lowlevel  # the module llama.py calls for its defaults
-
-    real_default = lowlevel.llama_model_default_params
-
-    def default_params_without_repack():
-        p = real_default()
-        p.use_extra_bufts = False
-        return p
-
-    # Llama() builds its model params from llama_model_default_params() and offers no kwarg for
-    # use_extra_bufts, so wrap the default for the duration of the load.
-    lowlevel.llama_model_default_params = default_params_without_repack
-    try:
-        llm = llama_cpp.Llama(
-            model_path=path,
-            n_ctx=N_CTX,
-            n_batch=n_batch,
-            n_ubatch=n_batch,
-            n_threads=N_THREADS,
-            n_threads_batch=N_THREADS,
-            logits_all=True,
-            verbose=False,
-        )
-    finally:
-        lowlevel.llama_model_default_params = real_default
-    assert llm.model_params.use_extra_bufts is False
-    return llm
+    return open_llama(path, n_ctx=N_CTX, n_batch=n_batch, n_ubatch=n_batch, n_threads=N_THREADS,
+                      n_threads_batch=N_THREADS, logits_all=True)
 
 
 def main() -> int:

@@ -175,7 +175,7 @@ def bench_runner(m, variant: str, slots_list, out: Path, rows: list, bw: float, 
         try:
             ps = prompts_for(N, V, 100 + N)
 
-            def prefill(tag):
+            def prefill(tag, r=r):
                 first = []
                 for sl, p in enumerate(ps):
                     o = r.run([Segment(sl, f"{tag}-{N}-{sl}", tuple(p), 0, True)], {sl: PROMPT + GEN + 8})
