@@ -234,17 +234,14 @@ class Model:
 # ---- loading ----------------------------------------------------------------------------------
 
 def _tensor(g: GGUFFile, name: str, dtype: torch.dtype) -> torch.Tensor:
-    from .quants import SUPPORTED, dequantize
+    """One tensor dequantized; load_model has already refused unsupported quant types."""
+    from .quants import dequantize
     import gguf
 
     if name not in g.tensors:
         raise WorkbenchError(f"{g.path.name} lacks tensor '{name}', which a {g.architecture} model requires")
     t = g.tensors[name]
-    qt = gguf.GGMLQuantizationType(t.qtype)
-    if qt not in SUPPORTED:
-        names = ", ".join(sorted(s.name for s in SUPPORTED))
-        raise WorkbenchError(f"tensor {name} has quant type {qt.name}, which is not supported; supported: {names}")
-    w = dequantize(g.raw(name), qt, t.shape)
+    w = dequantize(g.raw(name), gguf.GGMLQuantizationType(t.qtype), t.shape)
     return w if dtype == torch.float32 else w.to(dtype)
 
 
