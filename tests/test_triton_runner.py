@@ -112,3 +112,45 @@ def test_unsupported_weights_raise(tiny_model):
     m = tiny_model("gemma3", "float32", "F32")
     with pytest.raises(WorkbenchError, match="quant type F32"):
         TritonRunner(m, 256)
+
+
+@pytest.mark.parametrize("matmul", ["mma", "gemv"])
+def test_bf16_engine_tokens_on_device(tiny_model, monkeypatch, matmul):
+    """A bfloat16 engine (the tensor-core form with bf16 operands, or the FMA form): batched
+    greedy requests whose logits nobody keeps get their tokens from the device argmax (no logits
+    copy), and those tokens are the ones each request gets alone with its logits kept (host
+    argmax); batched logits, when kept, equal the solo ones bitwise."""
+    import workbench.triton_runner as tr
+
+    monkeypatch.setattr(tr, "MATMUL", matmul)
+    m = tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, m.config.vocab_size, (n,), generator=gen).tolist() for n in (4, 10, 7)]
+    kw = dict(max_tokens=4, ignore_eos=True)
+
+    def engine(concurrency, keep):
+        cfg = EngineConfig(backend="triton", dtype="bfloat16", max_concurrency=concurrency, chunk_size=4,
+                           max_context=64, memory_budget_bytes=1 << 30)
+        eng = Engine(m, cfg, keep_logits=keep)
+        assert eng.runner.matmul == matmul and eng.runner.mma_prec == "bf16"
+        return eng
+
+    calls = []
+    real = tr.TritonRunner._rows_out
+    monkeypatch.setattr(tr.TritonRunner, "_rows_out",
+                        lambda self, slots, lg, tok, am: calls.append(len(am)) or real(self, slots, lg, tok, am))
+    monkeypatch.setattr(tr, "GRAPHS", True if torch.cuda.is_available() else "emulate")
+    fast = engine(3, False).generate(prompts, **kw)
+    assert calls and all(calls)  # every forward was offered device tokens
+    kept = engine(3, True).generate(prompts, **kw)
+    monkeypatch.setattr(tr, "GRAPHS", False)
+    solo = [engine(1, True).submit(p, **kw).result() for p in prompts]
+    for f, k, s in zip(fast, kept, solo):
+        assert f.logits is None
+        assert f.token_ids == k.token_ids == s.token_ids
+        assert torch.equal(k.logits.cpu(), s.logits.cpu())
+
+
+def test_bad_matmul_form(tiny_model):
+    with pytest.raises(WorkbenchError, match="matmul='fast' is not allowed: allowed mma, gemv, raw"):
+        TritonRunner(tiny_model("gemma3", "float32", "Q8_0"), 64, matmul="fast")

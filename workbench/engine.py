@@ -239,14 +239,22 @@ class Engine:
         forwards = self.scheduler.forwards(plan)
         max_ctx = {v.slot_id: v.max_context for v in self.scheduler.views()}
         logits = {}
+        running = self.scheduler.running_ids()
+        # greedy rows whose logits nobody keeps may be answered by the runner with the token
+        # itself (argmax where the logits are, e.g. on the GPU: no logits transfer)
+        argmax = frozenset() if self.keep_logits else frozenset(
+            slot for slot, rid in running.items() if self._live[rid].params.greedy)
+        sampled = {}
         for fwd in forwards:  # run
             for seg in fwd:
                 live = self._live[seg.request_id]
                 if live.prefill_started_at is None:
                     live.prefill_started_at = t0
-            logits.update(self.runner.run(fwd, max_ctx))
-        running = self.scheduler.running_ids()
-        sampled = {}
+            for slot, out in self.runner.run(fwd, max_ctx, argmax=argmax).items():
+                if isinstance(out, int):
+                    sampled[slot] = out
+                else:
+                    logits[slot] = out
         # greedy rows: one argmax over the stacked rows and one host transfer (rows may live on
         # a GPU); argmax is per row, so this equals sampling each row alone
         greedy = [slot for slot in logits if self._live[running[slot]].params.greedy]

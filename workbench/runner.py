@@ -60,8 +60,11 @@ class TorchRunner:
         return sum(s.k.numel() * 8 for _, s in self._states.values())
 
     # -- run -------------------------------------------------------------------------------
-    def run(self, forward: Sequence[Segment], max_context: dict[int, int]) -> dict[int, torch.Tensor]:
-        """One forward call; returns slot id -> float32 logits of its last row (where sampled)."""
+    def run(self, forward: Sequence[Segment], max_context: dict[int, int],
+            argmax: frozenset[int] = frozenset()) -> dict[int, torch.Tensor | int]:
+        """One forward call; returns slot id -> float32 logits of its last row (where sampled).
+        ``argmax``: slots for which the runner MAY return the greedy token (an int) instead;
+        on the CPU the logits are already where the engine samples, so this runner never does."""
         segs = []
         for s in forward:
             st = self.state(s.slot_id, s.request_id, max_context[s.slot_id])

@@ -3,10 +3,10 @@
 Same interface as `runner.TorchRunner` (the engine picks it with EngineConfig(backend="triton")).
 
 * Weights: the GGUF blocks go to the device ("cuda" if available, else "cpu" under
-  TRITON_INTERPRET=1), regrouped once by `kernels.qmatmul.pack_weights` (PACKED; same bits);
-  the packed `qmatmul` kernel (plain float32 FMAs, decode-shaped) decodes them in registers.
-  Every product of a weight takes that one path whatever the row count (the path follows the
-  weight's representation, never M). The tied embedding keeps its raw bytes for the gather.
+  TRITON_INTERPRET=1), regrouped once by `kernels.qmatmul.pack_weights` (same bits), and
+  decoded in registers by the product kernel of the runner's `matmul` form (MATMUL: the
+  tensor-core `kernels.qmma` by default). Every product of a weight takes that one form
+  whatever the row count (never chosen from M). The tied embedding keeps its raw bytes for the gather.
   Same-format projections of one input are fused by concatenating their rows (q|k|v, gate|up).
   Llama's NORM rope (adjacent pairs) is turned into the kernels' NEOX rope by permuting the rows
   of W_q and W_k within each head (q.k is unchanged by a common permutation of q and k; V is not
@@ -50,9 +50,13 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode rows per captured graph
 LOGITS_TO_HOST = True
 POOL_BLOCK = 256  # KV pool lengths are powers of two >= this (the attention segment)
 MAX_EMBD = 8192  # the fused norms hold a whole row in one tile
-# Weights as kernels.qmatmul.PackedWeight (the FMA kernel) or raw GGUF bytes (the tl.dot kernel,
-# the earlier path, kept for comparison). One choice per runner: rows stay bitwise invariant.
-PACKED = True
+# The quantized product's form, one per runner (rows stay bitwise invariant because every call
+# of a weight takes the same form): "mma" packed planes on tensor cores (kernels/qmma.py; bf16
+# operands for a bfloat16 engine, tf32x3 for a float32 one), "gemv" packed planes with float32
+# FMAs (kernels/qmatmul.py's decode-shaped kernel), "raw" the GGUF bytes with tf32x3 tl.dot
+# (the first version). docs/GPU_NOTES.md compares them.
+MATMUL = "mma"
+MATMUL_FORMS = ("mma", "gemv", "raw")
 
 
 # ---- fused kernels (each a function of one row; batch-invariant by construction) ------------
@@ -171,7 +175,7 @@ class QWeight:
     N: int
     K: int
     splits: int
-    packed: object = None  # kernels.qmatmul.PackedWeight when PACKED
+    packed: object = None  # kernels.qmatmul.PackedWeight unless matmul == "raw"
 
 
 @dataclass
@@ -224,7 +228,7 @@ class TritonRunner:
 
     def __init__(self, model: Model, slot_capacity: int, *, device: str | torch.device | None = None,
                  graphs: bool | str | None = None, dense: str = "quant", kv_dtype: torch.dtype | None = None,
-                 attn_segment: int | None = None, packed: bool | None = None):
+                 attn_segment: int | None = None, matmul: str | None = None):
         from .kernels import qmatmul as qm
         from .kernels.quant_tiles import FORMATS
 
@@ -241,7 +245,13 @@ class TritonRunner:
         if dense not in ("quant", "cublas_bf16"):
             raise WorkbenchError(f"dense={dense!r} is not allowed: allowed quant, cublas_bf16")
         self.dense = dense
-        self.packed = PACKED if packed is None else bool(packed)
+        self.matmul = MATMUL if matmul is None else matmul
+        if self.matmul not in MATMUL_FORMS:
+            raise WorkbenchError(f"matmul={matmul!r} is not allowed: allowed {', '.join(MATMUL_FORMS)}")
+        self.packed = self.matmul != "raw"
+        from .kernels import qmma as _qmma
+
+        self._qmma = _qmma
         from .kernels import attention as _attn
 
         self._attn = _attn
@@ -261,6 +271,8 @@ class TritonRunner:
             raise WorkbenchError(f"backend='triton' needs an even head_dim and n_embd <= {MAX_EMBD}")
         self._formats = FORMATS
         self.kv_dtype = kv_dtype or model.dtype
+        # the tensor-core form's operand precision follows the engine's dtype
+        self.mma_prec = "bf16" if model.dtype == torch.bfloat16 else "tf32x3"
         g = model.source
         # Llama GGUF rope rotates adjacent pairs; the kernels rotate (i, i + D/2). Permuting the
         # rows of W_q and W_k inside each head turns one into the other.
@@ -457,8 +469,7 @@ class TritonRunner:
         qm = self._qm
         for off, w in p.parts:
             if w.packed is not None:
-                qm.launch_qgemv(x, w.packed, part[:, :, off:], w.splits, part.stride(0))
-                self.launches += 1
+                self._launch_packed(x, w.packed, part[:, :, off:], w.splits, part.stride(0))
                 continue
             cfg = qm.QMATMUL_CONFIGS[w.fmt.name]
             grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(w.N, cfg.block_n), w.splits)
@@ -471,6 +482,13 @@ class TritonRunner:
             )
             self.launches += 1
         return part
+
+    def _launch_packed(self, x, pw, y, splits: int, stride_ys: int) -> None:
+        if self.matmul == "mma":
+            self._qmma.launch_qmma(x, pw, y, splits, stride_ys, self.mma_prec, use_dot=self.use_dot)
+        else:
+            self._qm.launch_qgemv(x, pw, y, splits, stride_ys)
+        self.launches += 1
 
     def _add_norm(self, x, part, w_post, w_next, h) -> None:
         c = self.cfg
@@ -549,8 +567,7 @@ class TritonRunner:
             logits_out.copy_(part[0])
             self.launches += 1
         elif self.head.parts[0][1].packed is not None:
-            self._qm.launch_qgemv(hs, self.head.parts[0][1].packed, logits_out, 1, 0)
-            self.launches += 1
+            self._launch_packed(hs, self.head.parts[0][1].packed, logits_out, 1, 0)
         else:
             w = self.head.parts[0][1]
             qm = self._qm
@@ -580,9 +597,11 @@ class TritonRunner:
 
     # -- run ------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, forward: Sequence[Segment], max_context: dict[int, int]) -> dict[int, torch.Tensor]:
-        """One forward; slot id -> float32 logits [vocab] of its last row (where sampled). Rows
-        of a graphed decode step are views of a static buffer, valid until the next run()."""
+    def run(self, forward: Sequence[Segment], max_context: dict[int, int],
+            argmax: frozenset[int] = frozenset()) -> dict[int, torch.Tensor | int]:
+        """One forward; slot id -> float32 logits [vocab] of its last row (where sampled), or,
+        for slots in ``argmax``, the greedy token (an int: argmax on the device, the same
+        tie/NaN rule as torch.argmax, and only the tokens cross to the host)."""
         if not forward:
             return {}
         self._begin(forward, max_context)
@@ -592,14 +611,33 @@ class TritonRunner:
             self._fill_inputs(forward, g.bucket)
             g.graph.replay()
             self.launches = g.launches or self.launches
-            # a copy: a later forward of the same step may replay a graph into the buffer
-            rows = self._to_host(self._g_logits[: len(forward)]) if LOGITS_TO_HOST else \
-                self._g_logits[: len(forward)].clone()
-            out = {s.slot_id: rows[i] for i, s in enumerate(forward)}
+            # the graph computed every row's argmax into _g_tok already
+            out = self._rows_out([s.slot_id for s in forward], self._g_logits[: len(forward)],
+                                 self._g_tok[: len(forward)], argmax)
         else:
-            out = self._run_eager(forward)
+            out = self._run_eager(forward, argmax)
         for s in forward:
             self._len[s.slot_id] = s.start_pos + len(s.token_ids)
+        return out
+
+    def _rows_out(self, slots: list[int], logits: torch.Tensor, tokens: torch.Tensor | None,
+                  argmax: frozenset[int]) -> dict[int, torch.Tensor | int]:
+        """The answer for sampled rows ``slots`` (in ``logits`` order): tokens where allowed,
+        else logits (a host copy, or a device copy: later forwards reuse the graph buffers)."""
+        want_tok = [i for i, sl in enumerate(slots) if sl in argmax]
+        want_row = [i for i, sl in enumerate(slots) if sl not in argmax]
+        out: dict[int, torch.Tensor | int] = {}
+        if want_tok:
+            if tokens is None:
+                from .kernels.sampling import argmax as argmax_rows
+
+                tokens = argmax_rows(logits)
+            toks = tokens.tolist()  # the one sync of the step when nothing else is copied
+            out.update((slots[i], int(toks[i])) for i in want_tok)
+        if want_row:
+            sub = logits if len(want_row) == len(slots) else logits[torch.tensor(want_row, device=logits.device)]
+            rows = self._to_host(sub) if LOGITS_TO_HOST else sub.clone()
+            out.update((slots[i], rows[j]) for j, i in enumerate(want_row))
         return out
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
@@ -613,7 +651,7 @@ class TritonRunner:
         torch.cuda.current_stream().synchronize()
         return h
 
-    def _run_eager(self, forward: Sequence[Segment]) -> dict[int, torch.Tensor]:
+    def _run_eager(self, forward: Sequence[Segment], argmax: frozenset[int] = frozenset()) -> dict[int, torch.Tensor | int]:
         ids, pos, seq, sel = [], [], [], []
         for s in forward:
             n = len(s.token_ids)
@@ -632,14 +670,7 @@ class TritonRunner:
             self._forward_no_head(dev[0], dev[1], dev[2], R, max(pos))
             return {}
         logits = self._forward(dev[0], dev[1], dev[2], R, max(pos), sel=sel_t)
-        if LOGITS_TO_HOST:
-            logits = self._to_host(logits)
-        out, i = {}, 0
-        for s in forward:
-            if s.samples:
-                out[s.slot_id] = logits[i]
-                i += 1
-        return out
+        return self._rows_out([s.slot_id for s in forward if s.samples], logits, None, argmax)
 
     def _forward_no_head(self, ids, pos, seq, R, max_pos):
         # the head on one row is cheap next to a prefill chunk; its result is dropped

@@ -1,0 +1,223 @@
+"""y[M, N] = x[M, K] @ W^T on tensor cores, from packed GGUF weights; batch-invariant in M.
+
+The third form of the quantized product (``qmatmul.py`` has the other two). It reads the same
+``PackedWeight`` planes as the FMA GEMV and decodes them with the same expressions
+(``qmatmul._decode_planes``), but multiplies on tensor cores with the operands swapped:
+
+* a program owns BLOCK_N output features x a fixed tile of BLOCK_M = 16 rows of x, and computes
+  ``y^T[BLOCK_N, 16] = W[BLOCK_N, K] @ x^T[K, 16]``: the weights are the MMA's wide operand (the
+  64-row side Hopper's wgmma wants), the batch is its narrow one. A decode step's 1..16 rows
+  therefore cost one tile, as in llama.cpp's MMQ kernels and TensorRT-LLM's "swap AB" GEMMs.
+* per fixed BLOCK_K step of the program's K range the weight tile is decoded once in registers,
+  plane by plane ([BLOCK_N, G*S] per plane, see ``PackedWeight``), and each plane is one
+  ``tl.dot`` against the x values at that plane's K positions (gathered; x is small and cached).
+* Precision (``prec``): "bf16": weights and x rounded to bfloat16, products exact in float32,
+  float32 accumulation (the precision of the torch path's bfloat16 engine, and of cuBLAS bf16);
+  "tf32x3": float32 operands, three TF32 products (about float32 accurate). The runner takes
+  "bf16" for a bfloat16 engine and "tf32x3" for a float32 one.
+* Invariance: tile shapes, the K split (``qmatmul.num_k_splits``, the same shape-only split as
+  the other forms, so the runner's split-K consumers are shared) and K order are fixed by the
+  weight's shape; M is not specialized; a row is one column of the MMA's output, computed by
+  the same instructions whatever the other columns hold. Under the CPU interpreter tl.dot is
+  numpy's sgemm, whose results depend on a column's neighbours, so there the same products are
+  a broadcast multiply + ``tl.sum`` over the same (bf16-rounded) operands: each device's form is
+  batch-invariant; they are not bitwise equal to each other, nor to the GEMV form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from .qmatmul import (
+    _GEMV_GEOMETRY,
+    QMATMUL_SPLIT_K,
+    PackedWeight,
+    _decode_planes,
+    _x_offsets,
+    num_k_splits,
+)
+
+QMMA_BLOCK_M = 16  # rows of x per program: the MMA's narrow side; fixed
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    block_n: int  # output features per program (the MMA's wide side)
+    block_k: int  # weights along K per step: divides QMATMUL_SPLIT_K, a power-of-two number of groups
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+# Per format; fixed (never chosen from M). Wide weights (the head, unsplit) may differ.
+QMMA_CONFIGS: dict[str, MmaConfig] = {
+    "Q8_0": MmaConfig(block_n=64, block_k=128),
+    "Q5_0": MmaConfig(block_n=64, block_k=128),
+    "Q4_K": MmaConfig(block_n=64, block_k=128),
+    "Q6_K": MmaConfig(block_n=64, block_k=128),
+}
+QMMA_WIDE_CONFIGS: dict[str, MmaConfig] = {
+    "Q8_0": MmaConfig(block_n=64, block_k=128, num_warps=4, num_stages=3),
+}
+QMMA_PRECISIONS = ("bf16", "tf32x3")
+QMMA_INTERPRETER_MIN_BLOCK_N = 128  # fewer, wider programs under the CPU interpreter
+
+
+def mma_config(name: str, N: int, K: int, device: torch.device | str = "cuda") -> MmaConfig:
+    """The launch configuration for a packed weight of format ``name``, N x K (never M)."""
+    wide = num_k_splits(N, K) == 1 and name in QMMA_WIDE_CONFIGS
+    cfg = QMMA_WIDE_CONFIGS[name] if wide else QMMA_CONFIGS[name]
+    if torch.device(device).type == "cpu":
+        cfg = replace(cfg, block_n=max(cfg.block_n, QMMA_INTERPRETER_MIN_BLOCK_N), num_stages=1)
+    return cfg
+
+
+@triton.jit
+def _round_bf16(v, EXPLICIT: tl.constexpr):
+    """float32 -> bfloat16, rounded to nearest even. On a GPU the conversion instruction does
+    that; Triton's CPU interpreter truncates instead, so there (EXPLICIT) the rounding is done on
+    the bits first (finite inputs), and the conversion of the rounded value is exact."""
+    if EXPLICIT:
+        b = v.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        v = b.to(tl.float32, bitcast=True)
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
+def _plane_dot(acc, w, x_ptr, xoff, xmask, m, mmask, stride_xm,
+               GS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, USE_DOT: tl.constexpr):
+    """acc[BN, BM] += W_plane[BN, GS] @ x^T[GS, BM], x^T gathered at K offsets ``xoff`` [GS]."""
+    w = tl.reshape(w, [BLOCK_N, GS])
+    xt = tl.load(x_ptr + m[None, :] * stride_xm + xoff[:, None], mask=xmask[:, None] & mmask[None, :], other=0.0)
+    if PREC == "bf16":
+        wb = _round_bf16(w, not USE_DOT)
+        xb = _round_bf16(xt.to(tl.float32), not USE_DOT)
+        if USE_DOT:
+            acc = tl.dot(wb, xb, acc)
+        else:  # bf16 x bf16 products are exact in float32: only the summation order differs
+            acc += tl.sum(wb.to(tl.float32)[:, :, None] * xb.to(tl.float32)[None, :, :], axis=1)
+    else:
+        xf = xt.to(tl.float32)
+        if USE_DOT:
+            acc = tl.dot(w, xf, acc, input_precision="tf32x3")
+        else:
+            acc += tl.sum(w[:, :, None] * xf[None, :, :], axis=1)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _qmma_kernel(
+    x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr,
+    M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row,
+    QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PREC: tl.constexpr, USE_DOT: tl.constexpr,
+):
+    G: tl.constexpr = BLOCK_K // GW
+    GS: tl.constexpr = G * S
+    pid = tl.program_id(0)
+    num_m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m_tiles  # fastest: the row tiles of one N tile run back to back (L2 reuse)
+    pid_n = pid // num_m_tiles
+    k_begin = tl.program_id(1) * k_split  # this program's K slice [k_begin, k_end)
+    k_end = tl.minimum(K, k_begin + k_split)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    n64 = n.to(tl.int64)[:, None, None]
+    qs_rows = qs_ptr + n64 * qs_row
+    qh_rows = qh_ptr + n64 * qh_row
+    sc_rows = sc_ptr + n64 * sc_row
+    d_rows = d_ptr + n64 * d_row
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = m < M
+    g = tl.arange(0, G)
+    s = tl.arange(0, S)
+    s3 = s[None, None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        gg = k0 // GW + g  # global group index
+        gval = k0 + g * GW < k_end
+        mask = nmask[:, None, None] & gval[None, :, None]
+        w0, w1, w2, w3 = _decode_planes(qs_rows, qh_rows, sc_rows, d_rows, gg[None, :, None], s3, mask, QTYPE)
+        xo = tl.reshape(_x_offsets(gg, s, QTYPE, GW), [GS])
+        xm = tl.reshape(gval[:, None] & (s[None, :] >= 0), [GS])
+        acc = _plane_dot(acc, w0, x_ptr, xo, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
+        if NPLANE > 1:
+            acc = _plane_dot(acc, w1, x_ptr, xo + PSTEP, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
+        if NPLANE > 2:
+            acc = _plane_dot(acc, w2, x_ptr, xo + 2 * PSTEP, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
+            acc = _plane_dot(acc, w3, x_ptr, xo + 3 * PSTEP, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
+    yp = y_ptr + tl.program_id(1) * stride_ys + m[None, :] * stride_ym + n[:, None]
+    tl.store(yp, acc, mask=nmask[:, None] & mmask[None, :])
+
+
+def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, stride_ys: int,
+                prec: str = "bf16", config: MmaConfig | None = None, use_dot: bool | None = None) -> None:
+    """Launch ``_qmma_kernel``: y[s, m, n] (s < splits, at stride_ys; y's row stride is
+    y.stride(-2)) = the K slice s of x[m] @ W[n]^T. No value checks: callers check."""
+    if prec not in QMMA_PRECISIONS:
+        raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(QMMA_PRECISIONS)}")
+    cfg = config or mma_config(w.fmt.name, w.N, w.K, x.device)
+    gw, s, nplane, pstep = _GEMV_GEOMETRY[w.fmt.name]
+    groups = cfg.block_k // gw
+    if QMATMUL_SPLIT_K % cfg.block_k or cfg.block_k % gw or groups & (groups - 1) or groups * s < 16:
+        raise ValueError(f"bad qmma config {cfg} for {w.fmt.name}")
+    M = x.shape[0]
+    qh = w.qh if w.qh is not None else w.qs
+    sc = w.sc if w.sc is not None else w.qs
+    grid = (triton.cdiv(M, QMMA_BLOCK_M) * triton.cdiv(w.N, cfg.block_n), splits)
+    _qmma_kernel[grid](
+        x, w.qs, qh, sc, w.d, y, M, w.N, w.K, QMATMUL_SPLIT_K if splits > 1 else w.K,
+        x.stride(0), y.stride(-2), stride_ys,
+        w.qs.stride(0), qh.stride(0) if w.qh is not None else 0, sc.stride(0) if w.sc is not None else 0, w.d.stride(0),
+        QTYPE=w.fmt.code, GW=gw, S=s, NPLANE=nplane, PSTEP=pstep, BLOCK_M=QMMA_BLOCK_M,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, PREC=prec,
+        USE_DOT=x.is_cuda if use_dot is None else use_dot, num_warps=cfg.num_warps,
+    )
+
+
+def qmma(x: torch.Tensor, w: PackedWeight, prec: str = "bf16", out: torch.Tensor | None = None,
+         config: MmaConfig | None = None, use_dot: bool | None = None) -> torch.Tensor:
+    """float32 [M, N] = x[M, K] @ W^T on tensor cores (see the module docstring for precision).
+
+    x: float32 or bfloat16 [M, K], unit stride along K, on the weight's device. Batch-invariant:
+    row i equals ``qmma(x[i:i+1], w, prec)`` bitwise. ``use_dot`` picks the product form
+    (default: tl.dot on a GPU, the tl.sum form under the CPU interpreter)."""
+    if not isinstance(w, PackedWeight):
+        raise TypeError("qmma takes a PackedWeight (kernels.qmatmul.pack_weights)")
+    N, K = w.N, w.K
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"x must be [M, {K}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"x must be float32 or bfloat16, got {x.dtype}")
+    if x.stride(1) != 1:
+        raise ValueError("x must have unit stride along K")
+    if x.device != w.device:
+        raise ValueError(f"x on {x.device} but the weight on {w.device}")
+    M = x.shape[0]
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.float32, device=x.device)
+    elif out.shape != (M, N) or out.dtype != torch.float32 or out.stride(1) != 1 or out.device != x.device:
+        raise ValueError(f"out must be float32 [{M}, {N}] with unit stride on {x.device}")
+    if M == 0:
+        return out
+    splits = num_k_splits(N, K)
+    if splits == 1:
+        launch_qmma(x, w, out, 1, 0, prec, config, use_dot)
+        return out
+    part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+    launch_qmma(x, w, part, splits, part.stride(0), prec, config, use_dot)
+    out.copy_(_sum_in_order(part))
+    return out
+
+
+def _sum_in_order(part: torch.Tensor) -> torch.Tensor:
+    """((p[0] + p[1]) + ...) in slice order (the runner's consumers add them the same way)."""
+    acc = part[0].clone()
+    for i in range(1, part.shape[0]):
+        acc += part[i]
+    return acc
