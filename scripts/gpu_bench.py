@@ -297,6 +297,35 @@ def bench_engine(m, slots_list, out: Path, rows: list) -> None:
             log(f"ENGINE N={N} FAILED\n{traceback.format_exc()}")
 
 
+def stage_mma_sweep(m, out: Path, rows: list, bw: float) -> None:
+    """End-to-end decode steps (graphs, 1 and 16 slots) for candidate tensor-core tilings: the
+    layer products' config (all formats alike), then the head's. Each candidate is fixed per
+    weight shape (never per M), as the runner requires."""
+    from dataclasses import replace as dc_replace
+
+    from workbench.kernels import qmma
+
+    base, base_wide = dict(qmma.QMMA_CONFIGS), dict(qmma.QMMA_WIDE_CONFIGS)
+    C = qmma.MmaConfig
+    layer_cands = {"n64k128w4": C(64, 128, 4), "n128k128w4": C(128, 128, 4), "n64k256w4": C(64, 256, 4),
+                   "n32k128w4": C(32, 128, 4), "n128k128w8": C(128, 128, 8), "n64k128w4s2": C(64, 128, 4, 2)}
+    head_cands = {"n64k128w4s3": C(64, 128, 4, 3), "n128k128w4s3": C(128, 128, 4, 3), "n128k128w8s3": C(128, 128, 8, 3),
+                  "n64k128w4s1": C(64, 128, 4, 1), "n256k128w8s3": C(256, 128, 8, 3), "n64k64w4s4": C(64, 64, 4, 4)}
+    try:
+        for label, cfg in layer_cands.items():
+            for k in qmma.QMMA_CONFIGS:
+                qmma.QMMA_CONFIGS[k] = dc_replace(cfg)
+            bench_runner(m, f"mma_sweep layers {label}", (1, 16), out, rows, bw, matmul="mma")
+        qmma.QMMA_CONFIGS.update(base)
+        for label, cfg in head_cands.items():
+            qmma.QMMA_WIDE_CONFIGS["Q8_0"] = cfg
+            bench_runner(m, f"mma_sweep head {label}", (1, 16), out, rows, bw, matmul="mma")
+    finally:
+        qmma.QMMA_CONFIGS.update(base)
+        qmma.QMMA_WIDE_CONFIGS.clear()
+        qmma.QMMA_WIDE_CONFIGS.update(base_wide)
+
+
 def _with_segment(seg: int, fn) -> None:
     """Run fn with kernels.attention.ATTENTION_SEGMENT = seg (what runners built inside take)."""
     from workbench.kernels import attention as A
@@ -326,6 +355,16 @@ def main_stage(args) -> None:
     exact_rows: list = []
     prof_rows: list = []
     for name, fn in (
+        ("mma graphs", lambda: bench_runner(m, "triton_mma_graphs", SLOTS, out, rows, bw, matmul="mma")),
+        ("cublas bf16 graphs", lambda: bench_runner(m, "cublas_bf16_graphs", SLOTS, out, rows, bw, dense="cublas_bf16")),
+        ("gemv graphs", lambda: bench_runner(m, "triton_gemv_graphs", SLOTS, out, rows, bw, matmul="gemv")),
+        ("mma seg64", lambda: bench_runner(m, "triton_mma_graphs_seg64", SLOTS, out, rows, bw, matmul="mma", attn_segment=64)),
+        ("mma seg32", lambda: bench_runner(m, "triton_mma_graphs_seg32", SLOTS, out, rows, bw, matmul="mma", attn_segment=32)),
+        ("mma exact", lambda: stage_exact(m, out, exact_rows)),
+        ("mma engine", lambda: bench_engine(m, (1, 4, 16), out, rows)),
+        ("mma profile", lambda: stage_profile(m, out, prof_rows)),
+        ("mma sweep", lambda: stage_mma_sweep(m, out, rows, bw)),
+        ("gemv seg32", lambda: bench_runner(m, "triton_gemv_graphs_seg32", SLOTS, out, rows, bw, matmul="gemv", attn_segment=32)),
         ("profile", lambda: stage_profile(m, out, prof_rows)),
         ("seg64", lambda: bench_runner(m, "triton_graphs_seg64", SLOTS, out, rows, bw, attn_segment=64)),
         ("seg32", lambda: bench_runner(m, "triton_graphs_seg32", SLOTS, out, rows, bw, attn_segment=32)),
@@ -333,7 +372,6 @@ def main_stage(args) -> None:
         ("exact64", lambda: _with_segment(64, lambda: stage_exact(m, out, exact_rows))),
         ("triton graphs", lambda: bench_runner(m, "triton_graphs", SLOTS, out, rows, bw)),
         ("exact", lambda: stage_exact(m, out, exact_rows)),
-        ("cublas bf16 graphs", lambda: bench_runner(m, "cublas_bf16_graphs", SLOTS, out, rows, bw, dense="cublas_bf16")),
         ("engine", lambda: bench_engine(m, (1, 4, 16), out, rows)),
         ("triton eager", lambda: bench_runner(m, "triton_eager", (1, 16), out, rows, bw, graphs=False)),
         ("vs torch", lambda: stage_vs_torch(args.model, m, out, exact_rows)),

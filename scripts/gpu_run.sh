@@ -1,31 +1,39 @@
 #!/usr/bin/env bash
 # The GPU session's main call (see docs/GPU_NOTES.md): run on the device machine from the repo root,
-# after scripts/gpu_upload_model.sh's parts have been appended to /tmp/model.gguf.
+# after scripts/gpu_upload_model.sh's parts have been appended to /tmp/bundle.tar (model,
+# tokenizer cache, wheels).
 #   bash scripts/gpu_run.sh            (writes JSON and logs under $OUT)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 SLOTLAB_CACHE=/tmp/slotlab-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-MODEL=${MODEL:-/tmp/model.gguf}
 SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 t0=$(date +%s)
 stamp() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+mkdir -p /tmp/bundle && tar -C /tmp/bundle -xf /tmp/bundle.tar || exit 1
+MODEL=${MODEL:-/tmp/bundle/model.gguf}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/bundle/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 # workbench.kernels is kernels/ (pyproject's package-dir); this copy of the tree is not installed
 ln -sfn ../kernels workbench/kernels
-mkdir -p $SLOTLAB_CACHE/tokenizers; cp .carry/tok/*.json $SLOTLAB_CACHE/tokenizers/ 2>/dev/null
+mkdir -p $SLOTLAB_CACHE/tokenizers; cp /tmp/bundle/tok/*.json $SLOTLAB_CACHE/tokenizers/ 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
 # (the upload chain appends every part, the last one included: scripts/gpu_upload_model.sh)
 echo "$SHA  $MODEL" | sha256sum -c || { ls -l "$MODEL"; exit 1; }
+stamp kernel_tests
+timeout ${KT_S:-90} python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -5
 stamp main
+export STAGES=${STAGES:-mma graphs,cublas bf16 graphs,gemv graphs,mma seg64,mma seg32,mma exact,mma engine,mma profile,mma sweep}
 timeout ${MAIN_S:-330} python3 scripts/gpu_bench.py main --model "$MODEL" --out "$OUT" 2>&1 | tee "$OUT/main.log"
+stamp workbench_bench
+# the project's own benchmark command, through Engine (greedy tokens from the device argmax)
+timeout ${WB_S:-120} python3 -m workbench bench --backend triton --model "$MODEL" --concurrency ${WB_C:-1,4,16,32} \
+    --prompt-len 128 --gen 128 --repeats 2 --data-dir /tmp/wbruns 2>&1 | tail -12
+(cd /tmp/wbruns && tar czf "$OUT/wbruns.tgz" .) 2>/dev/null
 stamp hf
 timeout ${HF_S:-100} python3 scripts/gpu_bench.py hf ${HF_ARGS:-} --model "$MODEL" --out "$OUT" 2>&1 | tee "$OUT/hf.log" | grep -v Warning
 stamp test_triton_runner
 timeout ${TR_S:-60} python3 -m pytest -q -p no:cacheprovider tests/test_triton_runner.py 2>&1 | tail -5
-stamp kernel_tests
-timeout ${KT_S:-60} python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -5
 stamp table
 python3 scripts/gpu_bench.py table "$OUT"

@@ -1,26 +1,33 @@
 #!/usr/bin/env bash
-# Split the real GGUF (253 MB) into parts that fit one device call's 64 MiB carry next to the
-# working tree (~16 MB), into the git-ignored .carry/model/. Here:
-#     bash scripts/gpu_upload_model.sh
-# It also copies the tokenizer cache of the model (the device image's transformers 5.17 lacks
-# transformers.integrations.gguf.convert_gguf_tokenizer, which workbench/tokenizer.py imports;
-# with the cache file present the tokenizer is never rebuilt) into .carry/tok/.
+# Bundle what a device run needs beside the working tree (the real GGUF, 253 MB; its tokenizer
+# cache; wheels the device image lacks: gguf, polars) into one tar, split into parts that fit
+# one device call's 64 MiB carry next to the working tree (~21 MB), under the git-ignored
+# .carry/parts/. Here:
+#     bash scripts/gpu_upload_model.sh            (prints the number of parts)
+# The wheels are fetched once into .whl/ (docs/GPU_NOTES.md has the pip download line).
+# The tokenizer cache is needed because the device image's transformers (5.17) lacks
+# transformers.integrations.gguf.convert_gguf_tokenizer; with the cache present the tokenizer
+# is never rebuilt.
 # Then, on the device tool, one call per part, each right after the other (the machine goes back
-# after 30 s idle and /tmp with it); each upload call took 0.2-0.6 s of command time:
-#     run(carry=[".carry/model/part0"], command="cat .carry/model/part0 > /tmp/model.gguf")
-#     run(carry=[".carry/model/part1"], command="cat .carry/model/part1 >> /tmp/model.gguf")
-#     ... part2 .. part4 likewise
-#     run(carry=[".carry/model/part5", ".carry/tok", ".whl"], timeout_s=580,
-#         command="cat .carry/model/part5 >> /tmp/model.gguf; bash scripts/gpu_run.sh")
-# (a 50 MB part + the ~16 MB working tree fits the 64 MiB carry; part5 is the 3 MB tail).
-# gpu_run.sh checks the sha256 before anything else.
+# after 30 s idle, and /tmp with it):
+#     run(carry=[".carry/parts/part0"], command="cat .carry/parts/part0 > /tmp/bundle.tar")
+#     run(carry=[".carry/parts/part1"], command="cat .carry/parts/part1 >> /tmp/bundle.tar")
+#     ... up to the last part, whose call runs everything:
+#     run(carry=[".carry/parts/partN"], timeout_s=590,
+#         command="cat .carry/parts/partN >> /tmp/bundle.tar; bash scripts/gpu_run.sh")
+# gpu_run.sh unpacks the bundle and checks the model's sha256 before anything else.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SRC=${1:-$HOME/.cache/slotlab/models/gemma-3-270m-q4_k_m.gguf}
-mkdir -p .carry/model
-rm -f .carry/model/part*
-split -b 50000000 -d -a 1 "$SRC" .carry/model/part
+PART=${PART_BYTES:-42000000}
 SHA=$(sha256sum "$SRC" | cut -d' ' -f1)
-mkdir -p .carry/tok
-cp "${SLOTLAB_CACHE:-$HOME/.cache/slotlab}/tokenizers/$SHA.json" .carry/tok/
-ls -l .carry/model .carry/tok
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/tok" "$stage/whl"
+ln -s "$(realpath "$SRC")" "$stage/model.gguf"
+cp "${SLOTLAB_CACHE:-$HOME/.cache/slotlab}/tokenizers/$SHA.json" "$stage/tok/"
+cp .whl/*.whl "$stage/whl/"
+rm -rf .carry/parts && mkdir -p .carry/parts
+tar -C "$stage" -chf - model.gguf tok whl | split -b "$PART" -d -a 1 - .carry/parts/part
+ls -l .carry/parts
+echo "parts: $(ls .carry/parts | wc -l)"

@@ -237,7 +237,7 @@ class Engine:
         if plan is None:
             return []
         forwards = self.scheduler.forwards(plan)
-        max_ctx = {v.slot_id: v.max_context for v in self.scheduler.views()}
+        max_ctx = self.scheduler.max_contexts()
         logits = {}
         running = self.scheduler.running_ids()
         # greedy rows whose logits nobody keeps may be answered by the runner with the token

@@ -14,7 +14,7 @@ admission never has to be undone; the prefill chunk gets what the reservations l
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping, Protocol
 
 from .engine_config import EngineConfig
@@ -160,7 +160,7 @@ class Scheduler:
         """One view per slot in use, ascending slot id, with the runner's batch verdict."""
         out = []
         for slot, s in sorted(self._running.items()):
-            view = SlotView(
+            fields = dict(
                 slot_id=slot,
                 request_id=s.request.request_id,
                 phase="prefill" if s.num_prefilled < s.prompt_len else "decode",
@@ -170,9 +170,15 @@ class Scheduler:
                 context_len=s.context_len,
                 max_context=s.max_context,
             )
-            ok, reason = self.runner.batch_verdict(view)
-            out.append(replace(view, exact_batchable=bool(ok), solo_reason=None if ok else reason))
+            ok, reason = self.runner.batch_verdict(SlotView(**fields))
+            # (a second constructor call: dataclasses.replace cost 5 us per slot per step)
+            out.append(SlotView(**fields, exact_batchable=bool(ok), solo_reason=None if ok else reason))
         return out
+
+    def max_contexts(self) -> dict[int, int]:
+        """Slot id -> the context reserved for it, for every admitted request (what a runner
+        sizes its per-slot state by)."""
+        return {slot: s.max_context for slot, s in self._running.items()}
 
     # -- requests --------------------------------------------------------------------------
 

@@ -1,0 +1,5 @@
+"""`python -m workbench ...`: the `workbench` command without the installed console script."""
+
+from .cli import main
+
+main()
