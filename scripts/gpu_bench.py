@@ -70,9 +70,10 @@ def copy_bandwidth() -> float:
 
 def weight_bytes(r) -> int:
     """Raw GGUF bytes one decode step reads: every layer projection, the norms, the head."""
-    n = sum(w.raw.numel() for L in r.layers for p in (L.qkv, L.wo, L.gate_up, L.down) for _, w in p.parts)
+    n = sum(w.fmt.row_bytes(w.K) * w.N for L in r.layers for p in (L.qkv, L.wo, L.gate_up, L.down) for _, w in p.parts)
     n += sum(4 * t.numel() for L in r.layers for t in vars(L).values() if hasattr(t, "numel") and t.dtype == __import__("torch").float32)
-    return n + r.head.parts[0][1].raw.numel()
+    h = r.head.parts[0][1]
+    return n + h.fmt.row_bytes(h.K) * h.N
 
 
 def kv_bytes_step(cfg, positions, elem: int) -> int:
@@ -261,9 +262,9 @@ def stage_profile(m, out: Path, rows: list, seg: int | None = None) -> None:
             kern.sort(key=lambda k: -k[2])
             total = sum(k[2] for k in kern) / steps
             for name, count, dt in kern[:24]:
-                rows.append(dict(stage="profile", graphs=graphs, slots=N, seg=seg or 256, kernel=name[:90],
+                rows.append(dict(stage="profile", graphs=graphs, slots=N, seg=r.attn_segment, kernel=name[:90],
                                  calls_per_step=count / steps, us_per_step=dt / steps))
-            rows.append(dict(stage="profile", graphs=graphs, slots=N, seg=seg or 256, kernel="TOTAL(kernel time)",
+            rows.append(dict(stage="profile", graphs=graphs, slots=N, seg=r.attn_segment, kernel="TOTAL(kernel time)",
                              calls_per_step=sum(k[1] for k in kern) / steps, us_per_step=total))
             log(f"PROFILE graphs={graphs} N={N}: kernel time {total:.0f} us/step; top: " +
                 "; ".join(f"{n[:40]} {d / steps:.0f}us x{c / steps:.0f}" for n, c, d in kern[:8]))
@@ -355,6 +356,12 @@ def main_stage(args) -> None:
     exact_rows: list = []
     prof_rows: list = []
     for name, fn in (
+        ("v32 mma", lambda: bench_runner(m, "mma_seg32", SLOTS, out, rows, bw, matmul="mma")),
+        ("v32 gemv", lambda: bench_runner(m, "gemv_seg32", SLOTS, out, rows, bw, matmul="gemv")),
+        ("v32 mma+gemv head", lambda: bench_runner(m, "mma_gemvhead_seg32", SLOTS, out, rows, bw, matmul="mma", head_matmul="gemv")),
+        ("v32 gemv+mma head", lambda: bench_runner(m, "gemv_mmahead_seg32", SLOTS, out, rows, bw, matmul="gemv", head_matmul="mma")),
+        ("v32 cublas", lambda: bench_runner(m, "cublas_bf16_seg32", SLOTS, out, rows, bw, dense="cublas_bf16")),
+        ("v32 profile", lambda: stage_profile(m, out, prof_rows)),
         ("mma graphs", lambda: bench_runner(m, "triton_mma_graphs", SLOTS, out, rows, bw, matmul="mma")),
         ("cublas bf16 graphs", lambda: bench_runner(m, "cublas_bf16_graphs", SLOTS, out, rows, bw, dense="cublas_bf16")),
         ("gemv graphs", lambda: bench_runner(m, "triton_gemv_graphs", SLOTS, out, rows, bw, matmul="gemv")),

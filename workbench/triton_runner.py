@@ -57,6 +57,13 @@ MAX_EMBD = 8192  # the fused norms hold a whole row in one tile
 # (the first version). docs/GPU_NOTES.md compares them.
 MATMUL = "mma"
 MATMUL_FORMS = ("mma", "gemv", "raw")
+# The head's form: None = the layers' form. A per-weight choice (fixed at load, by the weight,
+# never by the row count), so rows stay invariant whichever form each weight takes.
+HEAD_MATMUL: str | None = None
+# Keys per attention partial program, one value per runner (prefill and decode alike). Small
+# segments give a decode row at a short context several programs instead of one: on an H200
+# 32 vs 256 took the 1-slot step from 1.74 to 1.18 ms (docs/GPU_NOTES.md).
+ATTN_SEGMENT = 32
 
 
 # ---- fused kernels (each a function of one row; batch-invariant by construction) ------------
@@ -228,7 +235,8 @@ class TritonRunner:
 
     def __init__(self, model: Model, slot_capacity: int, *, device: str | torch.device | None = None,
                  graphs: bool | str | None = None, dense: str = "quant", kv_dtype: torch.dtype | None = None,
-                 attn_segment: int | None = None, matmul: str | None = None):
+                 attn_segment: int | None = None, matmul: str | None = None,
+                 head_matmul: str | None = None):
         from .kernels import qmatmul as qm
         from .kernels.quant_tiles import FORMATS
 
@@ -248,6 +256,10 @@ class TritonRunner:
         self.matmul = MATMUL if matmul is None else matmul
         if self.matmul not in MATMUL_FORMS:
             raise WorkbenchError(f"matmul={matmul!r} is not allowed: allowed {', '.join(MATMUL_FORMS)}")
+        self.head_matmul = head_matmul or HEAD_MATMUL or self.matmul
+        if self.head_matmul not in MATMUL_FORMS or (self.head_matmul == "raw") != (self.matmul == "raw"):
+            raise WorkbenchError(f"head_matmul={head_matmul!r} is not allowed with matmul={self.matmul!r}: "
+                                 f"allowed {'raw' if self.matmul == 'raw' else 'mma, gemv'}")
         self.packed = self.matmul != "raw"
         from .kernels import qmma as _qmma
 
@@ -255,9 +267,9 @@ class TritonRunner:
         from .kernels import attention as _attn
 
         self._attn = _attn
-        # keys per attention partial program (kernels.attention.ATTENTION_SEGMENT by default): one
+        # keys per attention partial program (ATTN_SEGMENT by default): one
         # value per runner, used by prefill and decode alike, so rows stay bitwise invariant
-        self.attn_segment = int(attn_segment or _attn.ATTENTION_SEGMENT)
+        self.attn_segment = int(attn_segment or ATTN_SEGMENT)
         if self.attn_segment not in (32, 64, 128, 256):
             raise WorkbenchError(f"attn_segment={attn_segment!r} is not allowed: allowed 32, 64, 128, 256")
         self.use_dot = self.device.type == "cuda"
@@ -483,8 +495,8 @@ class TritonRunner:
             self.launches += 1
         return part
 
-    def _launch_packed(self, x, pw, y, splits: int, stride_ys: int) -> None:
-        if self.matmul == "mma":
+    def _launch_packed(self, x, pw, y, splits: int, stride_ys: int, form: str | None = None) -> None:
+        if (form or self.matmul) == "mma":
             self._qmma.launch_qmma(x, pw, y, splits, stride_ys, self.mma_prec, use_dot=self.use_dot)
         else:
             self._qm.launch_qgemv(x, pw, y, splits, stride_ys)
@@ -567,7 +579,7 @@ class TritonRunner:
             logits_out.copy_(part[0])
             self.launches += 1
         elif self.head.parts[0][1].packed is not None:
-            self._launch_packed(hs, self.head.parts[0][1].packed, logits_out, 1, 0)
+            self._launch_packed(hs, self.head.parts[0][1].packed, logits_out, 1, 0, self.head_matmul)
         else:
             w = self.head.parts[0][1]
             qm = self._qm
