@@ -355,7 +355,12 @@ def main_stage(args) -> None:
     dump(out, "bench.json", rows)
     exact_rows: list = []
     prof_rows: list = []
+    fsweep = [("f " + "+".join(fs), fs) for fs in (("Q5_0",), ("Q4_K",), ("Q6_K",), ("Q8_0",), ("Q5_0", "Q4_K"),
+                                                   ("Q5_0", "Q6_K", "Q8_0"), ("Q4_K", "Q6_K", "Q8_0"))]
     for name, fn in (
+        *[(label, (lambda fs=fs, label=label: bench_runner(
+            m, f"gemv_mmahead_{label.replace(' ', '_')}_mma", (1, 16), out, rows, bw, matmul="gemv", head_matmul="mma",
+            layer_forms={f: "mma" for f in fs}))) for label, fs in fsweep],
         ("v32 mma", lambda: bench_runner(m, "mma_seg32", SLOTS, out, rows, bw, matmul="mma")),
         ("v32 gemv", lambda: bench_runner(m, "gemv_seg32", SLOTS, out, rows, bw, matmul="gemv")),
         ("v32 mma+gemv head", lambda: bench_runner(m, "mma_gemvhead_seg32", SLOTS, out, rows, bw, matmul="mma", head_matmul="gemv")),

@@ -60,6 +60,8 @@ MATMUL_FORMS = ("mma", "gemv", "raw")
 # The head's form: None = the layers' form. A per-weight choice (fixed at load, by the weight,
 # never by the row count), so rows stay invariant whichever form each weight takes.
 HEAD_MATMUL: str | None = None
+# Per-format overrides of the layers' form ({"Q5_0": "mma"}): again fixed per weight.
+LAYER_FORMS: dict[str, str] = {}
 # Keys per attention partial program, one value per runner (prefill and decode alike). Small
 # segments give a decode row at a short context several programs instead of one: on an H200
 # 32 vs 256 took the 1-slot step from 1.74 to 1.18 ms (docs/GPU_NOTES.md).
@@ -183,6 +185,7 @@ class QWeight:
     K: int
     splits: int
     packed: object = None  # kernels.qmatmul.PackedWeight unless matmul == "raw"
+    form: str = "raw"  # the product kernel this weight always takes: "mma", "gemv" or "raw"
 
 
 @dataclass
@@ -236,7 +239,7 @@ class TritonRunner:
     def __init__(self, model: Model, slot_capacity: int, *, device: str | torch.device | None = None,
                  graphs: bool | str | None = None, dense: str = "quant", kv_dtype: torch.dtype | None = None,
                  attn_segment: int | None = None, matmul: str | None = None,
-                 head_matmul: str | None = None):
+                 head_matmul: str | None = None, layer_forms: dict[str, str] | None = None):
         from .kernels import qmatmul as qm
         from .kernels.quant_tiles import FORMATS
 
@@ -261,6 +264,11 @@ class TritonRunner:
             raise WorkbenchError(f"head_matmul={head_matmul!r} is not allowed with matmul={self.matmul!r}: "
                                  f"allowed {'raw' if self.matmul == 'raw' else 'mma, gemv'}")
         self.packed = self.matmul != "raw"
+        self.layer_forms = dict(LAYER_FORMS if layer_forms is None else layer_forms)
+        for f in self.layer_forms.values():
+            if f not in MATMUL_FORMS or (f == "raw") != (self.matmul == "raw"):
+                raise WorkbenchError(f"layer_forms={layer_forms!r}: form {f!r} is not allowed with "
+                                     f"matmul={self.matmul!r}: allowed {'raw' if self.matmul == 'raw' else 'mma, gemv'}")
         from .kernels import qmma as _qmma
 
         self._qmma = _qmma
@@ -332,6 +340,7 @@ class TritonRunner:
                 if self.packed:
                     w.packed = qm.pack_weights(w.raw, w.fmt.name, w.N, K)
                     w.raw = None
+                    w.form = self.layer_forms.get(w.fmt.name, self.matmul)
                     self.fixed_bytes += w.packed.nbytes
                 else:
                     self.fixed_bytes += w.raw.numel()
@@ -481,7 +490,7 @@ class TritonRunner:
         qm = self._qm
         for off, w in p.parts:
             if w.packed is not None:
-                self._launch_packed(x, w.packed, part[:, :, off:], w.splits, part.stride(0))
+                self._launch_packed(x, w.packed, part[:, :, off:], w.splits, part.stride(0), w.form)
                 continue
             cfg = qm.QMATMUL_CONFIGS[w.fmt.name]
             grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(w.N, cfg.block_n), w.splits)
