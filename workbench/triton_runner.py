@@ -55,13 +55,13 @@ MAX_EMBD = 8192  # the fused norms hold a whole row in one tile
 # operands for a bfloat16 engine, tf32x3 for a float32 one), "gemv" packed planes with float32
 # FMAs (kernels/qmatmul.py's decode-shaped kernel), "raw" the GGUF bytes with tf32x3 tl.dot
 # (the first version). docs/GPU_NOTES.md compares them.
-MATMUL = "mma"
+MATMUL = "gemv"
 MATMUL_FORMS = ("mma", "gemv", "raw")
 # The head's form: None = the layers' form. A per-weight choice (fixed at load, by the weight,
 # never by the row count), so rows stay invariant whichever form each weight takes.
-HEAD_MATMUL: str | None = None
+HEAD_MATMUL: str | None = 'mma'
 # Per-format overrides of the layers' form ({"Q5_0": "mma"}): again fixed per weight.
-LAYER_FORMS: dict[str, str] = {}
+LAYER_FORMS: dict[str, str] = {'Q5_0': 'mma'}
 # Keys per attention partial program, one value per runner (prefill and decode alike). Small
 # segments give a decode row at a short context several programs instead of one: on an H200
 # 32 vs 256 took the 1-slot step from 1.74 to 1.18 ms (docs/GPU_NOTES.md).
