@@ -331,3 +331,22 @@ def test_scheduling_core_imports_no_torch():
         "sys.exit('torch' in sys.modules or 'numpy' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_repeats_after_says_when_the_next_step_is_the_same_decode_rows():
+    """The run-ahead hint: true only for a one-forward decode step of every running slot with
+    nothing waiting and no slot at its token limit after this step."""
+    sched, _ = make(max_concurrency=2)
+    sched.add(req("a", 3, max_tokens=4))
+    sched.add(req("b", 2, max_tokens=3))
+    sched.add(req("c", 2, max_tokens=3))  # waits for a slot
+    hints = []
+    while sched.has_work():
+        plan = sched.schedule()
+        hints.append((plan.num_prefill_rows, plan.num_decode_rows, sched.num_waiting, sched.repeats_after(plan)))
+        sched.commit(plan, {slot: 1 for slot in plan.slot_ids()})
+    assert not any(h for p, d, w, h in hints if p or w)  # prefill rows or a waiting request: never
+    # "b" (3 tokens) ends after its third sample: the step sampling its second token says no
+    assert hints[1][:3] == (0, 2, 1) and not hints[1][3]
+    assert any(h for *_, h in hints)  # "a" and "c" decode together with nothing waiting: yes
+    assert not hints[-1][3]  # the last step finishes everything

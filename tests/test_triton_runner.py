@@ -154,3 +154,45 @@ def test_bf16_engine_tokens_on_device(tiny_model, monkeypatch, matmul):
 def test_bad_matmul_form(tiny_model):
     with pytest.raises(WorkbenchError, match="matmul='fast' is not allowed: allowed mma, gemv, raw"):
         TritonRunner(tiny_model("gemma3", "float32", "Q8_0"), 64, matmul="fast")
+
+
+def test_run_ahead_is_exact_and_used(tiny_model, monkeypatch):
+    """Greedy steady state: the runner launches each next decode step before returning the
+    current one (ahead). More requests than slots (admissions change the membership), one
+    request stopped early by a small max_tokens, one cancelled mid-run: every request's tokens
+    equal its solo run, and early launches were both used and discarded along the way."""
+    import workbench.triton_runner as tr
+
+    m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(4, m.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 9, 3, 12, 6)]
+    max_tokens = [6, 2, 7, 5, 6]
+    monkeypatch.setattr(tr, "GRAPHS", True if torch.cuda.is_available() else "emulate")
+    cfg = EngineConfig(backend="triton", dtype="float32", max_concurrency=3, chunk_size=8, max_context=64,
+                       memory_budget_bytes=1 << 30)
+    eng = Engine(m, cfg)
+    used, launched = [], []
+    real_run, real_next = tr.TritonRunner.run, tr.TritonRunner._tokens_then_next
+
+    def run(self, fwd, ctx, argmax=frozenset(), ahead=False):
+        used.append(self._ahead is not None and self._ahead[0] == tuple((s.slot_id, s.start_pos, s.token_ids[0]) for s in fwd))
+        return real_run(self, fwd, ctx, argmax, ahead)
+
+    monkeypatch.setattr(tr.TritonRunner, "run", run)
+    monkeypatch.setattr(tr.TritonRunner, "_tokens_then_next",
+                        lambda self, n, p: launched.append(n) or real_next(self, n, p))
+    handles = [eng.submit(p, max_tokens=k, ignore_eos=True) for p, k in zip(prompts, max_tokens)]
+    cancelled = handles[2]
+    for _ in range(4):
+        eng.step()
+    cancelled.cancel()
+    eng.run_until_done()
+    assert any(used) and launched and not all(used)
+    monkeypatch.setattr(tr, "GRAPHS", False)
+    solo = Engine(m, EngineConfig(backend="triton", dtype="float32", max_concurrency=1, max_context=64,
+                                  memory_budget_bytes=1 << 30))
+    for i, (h, p, k) in enumerate(zip(handles, prompts, max_tokens)):
+        if h is cancelled:
+            assert h.result().finish_reason == "cancelled"
+            continue
+        assert h.result().token_ids == solo.submit(p, max_tokens=k, ignore_eos=True).result().token_ids, i

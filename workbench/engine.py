@@ -245,12 +245,14 @@ class Engine:
         argmax = frozenset() if self.keep_logits else frozenset(
             slot for slot, rid in running.items() if self._live[rid].params.greedy)
         sampled = {}
+        # a greedy steady state: the runner may start the next step before returning this one's
+        ahead = bool(argmax) and self.scheduler.repeats_after(plan) and set(plan.slot_ids()) <= argmax
         for fwd in forwards:  # run
             for seg in fwd:
                 live = self._live[seg.request_id]
                 if live.prefill_started_at is None:
                     live.prefill_started_at = t0
-            for slot, out in self.runner.run(fwd, max_ctx, argmax=argmax).items():
+            for slot, out in self.runner.run(fwd, max_ctx, argmax=argmax, ahead=ahead).items():
                 if isinstance(out, int):
                     sampled[slot] = out
                 else:

@@ -61,10 +61,12 @@ class TorchRunner:
 
     # -- run -------------------------------------------------------------------------------
     def run(self, forward: Sequence[Segment], max_context: dict[int, int],
-            argmax: frozenset[int] = frozenset()) -> dict[int, torch.Tensor | int]:
+            argmax: frozenset[int] = frozenset(), ahead: bool = False) -> dict[int, torch.Tensor | int]:
         """One forward call; returns slot id -> float32 logits of its last row (where sampled).
         ``argmax``: slots for which the runner MAY return the greedy token (an int) instead;
-        on the CPU the logits are already where the engine samples, so this runner never does."""
+        on the CPU the logits are already where the engine samples, so this runner never does.
+        ``ahead``: a hint that the next call will be these rows one position on (runners with
+        an asynchronous device may start it early; this one runs synchronously and ignores it)."""
         segs = []
         for s in forward:
             st = self.state(s.slot_id, s.request_id, max_context[s.slot_id])

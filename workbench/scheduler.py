@@ -175,6 +175,21 @@ class Scheduler:
             out.append(SlotView(**fields, exact_batchable=bool(ok), solo_reason=None if ok else reason))
         return out
 
+    def repeats_after(self, plan: StepPlan) -> bool:
+        """Whether the step after ``plan`` will be the same decode rows one position on, unless
+        a sampled token stops a request: a one-forward decode-only plan of every running slot,
+        nothing waiting, no slot at its token or context limit. (A runner may start that next
+        step early; it is only a hint, the runner checks the next step's inputs.)"""
+        if self._waiting or plan.prefill_chunks or len(plan.forwards()) != 1:
+            return False
+        if plan.num_decode_rows != len(self._running):
+            return False
+        for s in self._running.values():
+            n = len(s.output_ids) + 1
+            if n >= s.request.max_tokens or s.prompt_len + n >= s.max_context:
+                return False
+        return True
+
     def max_contexts(self) -> dict[int, int]:
         """Slot id -> the context reserved for it, for every admitted request (what a runner
         sizes its per-slot state by)."""

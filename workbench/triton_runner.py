@@ -438,6 +438,8 @@ class TritonRunner:
         self._zeros = torch.zeros(BUCKETS[-1], dtype=torch.int32, device=self.device)
         self._wins = torch.full((BUCKETS[-1],), max(c.sliding_window, 0), dtype=torch.int32, device=self.device)
         self.launches = 0  # kernel launches of the last forward (counted where they are issued)
+        self._ahead: tuple | None = None  # (segments key,) of a decode step launched early
+        self._tok_host: torch.Tensor | None = None
 
     # -- RunnerInfo ----------------------------------------------------------------------------
     def cache_bytes(self, num_tokens: int) -> int:
@@ -449,6 +451,7 @@ class TritonRunner:
         return True, None
 
     def reset(self, slot: int) -> None:
+        self._ahead = None
         self._owner.pop(slot, None)
         self._len.pop(slot, None)
 
@@ -619,27 +622,62 @@ class TritonRunner:
     # -- run ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, forward: Sequence[Segment], max_context: dict[int, int],
-            argmax: frozenset[int] = frozenset()) -> dict[int, torch.Tensor | int]:
+            argmax: frozenset[int] = frozenset(), ahead: bool = False) -> dict[int, torch.Tensor | int]:
         """One forward; slot id -> float32 logits [vocab] of its last row (where sampled), or,
         for slots in ``argmax``, the greedy token (an int: argmax on the device, the same
-        tie/NaN rule as torch.argmax, and only the tokens cross to the host)."""
+        tie/NaN rule as torch.argmax, and only the tokens cross to the host).
+
+        ``ahead`` (a hint: the next call will be these rows one position on): when every row is
+        a graphed greedy decode row, the next step's graph is launched before this call waits
+        for its tokens (the graph already feeds its argmax back as the next inputs), so the
+        host's bookkeeping overlaps the device's next step. The next call uses that launch only
+        if its segments are exactly the ones launched (slot, position, input token); otherwise
+        it runs as usual, and the stream order makes it overwrite whatever the early launch
+        wrote (a finished slot's extra KV row is beyond anything its next owner reads before
+        writing). Either way each row's result is the same function of the same inputs, so
+        the outputs are bitwise those of running without the hint."""
         if not forward:
             return {}
+        launched, self._ahead = self._ahead, None
         self._begin(forward, max_context)
         decode = all(len(s.token_ids) == 1 and s.samples for s in forward)
         if decode and self.use_graphs and len(forward) <= BUCKETS[-1]:
-            g = self._graph_for(len(forward), max(s.start_pos for s in forward))
-            self._fill_inputs(forward, g.bucket)
-            g.graph.replay()
-            self.launches = g.launches or self.launches
-            # the graph computed every row's argmax into _g_tok already
-            out = self._rows_out([s.slot_id for s in forward], self._g_logits[: len(forward)],
-                                 self._g_tok[: len(forward)], argmax)
+            n = len(forward)
+            max_pos = max(s.start_pos for s in forward)
+            key = tuple((s.slot_id, s.start_pos, s.token_ids[0]) for s in forward)
+            if launched is None or launched[0] != key:
+                g = self._graph_for(n, max_pos)
+                self._fill_inputs(forward, g.bucket)
+                g.graph.replay()
+                self.launches = g.launches or self.launches
+            if ahead and all(s.slot_id in argmax and s.start_pos + 2 <= max_context[s.slot_id] for s in forward) \
+                    and max_pos + 1 < self._pool_len:
+                toks = self._tokens_then_next(n, max_pos + 1)
+                self._ahead = (tuple((sl, p + 1, t) for (sl, p, _), t in zip(key, toks)),)
+                out = {s.slot_id: t for s, t in zip(forward, toks)}
+            else:
+                # the graph computed every row's argmax into _g_tok already
+                out = self._rows_out([s.slot_id for s in forward], self._g_logits[:n], self._g_tok[:n], argmax)
         else:
             out = self._run_eager(forward, argmax)
         for s in forward:
             self._len[s.slot_id] = s.start_pos + len(s.token_ids)
         return out
+
+    def _tokens_then_next(self, n: int, next_max_pos: int) -> list[int]:
+        """This step's n greedy tokens, copied to the host before the next step's graph (whose
+        inputs the graph has written) is launched; returns them once the copy is done."""
+        if self._tok_host is None:
+            self._tok_host = torch.empty(BUCKETS[-1], dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._tok_host[:n].copy_(self._g_tok[:n], non_blocking=True)
+        done = torch.cuda.Event() if self.device.type == "cuda" else None
+        if done is not None:
+            done.record()
+        g = self._graph_for(n, next_max_pos)  # (a first capture synchronizes; _g_in is kept)
+        g.graph.replay()
+        if done is not None:
+            done.synchronize()
+        return self._tok_host[:n].tolist()
 
     def _rows_out(self, slots: list[int], logits: torch.Tensor, tokens: torch.Tensor | None,
                   argmax: frozenset[int]) -> dict[int, torch.Tensor | int]:
