@@ -195,8 +195,14 @@ class Tokenizer:
             from transformers.integrations.ggml import convert_gguf_tokenizer
 
         try:
-            backend, _ = convert_gguf_tokenizer(architecture, td)
-        except ValueError as e:
+            try:
+                backend, _ = convert_gguf_tokenizer(architecture, td)
+            except KeyError:
+                # releases before gemma3's entry (5.17) map gemma2 to the same Gemma converter
+                if architecture != "gemma3":
+                    raise
+                backend, _ = convert_gguf_tokenizer("gemma2", td)
+        except (ValueError, KeyError) as e:
             raise WorkbenchError(f"cannot build the tokenizer from the GGUF: {e}") from None
         types = list(_plain(md.get("tokenizer.ggml.token_type", [])))
         backend = _match_user_tokens_like_llamacpp(backend, tokens, types)
