@@ -505,10 +505,12 @@ def to_parquet(args) -> None:
         return pl.DataFrame([{k: (json.dumps(r.get(k)) if isinstance(r.get(k), (list, dict)) else r.get(k))
                               for k in cols} for r in rows], infer_schema_length=None)
 
+    from workbench.atomic import atomic_write_parquet, atomic_write_text
+
     df = frame(bench)
-    df.write_parquet(dest)
-    frame(prof).write_parquet(dest.with_name(dest.stem.replace("bench", "profile") + ".parquet"))
-    dest.with_name(dest.stem.replace("bench", "exact") + ".json").write_text(json.dumps(exact, indent=1, default=str))
+    atomic_write_parquet(dest, df)
+    atomic_write_parquet(dest.with_name(dest.stem.replace("bench", "profile") + ".parquet"), frame(prof))
+    atomic_write_text(dest.with_name(dest.stem.replace("bench", "exact") + ".json"), json.dumps(exact, indent=1, default=str))
     print(df.select([c for c in ("run", "variant", "slots", "tok_s", "step_ms", "launches_per_step", "x_floor") if c in df.columns])
           .filter(pl.col("variant").is_not_null()).sort("variant", "slots", "run"))
 

@@ -19,7 +19,7 @@ import polars as pl
 from workbench.runstore import RunStore
 
 SOURCE = Path(__file__).resolve().parent.parent / "data" / "gpu" / "h200_bench.parquet"
-VARIANTS = ("triton_graphs", "triton_graphs_seg64", "triton_graphs_seg32")  # the batch-invariant path only
+VARIANTS = ("triton_graphs", "triton_graphs_seg64", "triton_graphs_seg32", "triton_default")  # batch-invariant only
 
 
 def main() -> int:

@@ -15,6 +15,7 @@ tables removed; a killed process leaves the manifest at "running" and only whole
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import subprocess
@@ -349,7 +350,12 @@ def _check_name(name: str, what: str) -> None:
 
 
 def _git_state(where: Path) -> tuple[str | None, bool | None]:
-    """(HEAD commit, tracked files modified) of the repo holding `where`; (None, None) outside one."""
+    """(HEAD commit, tracked files modified) of the repo holding `where`; (None, None) outside one.
+    SLOTLAB_GIT_COMMIT, where set, names the commit instead (dirty unknown): for copies of the
+    tree whose .git lags behind it, as on the device machine."""
+    override = os.environ.get("SLOTLAB_GIT_COMMIT")
+    if override:
+        return override, None
 
     def git(*args: str) -> subprocess.CompletedProcess[str] | None:
         try:
