@@ -72,9 +72,9 @@ def _row_key_range(row_pos_ptr, row_win_ptr, r):
 def _attention_partial_kernel(
     q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
     stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
-    qk_scale_log2, D, Hkv, num_seg,
+    qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
     GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
 ):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -120,6 +120,42 @@ def _attention_partial_kernel(
     tl.store(ws_m_ptr + slot, m_i)
     tl.store(ws_l_ptr + slot, l_i)
     tl.store(ws_acc_ptr + slot[:, None].to(tl.int64) * D_P + d[None, :], acc)
+    if FUSED:
+        # the last of the row's num_seg programs to finish merges them (in segment order, so the
+        # same arithmetic as _attention_combine_kernel) and re-arms the counter for the next launch
+        tl.debug_barrier()  # every thread's partial stores before the release below
+        done = tl.atomic_add(count_ptr + r * Hkv + kvh, 1, sem="acq_rel")
+        if done == num_seg - 1:
+            _combine_row(ws_m_ptr, ws_l_ptr, ws_acc_ptr, o_ptr, r, kvh, lo, hi, stride_or, stride_oh, D, Hkv,
+                         num_seg, GROUP, QROWS, D_P, SEG, ".cg")  # (.cg: from L2, never a stale L1 line)
+            tl.store(count_ptr + r * Hkv + kvh, 0)
+
+
+@triton.jit
+def _combine_row(ws_m_ptr, ws_l_ptr, ws_acc_ptr, o_ptr, r, kvh, lo, hi, stride_or, stride_oh, D, Hkv, num_seg,
+                 GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, SEG: tl.constexpr,
+                 CACHE: tl.constexpr):
+    """Merge row r's segment partials in increasing segment order, normalize, store."""
+    g = tl.arange(0, QROWS)
+    d = tl.arange(0, D_P)
+    m_i = tl.full([QROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([QROWS], dtype=tl.float32)
+    acc = tl.zeros([QROWS, D_P], dtype=tl.float32)
+    for sg in range(lo // SEG, tl.cdiv(hi, SEG)):
+        slot = ((r * Hkv + kvh) * num_seg + sg) * QROWS + g
+        m_s = tl.load(ws_m_ptr + slot, cache_modifier=CACHE)
+        m_new = tl.maximum(m_i, m_s)
+        a = tl.exp2(m_i - m_new)
+        b = tl.exp2(m_s - m_new)
+        l_i = l_i * a + tl.load(ws_l_ptr + slot, cache_modifier=CACHE) * b
+        acc = acc * a[:, None] + tl.load(ws_acc_ptr + slot[:, None].to(tl.int64) * D_P + d[None, :],
+                                         cache_modifier=CACHE) * b[:, None]
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(
+        o_ptr + r * stride_or + (kvh * GROUP + g)[:, None] * stride_oh + d[None, :],
+        out.to(o_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & (d < D)[None, :],
+    )
 
 
 @triton.jit
@@ -131,25 +167,8 @@ def _attention_combine_kernel(
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
-    g = tl.arange(0, QROWS)
-    d = tl.arange(0, D_P)
-    m_i = tl.full([QROWS], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([QROWS], dtype=tl.float32)
-    acc = tl.zeros([QROWS, D_P], dtype=tl.float32)
-    for sg in range(lo // SEG, tl.cdiv(hi, SEG)):
-        slot = ((r * Hkv + kvh) * num_seg + sg) * QROWS + g
-        m_s = tl.load(ws_m_ptr + slot)
-        m_new = tl.maximum(m_i, m_s)
-        a = tl.exp2(m_i - m_new)
-        b = tl.exp2(m_s - m_new)
-        l_i = l_i * a + tl.load(ws_l_ptr + slot) * b
-        acc = acc * a[:, None] + tl.load(ws_acc_ptr + slot[:, None].to(tl.int64) * D_P + d[None, :]) * b[:, None]
-        m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(
-        o_ptr + r * stride_or + (kvh * GROUP + g)[:, None] * stride_oh + d[None, :],
-        out.to(o_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & (d < D)[None, :],
-    )
+    _combine_row(ws_m_ptr, ws_l_ptr, ws_acc_ptr, o_ptr, r, kvh, lo, hi, stride_or, stride_oh, D, Hkv, num_seg,
+                 GROUP, QROWS, D_P, SEG, "")
 
 
 def _check_float(name: str, t: torch.Tensor) -> None:
@@ -170,6 +189,7 @@ def attention_rows(
     out: torch.Tensor | None = None,
     max_pos: int | None = None,
     use_dot: bool | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of R query rows, each against its own sequence's cache.
 
@@ -177,7 +197,10 @@ def attention_rows(
     [0, S); row_pos [R] in [0, L_max) (the row's K/V must already be in the cache at row_pos);
     row_window [R] (0 = global). Hq must be a multiple of Hkv. Returns [R, Hq, D] in q's dtype.
     ``max_pos`` (a bound on row_pos, optional) only sizes the launch and workspace; ``use_dot``
-    picks the product form (default: tl.dot on a GPU; see the module docstring).
+    picks the product form (default: tl.dot on a GPU; see the module docstring). ``counters``:
+    int32 zeros, at least R * Hkv of them, owned by the caller and reusable across calls (each
+    call leaves them zero): the last partial program of a row merges the row itself (one launch
+    instead of two; bitwise the same result).
     """
     _check_float("q", q)
     _check_float("k_cache", k_cache)
@@ -218,18 +241,22 @@ def attention_rows(
     ws_m = torch.empty((R, Hkv, num_seg, qrows), dtype=torch.float32, device=q.device)
     ws_l = torch.empty_like(ws_m)
     ws_acc = torch.empty((R, Hkv, num_seg, qrows, d_p), dtype=torch.float32, device=q.device)
+    fused = counters is not None
+    if fused and (counters.dtype != torch.int32 or counters.numel() < R * Hkv or counters.device != q.device):
+        raise ValueError(f"counters must be int32 zeros, at least {R * Hkv} of them, on {q.device}")
     _attention_partial_kernel[(R, Hkv, num_seg)](
         q, k_cache, v_cache, ws_m, ws_l, ws_acc, row_seq, row_pos, row_window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        float(scale) * _LOG2E, D, Hkv, num_seg,
+        float(scale) * _LOG2E, D, Hkv, num_seg, counters if fused else ws_m, out, out.stride(0), out.stride(1),
         GROUP=group, QROWS=qrows, D_P=d_p, BLOCK_N=block_n, SEG=ATTENTION_SEGMENT,
-        USE_DOT=use_dot, INPUT_PRECISION=ATTENTION_INPUT_PRECISION, num_warps=num_warps,
+        USE_DOT=use_dot, INPUT_PRECISION=ATTENTION_INPUT_PRECISION, FUSED=fused, num_warps=num_warps,
     )
-    _attention_combine_kernel[(R, Hkv)](
-        ws_m, ws_l, ws_acc, out, row_pos, row_window, out.stride(0), out.stride(1), D, Hkv, num_seg,
-        GROUP=group, QROWS=qrows, D_P=d_p, SEG=ATTENTION_SEGMENT, num_warps=4,
-    )
+    if not fused:
+        _attention_combine_kernel[(R, Hkv)](
+            ws_m, ws_l, ws_acc, out, row_pos, row_window, out.stride(0), out.stride(1), D, Hkv, num_seg,
+            GROUP=group, QROWS=qrows, D_P=d_p, SEG=ATTENTION_SEGMENT, num_warps=4,
+        )
     return out
 
 

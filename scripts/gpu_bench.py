@@ -362,6 +362,7 @@ def main_stage(args) -> None:
             m, f"gemv_mmahead_{label.replace(' ', '_')}_mma", (1, 16), out, rows, bw, matmul="gemv", head_matmul="mma",
             layer_forms={f: "mma" for f in fs}))) for label, fs in fsweep],
         ("default", lambda: bench_runner(m, "triton_default", SLOTS, out, rows, bw)),
+        ("unfused combine", lambda: bench_runner(m, "triton_default_unfused_combine", SLOTS, out, rows, bw, fuse_combine=False)),
         ("v32 mma", lambda: bench_runner(m, "mma_seg32", SLOTS, out, rows, bw, matmul="mma")),
         ("v32 gemv", lambda: bench_runner(m, "gemv_seg32", SLOTS, out, rows, bw, matmul="gemv")),
         ("v32 mma+gemv head", lambda: bench_runner(m, "mma_gemvhead_seg32", SLOTS, out, rows, bw, matmul="mma", head_matmul="gemv")),

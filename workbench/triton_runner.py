@@ -66,6 +66,10 @@ LAYER_FORMS: dict[str, str] = {'Q5_0': 'mma'}
 # segments give a decode row at a short context several programs instead of one: on an H200
 # 32 vs 256 took the 1-slot step from 1.74 to 1.18 ms (docs/GPU_NOTES.md).
 ATTN_SEGMENT = 32
+# The attention combine folded into the partial kernel (the last program of a row merges it):
+# one launch per layer instead of two, bitwise the same result.
+FUSE_ATTENTION_COMBINE = True
+ATTN_COUNTER_ROWS = 8192  # rows of a forward the fused form covers (more: the two-launch form)
 
 
 # ---- fused kernels (each a function of one row; batch-invariant by construction) ------------
@@ -239,7 +243,8 @@ class TritonRunner:
     def __init__(self, model: Model, slot_capacity: int, *, device: str | torch.device | None = None,
                  graphs: bool | str | None = None, dense: str = "quant", kv_dtype: torch.dtype | None = None,
                  attn_segment: int | None = None, matmul: str | None = None,
-                 head_matmul: str | None = None, layer_forms: dict[str, str] | None = None):
+                 head_matmul: str | None = None, layer_forms: dict[str, str] | None = None,
+                 fuse_combine: bool | None = None):
         from .kernels import qmatmul as qm
         from .kernels.quant_tiles import FORMATS
 
@@ -435,6 +440,10 @@ class TritonRunner:
         self._g_in: torch.Tensor | None = None
         self._g_tok: torch.Tensor | None = None
         self._g_logits: torch.Tensor | None = None
+        fuse = FUSE_ATTENTION_COMBINE if fuse_combine is None else fuse_combine
+        # one buffer for every forward (graphs keep its address); each launch leaves it zero
+        self._attn_counters = torch.zeros(ATTN_COUNTER_ROWS * c.n_kv_heads, dtype=torch.int32,
+                                          device=self.device) if fuse else None
         self._zeros = torch.zeros(BUCKETS[-1], dtype=torch.int32, device=self.device)
         self._wins = torch.full((BUCKETS[-1],), max(c.sliding_window, 0), dtype=torch.int32, device=self.device)
         self.launches = 0  # kernel launches of the last forward (counted where they are issued)
@@ -565,11 +574,12 @@ class TritonRunner:
             )
             seg_saved, self._attn.ATTENTION_SEGMENT = self._attn.ATTENTION_SEGMENT, self.attn_segment
             try:  # the module constant is read at launch; put it back for other callers
+                counters = self._attn_counters if R <= ATTN_COUNTER_ROWS else None
                 attn = attention_rows(q, kp, vp, seq, pos, wins if c.layer_window(li) else zeros,
-                                      c.attn_scale, max_pos=max_pos, use_dot=self.use_dot)
+                                      c.attn_scale, max_pos=max_pos, use_dot=self.use_dot, counters=counters)
             finally:
                 self._attn.ATTENTION_SEGMENT = seg_saved
-            self.launches += 3
+            self.launches += 2 if counters is not None else 3
             a = attn.view(R, Hq * D)
             part = self._project(a, L.wo)
             self._add_norm(x, part, L.post_attn_norm, L.ffn_norm, h)

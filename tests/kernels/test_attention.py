@@ -130,3 +130,28 @@ def test_attention_rejects_bad_inputs(device):
     if device.type == "cpu":
         with pytest.raises(ValueError, match="row_pos"):
             decode_attention(q[:, :2], k, k, torch.tensor([3, 11]), torch.zeros(2, dtype=torch.int64), 1.0)
+
+
+@pytest.mark.parametrize("segment", [32, 64])
+def test_fused_combine_equals_two_launches(segment, device, monkeypatch):
+    """With caller-owned counters the last partial program of a row merges the row (one launch):
+    bitwise the two-launch result, rows spanning 1..4 segments with and without a window, and
+    the counters are left zero, so the same buffer serves the next call (twice here)."""
+    monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", segment)
+    gen = torch.Generator().manual_seed(4)
+    S, L, Hq, Hkv, D = 2, 130, 4, 2, 32
+    k = _randn(S, L, Hkv, D, device=device, gen=gen)
+    v = _randn(S, L, Hkv, D, device=device, gen=gen)
+    q = _randn(5, Hq, D, device=device, gen=gen)
+    row_seq = torch.tensor([0, 1, 1, 0, 1], device=device)
+    row_pos = torch.tensor([129, 3, 70, 64, 127], device=device)
+    row_win = torch.tensor([0, 0, 40, 16, 0], device=device)
+    two = attention_rows(q, k, v, row_seq, row_pos, row_win, 0.3)
+    counters = torch.zeros(16, dtype=torch.int32, device=device)
+    for _ in range(2):
+        one = attention_rows(q, k, v, row_seq, row_pos, row_win, 0.3,
+                             out=torch.full_like(q, float("nan")), counters=counters)
+        assert torch.equal(one, two)
+        assert not counters.any()
+    with pytest.raises(ValueError, match="counters must be int32"):
+        attention_rows(q, k, v, row_seq, row_pos, row_win, 0.3, counters=counters[:4])
