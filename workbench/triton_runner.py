@@ -2,15 +2,13 @@
 
 Same interface as `runner.TorchRunner` (the engine picks it with EngineConfig(backend="triton")).
 
-* Weights: the GGUF blocks go to the device ("cuda" if available, else "cpu" under
-  TRITON_INTERPRET=1), regrouped once by `kernels.qmatmul.pack_weights` (same bits), and
-  decoded in registers by the product kernel of the runner's `matmul` form (MATMUL: the
-  tensor-core `kernels.qmma` by default). Every product of a weight takes that one form
-  whatever the row count (never chosen from M). The tied embedding keeps its raw bytes for the gather.
-  Same-format projections of one input are fused by concatenating their rows (q|k|v, gate|up).
-  Llama's NORM rope (adjacent pairs) is turned into the kernels' NEOX rope by permuting the rows
-  of W_q and W_k within each head (q.k is unchanged by a common permutation of q and k; V is not
-  permuted).
+* Weights (`device_weights.py`): the GGUF blocks go to the device ("cuda" if available, else
+  "cpu" under TRITON_INTERPRET=1), regrouped once into packed planes (same bits); each weight
+  takes one product kernel for its lifetime, chosen by format and role (MATMUL, LAYER_FORMS,
+  HEAD_MATMUL: the FMA GEMV or the tensor-core `kernels.qmma`), never by the row count.
+  Same-format projections of one input are fused (q|k|v, gate|up). The tied embedding keeps its
+  raw bytes for the gather. Llama's adjacent-pair rope becomes the kernels' NEOX rope by a row
+  permutation of W_q and W_k.
 * KV: one pool per layer [S, L_max, Hkv, D] (slot id = pool index, the last index a scratch
   slot that padded rows write into); it grows (copying) when a slot id or a reservation needs it.
 * Each step: embedding -> per layer [qkv qmatmul -> fused QK-norm + rope + KV write ->
@@ -23,6 +21,9 @@ Same interface as `runner.TorchRunner` (the engine picks it with EngineConfig(ba
 * Decode-only forwards on CUDA replay a CUDA graph captured per (row bucket, attention segment
   bucket): rows are padded to 1, 2, 4, ..., 64; padded rows read token 0 at position 0 and write
   their KV into the scratch slot. Prefill and mixed forwards run eagerly (any row count).
+  The graph also takes each row's argmax and writes it, with position + 1, as the next step's
+  inputs: greedy rows are answered with that token (no logits copy), and in a greedy steady
+  state the next step is launched before this one's tokens are returned (`run`'s `ahead`).
 
 `dense="cublas_bf16"` swaps the quantized products for cuBLAS bf16 products on dequantized
 weights: the fastest NON-batch-invariant variant, for measuring what invariance costs.
@@ -33,11 +34,11 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from .device_weights import Proj, load_device_weights
 from .errors import WorkbenchError
 from .model import Model
 from .planner import SlotView
@@ -59,9 +60,9 @@ MATMUL = "gemv"
 MATMUL_FORMS = ("mma", "gemv", "raw")
 # The head's form: None = the layers' form. A per-weight choice (fixed at load, by the weight,
 # never by the row count), so rows stay invariant whichever form each weight takes.
-HEAD_MATMUL: str | None = 'mma'
+HEAD_MATMUL: str | None = "mma"
 # Per-format overrides of the layers' form ({"Q5_0": "mma"}): again fixed per weight.
-LAYER_FORMS: dict[str, str] = {'Q5_0': 'mma'}
+LAYER_FORMS: dict[str, str] = {"Q5_0": "mma"}  # measured: docs/GPU_NOTES.md, run 6
 # Keys per attention partial program, one value per runner (prefill and decode alike). Small
 # segments give a decode row at a short context several programs instead of one: on an H200
 # 32 vs 256 took the 1-slot step from 1.74 to 1.18 ms (docs/GPU_NOTES.md).
@@ -179,45 +180,6 @@ def _qk_rope_kv_kernel(
     tl.store(v_ptr + dst + HALF, v2.to(v_ptr.dtype.element_ty), mask=kmask)
 
 
-# ---- weights ----------------------------------------------------------------------------------
-
-@dataclass
-class QWeight:
-    raw: torch.Tensor | None  # uint8 [N, row_bytes] GGUF blocks on the device (None once packed)
-    fmt: object  # kernels.quant_tiles.QuantFormat
-    N: int
-    K: int
-    splits: int
-    packed: object = None  # kernels.qmatmul.PackedWeight unless matmul == "raw"
-    form: str = "raw"  # the product kernel this weight always takes: "mma", "gemv" or "raw"
-
-
-@dataclass
-class Proj:
-    """One product x @ [W_0; W_1; ...]^T: same-format members fused, each written into its
-    column range of one partial buffer [splits, M, N]."""
-
-    parts: list[tuple[int, QWeight]]
-    N: int
-    K: int
-    splits: int
-    dense: torch.Tensor | None = None  # bf16 [N, K] for dense="cublas_bf16"
-
-
-@dataclass
-class DevLayer:
-    attn_norm: torch.Tensor
-    ffn_norm: torch.Tensor
-    qkv: Proj
-    wo: Proj
-    gate_up: Proj
-    down: Proj
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-    post_attn_norm: torch.Tensor | None = None
-    post_ffw_norm: torch.Tensor | None = None
-
-
 @dataclass
 class _Graph:
     graph: object
@@ -246,7 +208,6 @@ class TritonRunner:
                  head_matmul: str | None = None, layer_forms: dict[str, str] | None = None,
                  fuse_combine: bool | None = None):
         from .kernels import qmatmul as qm
-        from .kernels.quant_tiles import FORMATS
 
         self._qm = qm
         self.model = model
@@ -294,121 +255,16 @@ class TritonRunner:
         self.slot_capacity = slot_capacity
         if c.head_dim % 2 or c.n_embd > MAX_EMBD:
             raise WorkbenchError(f"backend='triton' needs an even head_dim and n_embd <= {MAX_EMBD}")
-        self._formats = FORMATS
         self.kv_dtype = kv_dtype or model.dtype
         # the tensor-core form's operand precision follows the engine's dtype
         self.mma_prec = "bf16" if model.dtype == torch.bfloat16 else "tf32x3"
-        g = model.source
-        # Llama GGUF rope rotates adjacent pairs; the kernels rotate (i, i + D/2). Permuting the
-        # rows of W_q and W_k inside each head turns one into the other.
+        weights = load_device_weights(model, self.device, matmul=self.matmul, layer_forms=self.layer_forms,
+                                      head_form=self.head_matmul, dense=dense)
+        self.layers, self.embed, self.head = weights.layers, weights.embed, weights.head
+        self.output_norm = weights.output_norm
+        self.fixed_bytes = weights.nbytes
+        self.vocab = self.head.N
         d = c.head_dim
-        self._perm = None if c.rope_neox else torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
-        self.fixed_bytes = 0
-
-        def raw(name: str, heads: int | None = None) -> QWeight:
-            if name not in g.tensors:
-                raise WorkbenchError(f"{g.path.name} lacks tensor '{name}', which backend='triton' needs")
-            t = g.tensors[name]
-            fmt = FORMATS.get(t.qtype_name)
-            if fmt is None:
-                raise WorkbenchError(
-                    f"backend='triton': tensor {name} has quant type {t.qtype_name}; the Triton "
-                    f"kernels read {', '.join(FORMATS)} (use backend='torch')")
-            n, k = t.shape
-            if k % fmt.block_size:
-                raise WorkbenchError(f"tensor {name}: K={k} is not a multiple of the {fmt.name} block size")
-            b = torch.from_numpy(np.ascontiguousarray(g.raw(name))).view(n, fmt.row_bytes(k))
-            if heads is not None and self._perm is not None:
-                idx = (torch.arange(heads)[:, None] * d + self._perm[None, :]).reshape(-1)
-                b = b[idx]
-            return QWeight(b, fmt, n, k, qm.num_k_splits(n, k))
-
-        def proj(names: list[tuple[str, int | None]], dense_w: torch.Tensor | None) -> Proj:
-            ws = [raw(n, h) for n, h in names]
-            K = ws[0].K
-            parts: list[tuple[int, QWeight]] = []
-            off = 0
-            for w in ws:  # fuse consecutive members of one format
-                if parts and parts[-1][1].fmt.name == w.fmt.name:
-                    o, p = parts[-1]
-                    parts[-1] = (o, QWeight(torch.cat([p.raw, w.raw]), p.fmt, p.N + w.N, K, 0))
-                else:
-                    parts.append((off, w))
-                off += w.N
-            splits = qm.num_k_splits(off, K)
-            out = []
-            for o, w in parts:
-                w.splits = qm.num_k_splits(w.N, K)
-                if w.splits != splits:
-                    raise WorkbenchError("backend='triton': fused projections need one split-K")
-                w.raw = w.raw.contiguous().to(self.device)
-                if self.packed:
-                    w.packed = qm.pack_weights(w.raw, w.fmt.name, w.N, K)
-                    w.raw = None
-                    w.form = self.layer_forms.get(w.fmt.name, self.matmul)
-                    self.fixed_bytes += w.packed.nbytes
-                else:
-                    self.fixed_bytes += w.raw.numel()
-                out.append((o, w))
-            dw = None
-            if dense == "cublas_bf16":
-                dw = dense_w.to(torch.bfloat16).to(self.device)
-            return Proj(out, off, K, splits, dw)
-
-        def vec(t: torch.Tensor | None, permute: bool = False) -> torch.Tensor | None:
-            if t is None:
-                return None
-            t = t.float()
-            if permute and self._perm is not None:
-                t = t[self._perm]
-            self.fixed_bytes += 4 * t.numel()
-            return t.contiguous().to(self.device)
-
-        def perm_rows(w: torch.Tensor, heads_q: int, heads_k: int) -> torch.Tensor:
-            if self._perm is None:
-                return w
-            idx = torch.cat([
-                (torch.arange(heads_q)[:, None] * d + self._perm[None, :]).reshape(-1),
-                c.q_dim + (torch.arange(heads_k)[:, None] * d + self._perm[None, :]).reshape(-1),
-                torch.arange(c.q_dim + c.kv_dim, c.q_dim + 2 * c.kv_dim),
-            ])
-            return w[idx]
-
-        self.layers: list[DevLayer] = []
-        for i, L in enumerate(model.layers):
-            p = f"blk.{i}."
-            dense_qkv = perm_rows(L.wqkv, c.n_heads, c.n_kv_heads) if dense != "quant" else None
-            self.layers.append(DevLayer(
-                attn_norm=vec(L.attn_norm), ffn_norm=vec(L.ffn_norm),
-                qkv=proj([(p + "attn_q.weight", c.n_heads), (p + "attn_k.weight", c.n_kv_heads),
-                          (p + "attn_v.weight", None)], dense_qkv),
-                wo=proj([(p + "attn_output.weight", None)], L.wo),
-                gate_up=proj([(p + "ffn_gate.weight", None), (p + "ffn_up.weight", None)], L.w_gate_up),
-                down=proj([(p + "ffn_down.weight", None)], L.w_down),
-                q_norm=vec(L.q_norm, True), k_norm=vec(L.k_norm, True),
-                post_attn_norm=vec(L.post_attn_norm), post_ffw_norm=vec(L.post_ffw_norm),
-            ))
-        self.output_norm = vec(model.output_norm)
-        emb = raw("token_embd.weight")
-        emb.raw = emb.raw.to(self.device)
-        self.fixed_bytes += emb.raw.numel()
-        self.embed = emb
-        if c.tied_output:
-            head = QWeight(emb.raw, emb.fmt, emb.N, emb.K, 1)
-        else:
-            head = raw("output.weight")
-            head.raw = head.raw.to(self.device)
-            if not self.packed:
-                self.fixed_bytes += head.raw.numel()
-        head.splits = 1  # one K pass: the logits are written directly (a shape-only choice)
-        if self.packed:  # (tied: a packed copy beside the embedding's raw bytes)
-            head.packed = qm.pack_weights(head.raw, head.fmt.name, head.N, head.K)
-            self.fixed_bytes += head.packed.nbytes
-            if not c.tied_output:
-                head.raw = None
-        self.head = Proj([(0, head)], head.N, head.K, 1,
-                         model.head.to(torch.bfloat16).to(self.device) if dense != "quant" else None)
-        self.vocab = head.N
         from .kernels.rope import rope_inv_freq
 
         self._inv_freq = {b: rope_inv_freq(d, b, self.device)
@@ -601,7 +457,8 @@ class TritonRunner:
             logits_out.copy_(part[0])
             self.launches += 1
         elif self.head.parts[0][1].packed is not None:
-            self._launch_packed(hs, self.head.parts[0][1].packed, logits_out, 1, 0, self.head_matmul)
+            w = self.head.parts[0][1]
+            self._launch_packed(hs, w.packed, logits_out, 1, 0, w.form)
         else:
             w = self.head.parts[0][1]
             qm = self._qm
