@@ -327,6 +327,46 @@ def stage_mma_sweep(m, out: Path, rows: list, bw: float) -> None:
         qmma.QMMA_WIDE_CONFIGS.update(base_wide)
 
 
+def stage_torch_path(path: str, out: Path, rows: list, device: str = "cuda", slots=(1, 4, 16), gen: int = 32) -> None:
+    """The torch reference path (workbench.model, TorchRunner) on the GPU, through Engine: the
+    model's tensors moved to the device and torch's default device set, so its step-local
+    tensors are made there too. Eager torch ops, cuBLAS bf16 products; the row-invariance
+    policy of workbench/linear.py was measured for the CPU's BLAS, not for cuBLAS, so this
+    row times the reference path and claims no exactness."""
+    import torch
+
+    from workbench import Engine, EngineConfig
+    from workbench.model import load_model
+
+    m = load_model(path, dtype="bfloat16")
+    dev = torch.device(device)
+    for layer in m.layers:
+        for k, v in vars(layer).items():
+            if isinstance(v, torch.Tensor):
+                setattr(layer, k, v.to(dev))
+    m.embed_raw, m.head, m.output_norm = m.embed_raw.to(dev), m.head.to(dev), m.output_norm.to(dev)
+    V = m.config.vocab_size
+    torch.set_default_device(dev)
+    try:
+        for N in slots:
+            cfg = EngineConfig(backend="torch", dtype="bfloat16", max_concurrency=N, max_context=PROMPT + gen + 8,
+                               memory_budget_bytes=64 << 30)
+            eng = Engine(m, cfg)
+            eng.generate(prompts_for(N, V, 7), max_tokens=4, ignore_eos=True)  # warm-up
+            n0 = eng.telemetry.steps().height
+            eng.generate(prompts_for(N, V, 8 + N), max_tokens=gen, ignore_eos=True)
+            st = eng.telemetry.steps()
+            st = st.filter((st["step"] >= n0) & (st["phase"] == "decode"))
+            dt = float(st["wall_ms"].sum()) / 1e3
+            row = dict(stage="bench", variant="torch_reference_path", slots=N, prompt=PROMPT, steps=st.height,
+                       tok_s=float(st["decode_rows"].sum()) / dt, step_ms=1e3 * dt / st.height)
+            log("BENCH", row)
+            rows.append(row)
+            dump(out, "bench.json", rows)
+    finally:
+        torch.set_default_device(None)
+
+
 def _with_segment(seg: int, fn) -> None:
     """Run fn with kernels.attention.ATTENTION_SEGMENT = seg (what runners built inside take)."""
     from workbench.kernels import attention as A
@@ -362,6 +402,7 @@ def main_stage(args) -> None:
             m, f"gemv_mmahead_{label.replace(' ', '_')}_mma", (1, 16), out, rows, bw, matmul="gemv", head_matmul="mma",
             layer_forms={f: "mma" for f in fs}))) for label, fs in fsweep],
         ("default", lambda: bench_runner(m, "triton_default", SLOTS, out, rows, bw)),
+        ("torch path", lambda: stage_torch_path(args.model, out, rows)),
         ("unfused combine", lambda: bench_runner(m, "triton_default_unfused_combine", SLOTS, out, rows, bw, fuse_combine=False)),
         ("v32 mma", lambda: bench_runner(m, "mma_seg32", SLOTS, out, rows, bw, matmul="mma")),
         ("v32 gemv", lambda: bench_runner(m, "gemv_seg32", SLOTS, out, rows, bw, matmul="gemv")),
