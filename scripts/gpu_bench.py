@@ -346,15 +346,16 @@ def stage_torch_path(path: str, out: Path, rows: list, device: str = "cuda", slo
                 setattr(layer, k, v.to(dev))
     m.embed_raw, m.head, m.output_norm = m.embed_raw.to(dev), m.head.to(dev), m.output_norm.to(dev)
     V = m.config.vocab_size
+    prompts = {N: (prompts_for(N, V, 7), prompts_for(N, V, 8 + N)) for N in slots}  # (CPU generators)
     torch.set_default_device(dev)
     try:
         for N in slots:
             cfg = EngineConfig(backend="torch", dtype="bfloat16", max_concurrency=N, max_context=PROMPT + gen + 8,
                                memory_budget_bytes=64 << 30)
             eng = Engine(m, cfg)
-            eng.generate(prompts_for(N, V, 7), max_tokens=4, ignore_eos=True)  # warm-up
+            eng.generate(prompts[N][0], max_tokens=4, ignore_eos=True)  # warm-up
             n0 = eng.telemetry.steps().height
-            eng.generate(prompts_for(N, V, 8 + N), max_tokens=gen, ignore_eos=True)
+            eng.generate(prompts[N][1], max_tokens=gen, ignore_eos=True)
             st = eng.telemetry.steps()
             st = st.filter((st["step"] >= n0) & (st["phase"] == "decode"))
             dt = float(st["wall_ms"].sum()) / 1e3
