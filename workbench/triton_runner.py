@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
 from .device_weights import Proj, load_device_weights
 from .errors import WorkbenchError
@@ -71,113 +70,6 @@ ATTN_SEGMENT = 32
 # one launch per layer instead of two, bitwise the same result.
 FUSE_ATTENTION_COMBINE = True
 ATTN_COUNTER_ROWS = 8192  # rows of a forward the fused form covers (more: the two-launch form)
-
-
-# ---- fused kernels (each a function of one row; batch-invariant by construction) ------------
-
-@triton.jit
-def _sum_parts(ptr, offs, mask, stride_s, NSPLIT: tl.constexpr):
-    """((p[0] + p[1]) + ...) at offs: the qmatmul split-K slices added in slice order."""
-    acc = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    for sp in tl.static_range(1, NSPLIT):
-        acc += tl.load(ptr + sp * stride_s + offs, mask=mask, other=0.0).to(tl.float32)
-    return acc
-
-
-@triton.jit
-def _add_rmsnorm_kernel(
-    x_ptr, p_ptr, wpost_ptr, wn_ptr, h_ptr, E, eps,
-    stride_x, stride_ps, stride_pm, stride_h,
-    NSPLIT: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """x += post_norm(sum of partials) (or the plain sum); h = rmsnorm(x) * wn."""
-    r = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < E
-    d = _sum_parts(p_ptr + r * stride_pm, cols, mask, stride_ps, NSPLIT)
-    if HAS_POST:
-        rs = 1.0 / tl.sqrt_rn(tl.sum(d * d, axis=0) / E + eps)
-        d = (d * rs) * tl.load(wpost_ptr + cols, mask=mask, other=0.0)
-    x = tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0.0) + d
-    tl.store(x_ptr + r * stride_x + cols, x, mask=mask)
-    rs2 = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / E + eps)
-    h = (x * rs2) * tl.load(wn_ptr + cols, mask=mask, other=0.0)
-    tl.store(h_ptr + r * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _glu_kernel(p_ptr, o_ptr, F, stride_ps, stride_pm, stride_o,
-                NSPLIT: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    """out = act(gate) * up from the partials of the fused [gate | up] product. ACT 0: gelu_tanh
-    (as kernels/geglu.py: g * sigmoid(2u), overflow-free), 1: silu."""
-    r = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < F
-    base = p_ptr + r * stride_pm
-    g = _sum_parts(base, offs, mask, stride_ps, NSPLIT)
-    u = _sum_parts(base + F, offs, mask, stride_ps, NSPLIT)
-    if ACT == 0:
-        t = 2.0 * 0.7978845608028654 * (g + 0.044715 * (g * g * g))
-    else:
-        t = g
-    z = tl.exp(-tl.abs(t))
-    sig = tl.where(t >= 0, 1.0 / (1.0 + z), z / (1.0 + z))
-    y = (g * sig) * u
-    tl.store(o_ptr + r * stride_o + offs, y.to(o_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _norm_rope_heads(base, offs, mask, stride_ps, nw_ptr, i, imask, c, s, D, eps,
-                     NSPLIT: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-    x1 = _sum_parts(base, offs, mask, stride_ps, NSPLIT)
-    x2 = _sum_parts(base, offs + HALF, mask, stride_ps, NSPLIT)
-    if HAS_NORM:
-        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
-        rs = 1.0 / tl.sqrt_rn(ss / D + eps)
-        w1 = tl.load(nw_ptr + i, mask=imask, other=0.0)[None, :]
-        w2 = tl.load(nw_ptr + HALF + i, mask=imask, other=0.0)[None, :]
-        x1 = (x1 * rs[:, None]) * w1
-        x2 = (x2 * rs[:, None]) * w2
-    return x1 * c - x2 * s, x2 * c + x1 * s
-
-
-@triton.jit
-def _qk_rope_kv_kernel(
-    p_ptr, q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, eps,
-    stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-    HQ_P: tl.constexpr, HKV_P: tl.constexpr, HALF_P: tl.constexpr,
-    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
-):
-    """From the qkv partials of one row: q = rope(qnorm(q)) -> q_out; k = rope(knorm(k)) and v
-    -> the row's KV slot (seq, pos). NEOX rope: pairs (i, i + D/2), angle = f32(pos) * inv_freq."""
-    r = tl.program_id(0)
-    pos = tl.load(pos_ptr + r)
-    seq = tl.load(seq_ptr + r).to(tl.int64)
-    i = tl.arange(0, HALF_P)
-    imask = i < HALF
-    ang = pos.to(tl.float32) * tl.load(inv_ptr + i, mask=imask, other=0.0)
-    c = tl.cos(ang)[None, :]
-    s = tl.sin(ang)[None, :]
-    base = p_ptr + r * stride_pm
-    hq = tl.arange(0, HQ_P)
-    qmask = (hq < HQ)[:, None] & imask[None, :]
-    qoffs = hq[:, None] * D + i[None, :]
-    o1, o2 = _norm_rope_heads(base, qoffs, qmask, stride_ps, qn_ptr, i, imask, c, s, D, eps, NSPLIT, HALF, HAS_NORM)
-    tl.store(q_ptr + r * stride_qr + qoffs, o1, mask=qmask)
-    tl.store(q_ptr + r * stride_qr + qoffs + HALF, o2, mask=qmask)
-    hk = tl.arange(0, HKV_P)
-    kmask = (hk < HKV)[:, None] & imask[None, :]
-    koffs = hk[:, None] * D + i[None, :]
-    k1, k2 = _norm_rope_heads(base + HQ * D, koffs, kmask, stride_ps, kn_ptr, i, imask, c, s, D, eps, NSPLIT, HALF, HAS_NORM)
-    dst = seq * stride_ks + pos.to(tl.int64) * stride_kl + koffs
-    tl.store(k_ptr + dst, k1.to(k_ptr.dtype.element_ty), mask=kmask)
-    tl.store(k_ptr + dst + HALF, k2.to(k_ptr.dtype.element_ty), mask=kmask)
-    vbase = base + (HQ + HKV) * D
-    v1 = _sum_parts(vbase, koffs, kmask, stride_ps, NSPLIT)
-    v2 = _sum_parts(vbase, koffs + HALF, kmask, stride_ps, NSPLIT)
-    tl.store(v_ptr + dst, v1.to(v_ptr.dtype.element_ty), mask=kmask)
-    tl.store(v_ptr + dst + HALF, v2.to(v_ptr.dtype.element_ty), mask=kmask)
 
 
 @dataclass
@@ -236,6 +128,9 @@ class TritonRunner:
                 raise WorkbenchError(f"layer_forms={layer_forms!r}: form {f!r} is not allowed with "
                                      f"matmul={self.matmul!r}: allowed {'raw' if self.matmul == 'raw' else 'mma, gemv'}")
         from .kernels import qmma as _qmma
+        from .kernels import step_fused as _fused
+
+        self._fused = _fused
 
         self._qmma = _qmma
         from .kernels import attention as _attn
@@ -269,7 +164,6 @@ class TritonRunner:
 
         self._inv_freq = {b: rope_inv_freq(d, b, self.device)
                           for b in {c.layer_rope_base(i) for i in range(c.n_layers)}}
-        self._block_e = triton.next_power_of_2(c.n_embd)
         # Activation bytes of one row at the widest point (float32 residual, normed input, qkv
         # partials, q, attention output, gate|up partials, GLU output, down partials) plus the
         # attention workspace of a row at full slot capacity.
@@ -380,13 +274,7 @@ class TritonRunner:
         self.launches += 1
 
     def _add_norm(self, x, part, w_post, w_next, h) -> None:
-        c = self.cfg
-        _add_rmsnorm_kernel[(x.shape[0],)](
-            x, part, w_post if w_post is not None else w_next, w_next, h, c.n_embd, float(c.rms_eps),
-            x.stride(0), part.stride(0), part.stride(1), h.stride(0),
-            NSPLIT=part.shape[0], HAS_POST=w_post is not None, BLOCK=self._block_e,
-            num_warps=4 if self._block_e <= 1024 else 8,
-        )
+        self._fused.add_rmsnorm(x, part, w_post, w_next, h, self.cfg.rms_eps)
         self.launches += 1
 
     def _forward(self, ids, pos, seq, R: int, max_pos: int, sel=None, logits_out=None):
@@ -397,7 +285,7 @@ class TritonRunner:
 
         c = self.cfg
         dev = self.device
-        E, Hq, Hkv, D = c.n_embd, c.n_heads, c.n_kv_heads, c.head_dim
+        E, Hq, D = c.n_embd, c.n_heads, c.head_dim
         hdt = torch.bfloat16 if self.dense != "quant" else torch.float32
         x = torch.empty((R, E), dtype=torch.float32, device=dev)
         h = torch.empty((R, E), dtype=hdt, device=dev)
@@ -410,24 +298,13 @@ class TritonRunner:
         else:
             zeros = torch.zeros(R, dtype=torch.int32, device=dev)
             wins = torch.full((R,), max(c.sliding_window, 0), dtype=torch.int32, device=dev)
-        half = D // 2
-        act = 0 if c.activation == "gelu_tanh" else 1
-        glu_block = min(1024, triton.next_power_of_2(c.n_ff))
+        act = "gelu_tanh" if c.activation == "gelu_tanh" else "silu"
         for li, L in enumerate(self.layers):
             part = self._project(h, L.qkv)
             q = torch.empty((R, Hq, D), dtype=torch.float32, device=dev)
             kp, vp = self.k_pool[li], self.v_pool[li]
-            has_norm = L.q_norm is not None
-            _qk_rope_kv_kernel[(R,)](
-                part, q, kp, vp, seq, pos,
-                L.q_norm if has_norm else self._inv_freq[c.layer_rope_base(li)],
-                L.k_norm if has_norm else self._inv_freq[c.layer_rope_base(li)],
-                self._inv_freq[c.layer_rope_base(li)], float(c.rms_eps),
-                part.stride(0), part.stride(1), q.stride(0), kp.stride(0), kp.stride(1),
-                HQ=Hq, HKV=Hkv, D=D, HALF=half, HQ_P=max(2, triton.next_power_of_2(Hq)),
-                HKV_P=max(2, triton.next_power_of_2(Hkv)), HALF_P=max(2, triton.next_power_of_2(half)),
-                NSPLIT=part.shape[0], HAS_NORM=has_norm, num_warps=4,
-            )
+            self._fused.qk_rope_kv(part, q, kp, vp, seq, pos, L.q_norm, L.k_norm,
+                                   self._inv_freq[c.layer_rope_base(li)], c.rms_eps)
             seg_saved, self._attn.ATTENTION_SEGMENT = self._attn.ATTENTION_SEGMENT, self.attn_segment
             try:  # the module constant is read at launch; put it back for other callers
                 counters = self._attn_counters if R <= ATTN_COUNTER_ROWS else None
@@ -441,10 +318,7 @@ class TritonRunner:
             self._add_norm(x, part, L.post_attn_norm, L.ffn_norm, h)
             part = self._project(h, L.gate_up)
             g = torch.empty((R, c.n_ff), dtype=hdt, device=dev)
-            _glu_kernel[(R, triton.cdiv(c.n_ff, glu_block))](
-                part, g, c.n_ff, part.stride(0), part.stride(1), g.stride(0),
-                NSPLIT=part.shape[0], ACT=act, BLOCK=glu_block, num_warps=4,
-            )
+            self._fused.glu_from_parts(part, g, act)
             self.launches += 1
             part = self._project(g, L.down)
             nxt = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.output_norm
