@@ -20,3 +20,13 @@ def test_bench_writes_tidy_rows(tiny_gguf, tmp_path):
     table = format_table(rows)
     assert table.count("\n") == 3 and "| 2 |" in table
     assert run.manifest["status"] == "complete"
+
+
+def test_floor_bytes_are_what_a_step_reads(tiny_model):
+    """The bandwidth floor counts the weights a decode step reads: the resident bytes minus the
+    embedding table, of which a step gathers only its rows."""
+    from workbench.runner import TorchRunner
+
+    m = tiny_model("gemma3", "bfloat16", "Q8_0")
+    r = TorchRunner(m, 256)
+    assert r.fixed_bytes - r.step_weight_bytes == m.embed_raw.numel()

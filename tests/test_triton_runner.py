@@ -213,3 +213,11 @@ def test_fused_attention_combine_is_bitwise_the_two_launch_form(tiny_model):
         outs.append(r.launches)
     assert torch.equal(outs[0], outs[2])
     assert outs[3] - outs[1] == m.config.n_layers  # one attention launch fewer per layer
+
+
+def test_step_weight_bytes_leave_out_the_embedding_table(tiny_model):
+    m = tiny_model("gemma3", "float32", "Q8_0")
+    r = TritonRunner(m, 64, graphs=False)
+    assert r.fixed_bytes - r.step_weight_bytes == r.embed.raw.numel()
+    raw = TritonRunner(m, 64, graphs=False, matmul="raw")  # the raw form's tied head reads the table itself
+    assert raw.fixed_bytes == raw.step_weight_bytes

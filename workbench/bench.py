@@ -79,7 +79,8 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
         "num_steps": steps.height,
         "num_solo_fallback": int(steps["num_solo"].sum()),
         "chunk_size_used": int(steps["chunk_size"].max()),
-        "weight_bytes": engine.runner.fixed_bytes,
+        "weight_bytes": engine.runner.step_weight_bytes,  # read per decode step: the floor's bytes
+        "resident_weight_bytes": engine.runner.fixed_bytes,
     }, [r.token_ids for r in results]
 
 

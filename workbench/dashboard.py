@@ -72,7 +72,8 @@ def runs_chart(runs: pl.DataFrame) -> alt.Chart:
 def decode_vs_concurrency_chart(summary: pl.DataFrame) -> alt.LayerChart:
     """Aggregate decode tok/s against concurrent sequences, one line per hardware and ablation."""
     return _measured_vs(summary, "concurrency", "decode_tok_s_aggregate", "decode tok/s (aggregate)",
-                        "Decode throughput vs concurrency", x_log=True, y_log=True, dash="ablation")
+                        "Decode throughput vs concurrency (line: latest run per hardware)", x_log=True, y_log=True,
+                        dash="ablation", line_from="latest")
 
 
 def bandwidth_fraction_chart(summary: pl.DataFrame) -> alt.LayerChart:
@@ -81,7 +82,8 @@ def bandwidth_fraction_chart(summary: pl.DataFrame) -> alt.LayerChart:
         (pl.col("decode_tok_s_aggregate") / pl.col("bandwidth_floor_tok_s")).alias("fraction_of_floor")
     )
     return _measured_vs(frame, "concurrency", "fraction_of_floor", "fraction of bandwidth floor",
-                        "Decode throughput / bandwidth floor", x_log=True, dash="ablation", y_format="%")
+                        "Decode throughput / bandwidth floor (line: latest run per hardware)", x_log=True,
+                        dash="ablation", y_format="%", line_from="latest")
 
 
 def ttft_vs_chunk_chart(summary: pl.DataFrame) -> alt.Chart:
@@ -297,8 +299,12 @@ def _swept_params(store: RunStore, ablation: str, summary: pl.DataFrame) -> list
 
 
 def _measured_vs(frame, x, y, y_title, title, *, x_log, dash=None, y_format=None, x_type="Q", y_log=False,
-                 per_hardware=False, series=None):
+                 per_hardware=False, series=None, line_from="mean"):
     """Points for every row, a line through the mean per x; colour by hardware_id.
+
+    `line_from="latest"`: the line goes through the latest run of each hardware only (run ids
+    begin with their UTC start time), so that older code versions stay visible as points
+    without pulling the current curve.
 
     `series` (a column such as prompt_len) splits the lines and gives the points a shape, so
     that rows of different settings are not averaged into one curve.
@@ -325,7 +331,12 @@ def _measured_vs(frame, x, y, y_title, title, *, x_log, dash=None, y_format=None
     dots = base.mark_point(size=50, opacity=0.7, filled=True).encode(
         y=alt.Y(f"{y}:Q", title=y_title, axis=axis, scale=y_scale), tooltip=tooltip, **shape
     )
-    layer = alt.layer(line, dots, data=_data(keep))
+    if line_from == "latest" and "run_id" in keep.columns:
+        line = line.properties(data=_data(keep.filter(pl.col("run_id") == pl.col("run_id").max().over("hardware_id"))))
+        dots = dots.properties(data=_data(keep))
+        layer = alt.layer(line, dots)
+    else:
+        layer = alt.layer(line, dots, data=_data(keep))
     if not per_hardware:
         return layer.properties(width=WIDTH, height=HEIGHT, title=title)
     return (

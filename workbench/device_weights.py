@@ -67,6 +67,7 @@ class DeviceWeights:
     head: Proj  # one member, unsplit (the logits are written directly); packed unless raw form
     output_norm: torch.Tensor
     nbytes: int  # device bytes of all of the above
+    step_bytes: int  # what one decode step reads: all but the embedding table (rows are gathered)
 
 
 def load_device_weights(model: Model, device: torch.device, *, matmul: str, layer_forms: dict[str, str],
@@ -168,8 +169,11 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
     emb = raw("token_embd.weight")
     emb.raw = emb.raw.to(device)
     nbytes += emb.raw.numel()
+    table_bytes = emb.raw.numel()
     if c.tied_output:
         head = QWeight(emb.raw, emb.fmt, emb.N, emb.K, 1)
+        if not packed:  # the raw form's head reads the table itself
+            table_bytes = 0
     else:
         head = raw("output.weight")
         head.raw = head.raw.to(device)
@@ -183,4 +187,5 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
         if not c.tied_output:
             head.raw = None
     dense_head = model.head.to(torch.bfloat16).to(device) if dense != "quant" else None
-    return DeviceWeights(layers, emb, Proj([(0, head)], head.N, head.K, 1, dense_head), output_norm, nbytes)
+    return DeviceWeights(layers, emb, Proj([(0, head)], head.N, head.K, 1, dense_head), output_norm, nbytes,
+                         nbytes - table_bytes)

@@ -26,7 +26,11 @@ class TorchRunner:
         c = model.config
         elem = torch.finfo(model.dtype).bits // 8
         weights = sum(t.numel() * t.element_size() for layer in model.layers for t in vars(layer).values() if t is not None)
-        self.fixed_bytes = int(weights + model.head.numel() * model.head.element_size() + model.embed_raw.numel())
+        head = model.head.numel() * model.head.element_size()
+        self.fixed_bytes = int(weights + head + model.embed_raw.numel())
+        # what one decode step reads (the bandwidth floor's bytes): every layer weight and the
+        # head; of the embedding table only the gathered rows
+        self.step_weight_bytes = int(weights + head)
         # Activation bytes one prefill row holds at the widest point of a layer (float32
         # residual, qkv, attention output, gate/up and their product), plus the bf16 copies.
         per_row = 4 * (3 * c.n_embd + c.q_dim + 2 * c.kv_dim + c.q_dim + 3 * c.n_ff) + elem * (c.n_embd + 2 * c.n_ff)

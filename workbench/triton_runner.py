@@ -114,15 +114,18 @@ class TritonRunner:
         if dense not in ("quant", "cublas_bf16"):
             raise WorkbenchError(f"dense={dense!r} is not allowed: allowed quant, cublas_bf16")
         self.dense = dense
-        self.matmul = MATMUL if matmul is None else matmul
+        # the module defaults (MATMUL, HEAD_MATMUL, LAYER_FORMS) go together; an explicit matmul
+        # means every weight in that form unless head_matmul / layer_forms say otherwise
+        defaults = matmul is None
+        self.matmul = MATMUL if defaults else matmul
         if self.matmul not in MATMUL_FORMS:
             raise WorkbenchError(f"matmul={matmul!r} is not allowed: allowed {', '.join(MATMUL_FORMS)}")
-        self.head_matmul = head_matmul or HEAD_MATMUL or self.matmul
+        self.head_matmul = head_matmul or (HEAD_MATMUL if defaults else None) or self.matmul
         if self.head_matmul not in MATMUL_FORMS or (self.head_matmul == "raw") != (self.matmul == "raw"):
             raise WorkbenchError(f"head_matmul={head_matmul!r} is not allowed with matmul={self.matmul!r}: "
                                  f"allowed {'raw' if self.matmul == 'raw' else 'mma, gemv'}")
         self.packed = self.matmul != "raw"
-        self.layer_forms = dict(LAYER_FORMS if layer_forms is None else layer_forms)
+        self.layer_forms = dict(layer_forms if layer_forms is not None else LAYER_FORMS if defaults else {})
         for f in self.layer_forms.values():
             if f not in MATMUL_FORMS or (f == "raw") != (self.matmul == "raw"):
                 raise WorkbenchError(f"layer_forms={layer_forms!r}: form {f!r} is not allowed with "
@@ -158,6 +161,7 @@ class TritonRunner:
         self.layers, self.embed, self.head = weights.layers, weights.embed, weights.head
         self.output_norm = weights.output_norm
         self.fixed_bytes = weights.nbytes
+        self.step_weight_bytes = weights.step_bytes  # read by every decode step (the floor's bytes)
         self.vocab = self.head.N
         d = c.head_dim
         from .kernels.rope import rope_inv_freq
