@@ -375,6 +375,24 @@ def _row_store(yr, acc, n, N, row, M, LATE_REDUCE: tl.constexpr):
     tl.store(yr, acc, mask=(n < N) & (row + 0 * n < M))  # (tensor masks for the interpreter)
 
 
+@triton.jit
+def _packed_program(M, N, K, k_split, qs_ptr, qh_ptr, sc_ptr, d_ptr, qs_row, qh_row, sc_row, d_row,
+                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A packed-weight program's place: (row tile, its BLOCK_N outputs and their mask, its K
+    slice [k_begin, k_end), the row pointers [BN, 1, 1] of each plane). Row tiles of one N tile
+    are consecutive programs (L2 reuse of the weight tile)."""
+    pid = tl.program_id(0)
+    num_m_tiles = tl.cdiv(M, ROWS)
+    pid_m = pid % num_m_tiles
+    pid_n = pid // num_m_tiles
+    k_begin = tl.program_id(1) * k_split
+    k_end = tl.minimum(K, k_begin + k_split)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n64 = n.to(tl.int64)[:, None, None]
+    return (pid_m, n, n < N, k_begin, k_end, qs_ptr + n64 * qs_row, qh_ptr + n64 * qh_row,
+            sc_ptr + n64 * sc_row, d_ptr + n64 * d_row)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _qgemv_kernel(
     x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr,
@@ -384,20 +402,9 @@ def _qgemv_kernel(
     LATE_REDUCE: tl.constexpr,
 ):
     G: tl.constexpr = BLOCK_K // GW
-    pid = tl.program_id(0)
-    num_m_tiles = tl.cdiv(M, M_TILE)
-    pid_m = pid % num_m_tiles  # fastest: the row tiles of one N tile run back to back (L2 reuse)
-    pid_n = pid // num_m_tiles
+    pid_m, n, nmask, k_begin, k_end, qs_rows, qh_rows, sc_rows, d_rows = _packed_program(
+        M, N, K, k_split, qs_ptr, qh_ptr, sc_ptr, d_ptr, qs_row, qh_row, sc_row, d_row, M_TILE, BLOCK_N)
     m0 = pid_m * M_TILE
-    k_begin = tl.program_id(1) * k_split  # this program's K slice [k_begin, k_end)
-    k_end = tl.minimum(K, k_begin + k_split)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    n64 = n.to(tl.int64)[:, None, None]
-    qs_rows = qs_ptr + n64 * qs_row
-    qh_rows = qh_ptr + n64 * qh_row
-    sc_rows = sc_ptr + n64 * sc_row
-    d_rows = d_ptr + n64 * d_row
     g = tl.arange(0, G)
     s = tl.arange(0, S)
     s3 = s[None, None, :]
@@ -500,20 +507,8 @@ def qmatmul(
             raise ValueError("raw GGUF bytes need qtype, N and K")
         fmt = quant_format(qtype)
         check_quant_rows(w, fmt, N, K)
-    if x.dim() != 2 or x.shape[1] != K:
-        raise ValueError(f"x must be [M, {K}], got {tuple(x.shape)}")
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"x must be float32 or bfloat16, got {x.dtype}")
-    if x.stride(1) != 1:
-        raise ValueError("x must have unit stride along K")
-    wdev = w.device
-    if x.device != wdev:
-        raise ValueError(f"x on {x.device} but the weight on {wdev}")
+    out = check_x_out(x, N, K, w.device, out)
     M = x.shape[0]
-    if out is None:
-        out = torch.empty((M, N), dtype=torch.float32, device=x.device)
-    elif out.shape != (M, N) or out.dtype != torch.float32 or out.stride(1) != 1 or out.device != x.device:
-        raise ValueError(f"out must be float32 [{M}, {N}] with unit stride on {x.device}")
     if M == 0:
         return out
     splits = num_k_splits(N, K)
@@ -531,8 +526,33 @@ def qmatmul(
             num_warps=cfg.num_warps,
         )
     if splits > 1:
-        _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](part, out, M, N, splits, out.stride(0), BLOCK=1024, num_warps=4)
+        sum_splits(part, out)
     return out
+
+
+def check_x_out(x: torch.Tensor, N: int, K: int, wdev: torch.device, out: torch.Tensor | None) -> torch.Tensor:
+    """Check x ([M, K] float32/bfloat16, unit stride along K, on the weight's device) for a
+    product with an N x K weight; return ``out`` (float32 [M, N]; allocated when None)."""
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"x must be [M, {K}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"x must be float32 or bfloat16, got {x.dtype}")
+    if x.stride(1) != 1:
+        raise ValueError("x must have unit stride along K")
+    if x.device != wdev:
+        raise ValueError(f"x on {x.device} but the weight on {wdev}")
+    M = x.shape[0]
+    if out is None:
+        return torch.empty((M, N), dtype=torch.float32, device=x.device)
+    if out.shape != (M, N) or out.dtype != torch.float32 or out.stride(1) != 1 or out.device != x.device:
+        raise ValueError(f"out must be float32 [{M}, {N}] with unit stride on {x.device}")
+    return out
+
+
+def sum_splits(part: torch.Tensor, out: torch.Tensor) -> None:
+    """out[m, n] = ((part[0] + part[1]) + ...)[m, n], the K slices added in slice order."""
+    S, M, N = part.shape
+    _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](part, out, M, N, S, out.stride(0), BLOCK=1024, num_warps=4)
 
 
 def qmatmul_ref(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType | int | str, N: int, K: int) -> torch.Tensor:

@@ -37,8 +37,11 @@ from .qmatmul import (
     QMATMUL_SPLIT_K,
     PackedWeight,
     _decode_planes,
+    _packed_program,
     _x_offsets,
+    check_x_out,
     num_k_splits,
+    sum_splits,
 )
 
 QMMA_BLOCK_M = 16  # rows of x per program: the MMA's narrow side; fixed
@@ -119,19 +122,8 @@ def _qmma_kernel(
 ):
     G: tl.constexpr = BLOCK_K // GW
     GS: tl.constexpr = G * S
-    pid = tl.program_id(0)
-    num_m_tiles = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_m_tiles  # fastest: the row tiles of one N tile run back to back (L2 reuse)
-    pid_n = pid // num_m_tiles
-    k_begin = tl.program_id(1) * k_split  # this program's K slice [k_begin, k_end)
-    k_end = tl.minimum(K, k_begin + k_split)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    n64 = n.to(tl.int64)[:, None, None]
-    qs_rows = qs_ptr + n64 * qs_row
-    qh_rows = qh_ptr + n64 * qh_row
-    sc_rows = sc_ptr + n64 * sc_row
-    d_rows = d_ptr + n64 * d_row
+    pid_m, n, nmask, k_begin, k_end, qs_rows, qh_rows, sc_rows, d_rows = _packed_program(
+        M, N, K, k_split, qs_ptr, qh_ptr, sc_ptr, d_ptr, qs_row, qh_row, sc_row, d_row, BLOCK_M, BLOCK_N)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = m < M
     g = tl.arange(0, G)
@@ -190,19 +182,8 @@ def qmma(x: torch.Tensor, w: PackedWeight, prec: str = "bf16", out: torch.Tensor
     if not isinstance(w, PackedWeight):
         raise TypeError("qmma takes a PackedWeight (kernels.qmatmul.pack_weights)")
     N, K = w.N, w.K
-    if x.dim() != 2 or x.shape[1] != K:
-        raise ValueError(f"x must be [M, {K}], got {tuple(x.shape)}")
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"x must be float32 or bfloat16, got {x.dtype}")
-    if x.stride(1) != 1:
-        raise ValueError("x must have unit stride along K")
-    if x.device != w.device:
-        raise ValueError(f"x on {x.device} but the weight on {w.device}")
+    out = check_x_out(x, N, K, w.device, out)
     M = x.shape[0]
-    if out is None:
-        out = torch.empty((M, N), dtype=torch.float32, device=x.device)
-    elif out.shape != (M, N) or out.dtype != torch.float32 or out.stride(1) != 1 or out.device != x.device:
-        raise ValueError(f"out must be float32 [{M}, {N}] with unit stride on {x.device}")
     if M == 0:
         return out
     splits = num_k_splits(N, K)
@@ -211,13 +192,5 @@ def qmma(x: torch.Tensor, w: PackedWeight, prec: str = "bf16", out: torch.Tensor
         return out
     part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
     launch_qmma(x, w, part, splits, part.stride(0), prec, config, use_dot)
-    out.copy_(_sum_in_order(part))
+    sum_splits(part, out)  # in slice order, as the runner's consumers add them
     return out
-
-
-def _sum_in_order(part: torch.Tensor) -> torch.Tensor:
-    """((p[0] + p[1]) + ...) in slice order (the runner's consumers add them the same way)."""
-    acc = part[0].clone()
-    for i in range(1, part.shape[0]):
-        acc += part[i]
-    return acc
