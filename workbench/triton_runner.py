@@ -121,24 +121,18 @@ class TritonRunner:
         if self.matmul not in MATMUL_FORMS:
             raise WorkbenchError(f"matmul={matmul!r} is not allowed: allowed {', '.join(MATMUL_FORMS)}")
         self.head_matmul = head_matmul or (HEAD_MATMUL if defaults else None) or self.matmul
-        if self.head_matmul not in MATMUL_FORMS or (self.head_matmul == "raw") != (self.matmul == "raw"):
-            raise WorkbenchError(f"head_matmul={head_matmul!r} is not allowed with matmul={self.matmul!r}: "
-                                 f"allowed {'raw' if self.matmul == 'raw' else 'mma, gemv'}")
-        self.packed = self.matmul != "raw"
         self.layer_forms = dict(layer_forms if layer_forms is not None else LAYER_FORMS if defaults else {})
-        for f in self.layer_forms.values():
-            if f not in MATMUL_FORMS or (f == "raw") != (self.matmul == "raw"):
-                raise WorkbenchError(f"layer_forms={layer_forms!r}: form {f!r} is not allowed with "
-                                     f"matmul={self.matmul!r}: allowed {'raw' if self.matmul == 'raw' else 'mma, gemv'}")
+        # raw GGUF bytes or packed planes is one choice for all weights; the packed forms mix
+        allowed = ("raw",) if self.matmul == "raw" else ("mma", "gemv")
+        for what, form in [("head_matmul", self.head_matmul), *(("layer_forms", f) for f in self.layer_forms.values())]:
+            if form not in allowed:
+                raise WorkbenchError(f"{what}: form {form!r} is not allowed with matmul={self.matmul!r}: "
+                                     f"allowed {', '.join(allowed)}")
+        from .kernels import attention as _attn
         from .kernels import qmma as _qmma
         from .kernels import step_fused as _fused
 
-        self._fused = _fused
-
-        self._qmma = _qmma
-        from .kernels import attention as _attn
-
-        self._attn = _attn
+        self._attn, self._qmma, self._fused = _attn, _qmma, _fused
         # keys per attention partial program (ATTN_SEGMENT by default): one
         # value per runner, used by prefill and decode alike, so rows stay bitwise invariant
         self.attn_segment = int(attn_segment or ATTN_SEGMENT)
@@ -246,13 +240,21 @@ class TritonRunner:
         self._graphs.clear()  # they point at the old pool
 
     # -- the forward ----------------------------------------------------------------------------
-    def _project(self, x: torch.Tensor, p: Proj) -> torch.Tensor:
-        """Partials [splits, M, N] of x @ W^T (float32; bf16 [1, M, N] for the dense variant)."""
+    def _project(self, x: torch.Tensor, p: Proj, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Partials [splits, M, N] of x @ W^T (float32; bf16 [1, M, N] for the dense variant).
+        ``out`` (float32 [M, N], an unsplit product: the head): written in place and returned."""
         M = x.shape[0]
         if p.dense is not None:
             self.launches += 2
-            return (x.to(torch.bfloat16) @ p.dense.T).unsqueeze(0)
-        part = torch.empty((p.splits, M, p.N), dtype=torch.float32, device=self.device)
+            y = x.to(torch.bfloat16) @ p.dense.T
+            if out is None:
+                return y.unsqueeze(0)
+            self.launches += 1
+            return out.copy_(y)
+        if out is not None and p.splits != 1:
+            raise ValueError("out= takes an unsplit product")
+        part = torch.empty((p.splits, M, p.N), dtype=torch.float32, device=self.device) if out is None \
+            else out.unsqueeze(0)
         qm = self._qm
         for off, w in p.parts:
             if w.packed is not None:
@@ -268,10 +270,10 @@ class TritonRunner:
                 num_warps=cfg.num_warps,
             )
             self.launches += 1
-        return part
+        return part if out is None else out
 
-    def _launch_packed(self, x, pw, y, splits: int, stride_ys: int, form: str | None = None) -> None:
-        if (form or self.matmul) == "mma":
+    def _launch_packed(self, x, pw, y, splits: int, stride_ys: int, form: str) -> None:
+        if form == "mma":
             self._qmma.launch_qmma(x, pw, y, splits, stride_ys, self.mma_prec, use_dot=self.use_dot)
         else:
             self._qm.launch_qgemv(x, pw, y, splits, stride_ys)
@@ -330,26 +332,7 @@ class TritonRunner:
         hs = h if sel is None else h.index_select(0, sel)
         if logits_out is None:
             logits_out = torch.empty((hs.shape[0], self.vocab), dtype=torch.float32, device=dev)
-        part = self._project(hs, self.head) if self.head.dense is not None else None
-        if part is not None:
-            logits_out.copy_(part[0])
-            self.launches += 1
-        elif self.head.parts[0][1].packed is not None:
-            w = self.head.parts[0][1]
-            self._launch_packed(hs, w.packed, logits_out, 1, 0, w.form)
-        else:
-            w = self.head.parts[0][1]
-            qm = self._qm
-            cfg = qm.QMATMUL_CONFIGS[w.fmt.name]
-            M = hs.shape[0]
-            grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(w.N, cfg.block_n), 1)
-            qm._qmatmul_kernel[grid](
-                hs, w.raw, logits_out, M, w.N, w.K, w.K, hs.stride(0), logits_out.stride(0), 0,
-                w.raw.stride(0), QTYPE=w.fmt.code, SUB=w.fmt.sub, BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, INPUT_PRECISION=qm.QMATMUL_INPUT_PRECISION,
-                USE_DOT=self.use_dot, num_warps=cfg.num_warps,
-            )
-            self.launches += 1
+        self._project(hs, self.head, out=logits_out)
         return logits_out
 
     # -- bookkeeping ----------------------------------------------------------------------------
