@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enter, launch_kw
+
 # Keys per block, by padded head dim: keeps the product tiles near 16K floats. Fixed per model
 # shape, never per batch or chunk.
 ATTENTION_BLOCK_N: dict[int, int] = {16: 32, 32: 32, 64: 32, 128: 32, 256: 16, 512: 8}
@@ -74,8 +76,9 @@ def _attention_partial_kernel(
     stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
     qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
     GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
+    SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
 ):
+    enter(PDL)
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     sg = tl.program_id(2)
@@ -162,8 +165,9 @@ def _combine_row(ws_m_ptr, ws_l_ptr, ws_acc_ptr, o_ptr, r, kvh, lo, hi, stride_o
 def _attention_combine_kernel(
     ws_m_ptr, ws_l_ptr, ws_acc_ptr, o_ptr, row_pos_ptr, row_win_ptr,
     stride_or, stride_oh, D, Hkv, num_seg,
-    GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, SEG: tl.constexpr,
+    GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, SEG: tl.constexpr, PDL: tl.constexpr,
 ):
+    enter(PDL)
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
@@ -250,12 +254,12 @@ def attention_rows(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         float(scale) * _LOG2E, D, Hkv, num_seg, counters if fused else ws_m, out, out.stride(0), out.stride(1),
         GROUP=group, QROWS=qrows, D_P=d_p, BLOCK_N=block_n, SEG=ATTENTION_SEGMENT,
-        USE_DOT=use_dot, INPUT_PRECISION=ATTENTION_INPUT_PRECISION, FUSED=fused, num_warps=num_warps,
+        USE_DOT=use_dot, INPUT_PRECISION=ATTENTION_INPUT_PRECISION, FUSED=fused, num_warps=num_warps, **launch_kw(q),
     )
     if not fused:
         _attention_combine_kernel[(R, Hkv)](
             ws_m, ws_l, ws_acc, out, row_pos, row_window, out.stride(0), out.stride(1), D, Hkv, num_seg,
-            GROUP=group, QROWS=qrows, D_P=d_p, SEG=ATTENTION_SEGMENT, num_warps=4,
+            GROUP=group, QROWS=qrows, D_P=d_p, SEG=ATTENTION_SEGMENT, num_warps=4, **launch_kw(q),
         )
     return out
 

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
+from .pdl import enter, launch_kw
 from .quant_tiles import check_quant_rows, dequant_ref, dequant_tile, quant_format
 
 EMBEDDING_GROUPS = 8  # sub-blocks per program: 256 (Q8_0) weights of a row
@@ -22,8 +23,9 @@ EMBEDDING_NUM_WARPS = 4
 @triton.jit
 def _embedding_kernel(
     ids_ptr, table_ptr, o_ptr, n_embd, row_bytes, stride_o, scale,
-    QTYPE: tl.constexpr, SUB: tl.constexpr, GROUPS: tl.constexpr,
+    QTYPE: tl.constexpr, SUB: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr,
 ):
+    enter(PDL)
     r = tl.program_id(0)
     row_ptr = table_ptr + tl.load(ids_ptr + r).to(tl.int64) * row_bytes
     ksub = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
@@ -59,7 +61,7 @@ def embedding(
     grid = (R, triton.cdiv(n_embd // fmt.sub, EMBEDDING_GROUPS))
     _embedding_kernel[grid](
         ids, table, out, n_embd, table.stride(0), out.stride(0), float(scale),
-        QTYPE=fmt.code, SUB=fmt.sub, GROUPS=EMBEDDING_GROUPS, num_warps=EMBEDDING_NUM_WARPS,
+        QTYPE=fmt.code, SUB=fmt.sub, GROUPS=EMBEDDING_GROUPS, num_warps=EMBEDDING_NUM_WARPS, **launch_kw(out),
     )
     return out
 

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enter, launch_kw
+
 NORM_MAX_BLOCK_D = 4096  # longer rows are walked in tiles of this many elements
 
 
@@ -25,8 +27,9 @@ def _norm_config(d: int) -> tuple[int, int]:
 def _rmsnorm_kernel(
     x_ptr, w_ptr, o_ptr, D, eps,
     stride_xr, stride_xh, stride_or, stride_oh,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    enter(PDL)
     r = tl.program_id(0)
     h = tl.program_id(1)
     x_row = x_ptr + r * stride_xr + h * stride_xh
@@ -67,7 +70,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | No
     _rmsnorm_kernel[(R, H)](
         x3, w, o3, D, float(eps),
         x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1),
-        BLOCK_D=block_d, num_warps=num_warps,
+        BLOCK_D=block_d, num_warps=num_warps, **launch_kw(x),
     )
     return out
 

@@ -64,7 +64,14 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from .quant_tiles import QuantFormat, check_quant_rows, dequant_ref, dequant_tile, quant_format
+from .pdl import enter, launch_kw
+from .quant_tiles import (
+    QuantFormat,
+    check_quant_rows,
+    dequant_ref,
+    dequant_tile,
+    quant_format,
+)
 
 
 @dataclass(frozen=True)
@@ -104,8 +111,9 @@ def _qmatmul_kernel(
     M, N, K, k_split, stride_xm, stride_ym, stride_ys, row_bytes,
     QTYPE: tl.constexpr, SUB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
+    enter(PDL)
     pid = tl.program_id(0)
     num_m_tiles = tl.cdiv(M, BLOCK_M)
     pid_m = pid % num_m_tiles  # fastest: the row tiles of one N tile run back to back
@@ -137,8 +145,9 @@ def _qmatmul_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, y_ptr, M, N, num_splits, stride_ym, BLOCK: tl.constexpr):
+def _sum_splits_kernel(part_ptr, y_ptr, M, N, num_splits, stride_ym, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """y[m, n] = ((part[0] + part[1]) + ...) in slice order; part is [num_splits, M, N]."""
+    enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
@@ -399,8 +408,9 @@ def _qgemv_kernel(
     M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row,
     QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
     M_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    LATE_REDUCE: tl.constexpr,
+    LATE_REDUCE: tl.constexpr, PDL: tl.constexpr,
 ):
+    enter(PDL)
     G: tl.constexpr = BLOCK_K // GW
     pid_m, n, nmask, k_begin, k_end, qs_rows, qh_rows, sc_rows, d_rows = _packed_program(
         M, N, K, k_split, qs_ptr, qh_ptr, sc_ptr, d_ptr, qs_row, qh_row, sc_row, d_row, M_TILE, BLOCK_N)
@@ -471,7 +481,7 @@ def launch_qgemv(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int,
         w.qs.stride(0), qh.stride(0) if w.qh is not None else 0, sc.stride(0) if w.sc is not None else 0, w.d.stride(0),
         QTYPE=w.fmt.code, GW=gw, S=s, NPLANE=nplane, PSTEP=pstep, M_TILE=cfg.m_tile,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, LATE_REDUCE=cfg.late_reduce,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **launch_kw(x),
     )
 
 
@@ -523,7 +533,7 @@ def qmatmul(
             x.stride(0), part.stride(-2), part.stride(0) if splits > 1 else 0, w.stride(0),
             QTYPE=fmt.code, SUB=fmt.sub, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             INPUT_PRECISION=QMATMUL_INPUT_PRECISION, USE_DOT=x.is_cuda if use_dot is None else use_dot,
-            num_warps=cfg.num_warps,
+            num_warps=cfg.num_warps, **launch_kw(x),
         )
     if splits > 1:
         sum_splits(part, out)
@@ -552,7 +562,7 @@ def check_x_out(x: torch.Tensor, N: int, K: int, wdev: torch.device, out: torch.
 def sum_splits(part: torch.Tensor, out: torch.Tensor) -> None:
     """out[m, n] = ((part[0] + part[1]) + ...)[m, n], the K slices added in slice order."""
     S, M, N = part.shape
-    _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](part, out, M, N, S, out.stride(0), BLOCK=1024, num_warps=4)
+    _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](part, out, M, N, S, out.stride(0), BLOCK=1024, num_warps=4, **launch_kw(out))
 
 
 def qmatmul_ref(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType | int | str, N: int, K: int) -> torch.Tensor:

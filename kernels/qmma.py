@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enter, launch_kw
 from .qmatmul import (
     _GEMV_GEOMETRY,
     QMATMUL_SPLIT_K,
@@ -118,8 +119,9 @@ def _qmma_kernel(
     M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row,
     QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PREC: tl.constexpr, USE_DOT: tl.constexpr,
+    PREC: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
+    enter(PDL)
     G: tl.constexpr = BLOCK_K // GW
     GS: tl.constexpr = G * S
     pid_m, n, nmask, k_begin, k_end, qs_rows, qh_rows, sc_rows, d_rows = _packed_program(
@@ -168,7 +170,7 @@ def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, 
         w.qs.stride(0), qh.stride(0) if w.qh is not None else 0, sc.stride(0) if w.sc is not None else 0, w.d.stride(0),
         QTYPE=w.fmt.code, GW=gw, S=s, NPLANE=nplane, PSTEP=pstep, BLOCK_M=QMMA_BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, PREC=prec,
-        USE_DOT=x.is_cuda if use_dot is None else use_dot, num_warps=cfg.num_warps,
+        USE_DOT=x.is_cuda if use_dot is None else use_dot, num_warps=cfg.num_warps, **launch_kw(x),
     )
 
 

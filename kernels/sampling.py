@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enter, launch_kw
+
 ARGMAX_BLOCK_V = 4096  # 262144 / 4096 = 64 chunks per row
 ARGMAX_NUM_WARPS = 4
 ARGMAX_MAX_CHUNKS = 4096  # stage 2 reduces at most this many chunks in one tile
@@ -32,7 +34,8 @@ def _best(vals, idx, valid):
 
 
 @triton.jit
-def _argmax_chunks_kernel(x_ptr, pval_ptr, pidx_ptr, V, stride_x, num_chunks, BLOCK_V: tl.constexpr):
+def _argmax_chunks_kernel(x_ptr, pval_ptr, pidx_ptr, V, stride_x, num_chunks, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     r = tl.program_id(0)
     c = tl.program_id(1)
     idx = c * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -44,7 +47,8 @@ def _argmax_chunks_kernel(x_ptr, pval_ptr, pidx_ptr, V, stride_x, num_chunks, BL
 
 
 @triton.jit
-def _argmax_rows_kernel(pval_ptr, pidx_ptr, o_ptr, num_chunks, CHUNKS_P: tl.constexpr):
+def _argmax_rows_kernel(pval_ptr, pidx_ptr, o_ptr, num_chunks, CHUNKS_P: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     r = tl.program_id(0)
     c = tl.arange(0, CHUNKS_P)
     valid = c < num_chunks
@@ -73,9 +77,9 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     pval = torch.empty((R, num_chunks), dtype=torch.float32, device=logits.device)
     pidx = torch.empty((R, num_chunks), dtype=torch.int32, device=logits.device)
     _argmax_chunks_kernel[(R, num_chunks)](
-        logits, pval, pidx, V, logits.stride(0), num_chunks, BLOCK_V=ARGMAX_BLOCK_V, num_warps=ARGMAX_NUM_WARPS,
+        logits, pval, pidx, V, logits.stride(0), num_chunks, BLOCK_V=ARGMAX_BLOCK_V, num_warps=ARGMAX_NUM_WARPS, **launch_kw(logits),
     )
-    _argmax_rows_kernel[(R,)](pval, pidx, out, num_chunks, CHUNKS_P=triton.next_power_of_2(num_chunks), num_warps=ARGMAX_NUM_WARPS)
+    _argmax_rows_kernel[(R,)](pval, pidx, out, num_chunks, CHUNKS_P=triton.next_power_of_2(num_chunks), num_warps=ARGMAX_NUM_WARPS, **launch_kw(logits))
     return out
 
 

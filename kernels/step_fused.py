@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enter, launch_kw
+
 
 @triton.jit
 def _sum_parts(ptr, offs, mask, stride_s, NSPLIT: tl.constexpr):
@@ -35,9 +37,10 @@ def _sum_parts(ptr, offs, mask, stride_s, NSPLIT: tl.constexpr):
 def _add_rmsnorm_kernel(
     x_ptr, p_ptr, wpost_ptr, wn_ptr, h_ptr, E, eps,
     stride_x, stride_ps, stride_pm, stride_h,
-    NSPLIT: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr,
+    NSPLIT: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """x += post_norm(sum of partials) (or the plain sum); h = rmsnorm(x) * wn."""
+    enter(PDL)
     r = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < E
@@ -54,9 +57,10 @@ def _add_rmsnorm_kernel(
 
 @triton.jit
 def _glu_kernel(p_ptr, o_ptr, F, stride_ps, stride_pm, stride_o,
-                NSPLIT: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
+                NSPLIT: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out = act(gate) * up from the partials of the fused [gate | up] product. ACT 0: gelu_tanh
     (as kernels/geglu.py: g * sigmoid(2u), overflow-free), 1: silu."""
+    enter(PDL)
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < F
@@ -94,10 +98,11 @@ def _qk_rope_kv_kernel(
     stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     HQ_P: tl.constexpr, HKV_P: tl.constexpr, HALF_P: tl.constexpr,
-    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
+    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     """From the qkv partials of one row: q = rope(qnorm(q)) -> q_out; k = rope(knorm(k)) and v
     -> the row's KV slot (seq, pos). NEOX rope: pairs (i, i + D/2), angle = f32(pos) * inv_freq."""
+    enter(PDL)
     r = tl.program_id(0)
     pos = tl.load(pos_ptr + r)
     seq = tl.load(seq_ptr + r).to(tl.int64)
@@ -142,7 +147,7 @@ def add_rmsnorm(x: torch.Tensor, part: torch.Tensor, w_post: torch.Tensor | None
     _add_rmsnorm_kernel[(R,)](
         x, part, w_post if w_post is not None else w_next, w_next, h, E, float(eps),
         x.stride(0), part.stride(0), part.stride(1), h.stride(0),
-        NSPLIT=part.shape[0], HAS_POST=w_post is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8,
+        NSPLIT=part.shape[0], HAS_POST=w_post is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8, **launch_kw(part),
     )
 
 
@@ -167,7 +172,7 @@ def glu_from_parts(part: torch.Tensor, out: torch.Tensor, act: str = "gelu_tanh"
     block = min(GLU_BLOCK, triton.next_power_of_2(F))
     _glu_kernel[(R, triton.cdiv(F, block))](
         part, out, F, part.stride(0), part.stride(1), out.stride(0),
-        NSPLIT=part.shape[0], ACT=0 if act == "gelu_tanh" else 1, BLOCK=block, num_warps=4,
+        NSPLIT=part.shape[0], ACT=0 if act == "gelu_tanh" else 1, BLOCK=block, num_warps=4, **launch_kw(part),
     )
 
 
@@ -196,7 +201,7 @@ def qk_rope_kv(part: torch.Tensor, q_out: torch.Tensor, k_pool: torch.Tensor, v_
         inv_freq, float(eps), part.stride(0), part.stride(1), q_out.stride(0), k_pool.stride(0), k_pool.stride(1),
         HQ=Hq, HKV=Hkv, D=D, HALF=half, HQ_P=max(2, triton.next_power_of_2(Hq)),
         HKV_P=max(2, triton.next_power_of_2(Hkv)), HALF_P=max(2, triton.next_power_of_2(half)),
-        NSPLIT=part.shape[0], HAS_NORM=has_norm, num_warps=4,
+        NSPLIT=part.shape[0], HAS_NORM=has_norm, num_warps=4, **launch_kw(part),
     )
 
 

@@ -70,6 +70,9 @@ ATTN_SEGMENT = 32
 # one launch per layer instead of two, bitwise the same result.
 FUSE_ATTENTION_COMBINE = True
 ATTN_COUNTER_ROWS = 8192  # rows of a forward the fused form covers (more: the two-launch form)
+# Programmatic dependent launch (kernels/pdl.py) where the GPU has it (sm_90+): each kernel's
+# launch and ramp-up overlap its predecessor's work. Ordering, hence every bit, is unchanged.
+PDL = True
 
 
 @dataclass
@@ -98,10 +101,13 @@ class TritonRunner:
                  graphs: bool | str | None = None, dense: str = "quant", kv_dtype: torch.dtype | None = None,
                  attn_segment: int | None = None, matmul: str | None = None,
                  head_matmul: str | None = None, layer_forms: dict[str, str] | None = None,
-                 fuse_combine: bool | None = None):
+                 fuse_combine: bool | None = None, pdl: bool | None = None):
         from .kernels import qmatmul as qm
 
-        self._qm = qm
+        from .kernels import pdl as _pdl
+
+        self._qm, self._pdl = qm, _pdl
+        self.pdl = PDL if pdl is None else bool(pdl)
         self.model = model
         c = self.cfg = model.config
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -267,7 +273,7 @@ class TritonRunner:
                 x.stride(0), part.stride(1), part.stride(0), w.raw.stride(0),
                 QTYPE=w.fmt.code, SUB=w.fmt.sub, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 BLOCK_K=cfg.block_k, INPUT_PRECISION=qm.QMATMUL_INPUT_PRECISION, USE_DOT=self.use_dot,
-                num_warps=cfg.num_warps,
+                num_warps=cfg.num_warps, **qm.launch_kw(x),
             )
             self.launches += 1
         return part if out is None else out
@@ -285,6 +291,10 @@ class TritonRunner:
 
     def _forward(self, ids, pos, seq, R: int, max_pos: int, sel=None, logits_out=None):
         """Logits [len(sel) or R, vocab] of the rows (ids, pos, seq: int32 [R] on the device)."""
+        with self._pdl.enabled(self.pdl):
+            return self._forward_body(ids, pos, seq, R, max_pos, sel, logits_out)
+
+    def _forward_body(self, ids, pos, seq, R: int, max_pos: int, sel, logits_out):
         from .kernels.attention import attention_rows
         from .kernels.embedding import embedding
         from .kernels.norm import rmsnorm
@@ -484,7 +494,8 @@ class TritonRunner:
         ids, pos, seq = self._g_in[0, :bucket], self._g_in[1, :bucket], self._g_in[2, :bucket]
         self._forward(ids, pos, seq, bucket, max_pos, logits_out=self._g_logits[:bucket])
         # greedy fast path: the next step's inputs, on the device (the engine overwrites them)
-        argmax(self._g_logits[:bucket], out=self._g_tok[:bucket])
+        with self._pdl.enabled(self.pdl):
+            argmax(self._g_logits[:bucket], out=self._g_tok[:bucket])
         self._g_in[0, :bucket].copy_(self._g_tok[:bucket])
         self._g_in[1, :bucket].add_(1)
         self.launches += 4

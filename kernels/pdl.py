@@ -1,0 +1,76 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the step's kernels.
+
+A decode step of a small model is a chain of ~180 short dependent kernels; between two of them
+the GPU normally drains the first grid, flushes its writes, then dispatches the second. With
+PDL a kernel is launched with ``launch_pdl=True`` and starts with ``enter(PDL)``:
+
+* ``gdc_wait``: block until the kernels before it in the stream have completed and their
+  writes are visible (so nothing a kernel reads or writes is touched before its producers are
+  done: the same ordering as without PDL, hence the same bits);
+* ``gdc_launch_dependents``: let the NEXT kernel's programs be dispatched now, so its launch
+  and ramp-up overlap this kernel's work instead of following it.
+
+Every kernel of the chain calls ``enter`` before its first global load or store, so ordering is
+transitive: a kernel waits for its predecessor, which could not finish before waiting for its
+own. Kernels not launched with PDL (torch ops, cuBLAS) wait for their predecessors as usual, and
+kernels after them wait for them fully.
+
+On the CPU interpreter and on GPUs before sm_90 ``PDL`` is False: the branch is compiled out and
+launches carry no ``launch_pdl``. ``ENABLED`` switches it off everywhere (for A/B runs; the
+runner's ``pdl=`` sets it around its launches with ``enabled``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = True
+
+
+@functools.lru_cache(maxsize=None)
+def _supported(index: int) -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        has_opt = "launch_pdl" in CUDAOptions.__dataclass_fields__
+    except Exception:  # another backend, or a triton without it
+        return False
+    gdc = getattr(getattr(tl, "extra", None), "cuda", None)
+    return has_opt and hasattr(gdc, "gdc_wait") and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def active(t: torch.Tensor) -> bool:
+    """Whether launches on ``t``'s device use PDL now."""
+    return ENABLED and t.is_cuda and _supported(t.device.index if t.device.index is not None
+                                                 else torch.cuda.current_device())
+
+
+def launch_kw(t: torch.Tensor) -> dict:
+    """Keyword arguments for a kernel launch on ``t``'s device: the kernel's ``PDL`` constexpr
+    and, where active, the launch option."""
+    on = active(t)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@contextlib.contextmanager
+def enabled(on: bool):
+    """ENABLED = on inside the block (restored after)."""
+    global ENABLED
+    saved, ENABLED = ENABLED, bool(on)
+    try:
+        yield
+    finally:
+        ENABLED = saved
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """First statement of a step kernel: wait for the producers, release the next kernel."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
