@@ -122,7 +122,8 @@ def _attention_partial_kernel(
     slot = ((r * Hkv + kvh) * num_seg + sg) * QROWS + g  # [QROWS]
     tl.store(ws_m_ptr + slot, m_i)
     tl.store(ws_l_ptr + slot, l_i)
-    tl.store(ws_acc_ptr + slot[:, None].to(tl.int64) * D_P + d[None, :], acc)
+    # (only the GROUP real query rows of the QROWS tile: the padding rows are never read)
+    tl.store(ws_acc_ptr + slot[:, None].to(tl.int64) * D_P + d[None, :], acc, mask=(g < GROUP)[:, None])
     if FUSED:
         # the last of the row's num_seg programs to finish merges them (in segment order, so the
         # same arithmetic as _attention_combine_kernel) and re-arms the counter for the next launch
@@ -152,7 +153,7 @@ def _combine_row(ws_m_ptr, ws_l_ptr, ws_acc_ptr, o_ptr, r, kvh, lo, hi, stride_o
         b = tl.exp2(m_s - m_new)
         l_i = l_i * a + tl.load(ws_l_ptr + slot, cache_modifier=CACHE) * b
         acc = acc * a[:, None] + tl.load(ws_acc_ptr + slot[:, None].to(tl.int64) * D_P + d[None, :],
-                                         cache_modifier=CACHE) * b[:, None]
+                                         mask=(g < GROUP)[:, None], other=0.0, cache_modifier=CACHE) * b[:, None]
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(

@@ -338,6 +338,14 @@ def _decode_planes(qs_rows, qh_rows, sc_rows, d_rows, gg3, s3, mask, QTYPE: tl.c
 
 
 @triton.jit
+def _step_planes(k0, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows, GW: tl.constexpr, QTYPE: tl.constexpr):
+    """The decoded planes of the K step at k0 (groups past k_end masked off)."""
+    gg = k0 // GW + g
+    mask = nmask[:, None, None] & (k0 + g * GW < k_end)[None, :, None]
+    return _decode_planes(qs_rows, qh_rows, sc_rows, d_rows, gg[None, :, None], s3, mask, QTYPE)
+
+
+@triton.jit
 def _x_offsets(gg, s, QTYPE: tl.constexpr, GW: tl.constexpr):
     """K index [G, S] of plane 0's weights (plane c: + c * PSTEP)."""
     if QTYPE == 14:
@@ -410,7 +418,6 @@ def _qgemv_kernel(
     M_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     LATE_REDUCE: tl.constexpr, PDL: tl.constexpr,
 ):
-    enter(PDL)
     G: tl.constexpr = BLOCK_K // GW
     pid_m, n, nmask, k_begin, k_end, qs_rows, qh_rows, sc_rows, d_rows = _packed_program(
         M, N, K, k_split, qs_ptr, qh_ptr, sc_ptr, d_ptr, qs_row, qh_row, sc_row, d_row, M_TILE, BLOCK_N)
@@ -430,11 +437,13 @@ def _qgemv_kernel(
     acc6 = acc0
     acc7 = acc0
     xr = x_ptr + m0 * stride_xm
+    # the first step's weights are fetched and decoded BEFORE waiting for the kernel that writes
+    # x (pdl.enter): no step writes weights, and with PDL this overlaps the producer's work
+    w0, w1, w2, w3 = _step_planes(k_begin, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows, GW, QTYPE)
+    enter(PDL)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
         gg = k0 // GW + g  # global group index
         gval = k0 + g * GW < k_end
-        mask = nmask[:, None, None] & gval[None, :, None]
-        w0, w1, w2, w3 = _decode_planes(qs_rows, qh_rows, sc_rows, d_rows, gg[None, :, None], s3, mask, QTYPE)
         xo = _x_offsets(gg, s, QTYPE, GW)
         xm = gval[:, None]
         # rows: the same code for each; a row past M is skipped (a uniform branch)
@@ -449,6 +458,9 @@ def _qgemv_kernel(
             acc5 = _row(acc5, 5, m0, M, xr, stride_xm, xo, xm, w0, w1, w2, w3, NPLANE, PSTEP, LATE_REDUCE)
             acc6 = _row(acc6, 6, m0, M, xr, stride_xm, xo, xm, w0, w1, w2, w3, NPLANE, PSTEP, LATE_REDUCE)
             acc7 = _row(acc7, 7, m0, M, xr, stride_xm, xo, xm, w0, w1, w2, w3, NPLANE, PSTEP, LATE_REDUCE)
+        if k0 + BLOCK_K < k_end:  # the next step's weights
+            w0, w1, w2, w3 = _step_planes(k0 + BLOCK_K, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows,
+                                          GW, QTYPE)
     yr = y_ptr + tl.program_id(1) * stride_ys + m0 * stride_ym + n
     _row_store(yr, acc0, n, N, m0, M, LATE_REDUCE)
     if M_TILE > 1:

@@ -37,8 +37,8 @@ from .qmatmul import (
     _GEMV_GEOMETRY,
     QMATMUL_SPLIT_K,
     PackedWeight,
-    _decode_planes,
     _packed_program,
+    _step_planes,
     _x_offsets,
     check_x_out,
     num_k_splits,
@@ -121,7 +121,6 @@ def _qmma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     PREC: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
-    enter(PDL)
     G: tl.constexpr = BLOCK_K // GW
     GS: tl.constexpr = G * S
     pid_m, n, nmask, k_begin, k_end, qs_rows, qh_rows, sc_rows, d_rows = _packed_program(
@@ -132,11 +131,12 @@ def _qmma_kernel(
     s = tl.arange(0, S)
     s3 = s[None, None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    # the first step's weights before waiting for x's producer (as in qmatmul's GEMV)
+    w0, w1, w2, w3 = _step_planes(k_begin, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows, GW, QTYPE)
+    enter(PDL)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
         gg = k0 // GW + g  # global group index
         gval = k0 + g * GW < k_end
-        mask = nmask[:, None, None] & gval[None, :, None]
-        w0, w1, w2, w3 = _decode_planes(qs_rows, qh_rows, sc_rows, d_rows, gg[None, :, None], s3, mask, QTYPE)
         xo = tl.reshape(_x_offsets(gg, s, QTYPE, GW), [GS])
         xm = tl.reshape(gval[:, None] & (s[None, :] >= 0), [GS])
         acc = _plane_dot(acc, w0, x_ptr, xo, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
@@ -145,6 +145,9 @@ def _qmma_kernel(
         if NPLANE > 2:
             acc = _plane_dot(acc, w2, x_ptr, xo + 2 * PSTEP, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
             acc = _plane_dot(acc, w3, x_ptr, xo + 3 * PSTEP, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
+        if k0 + BLOCK_K < k_end:  # the next step's weights
+            w0, w1, w2, w3 = _step_planes(k0 + BLOCK_K, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows,
+                                          GW, QTYPE)
     yp = y_ptr + tl.program_id(1) * stride_ys + m[None, :] * stride_ym + n[:, None]
     tl.store(yp, acc, mask=nmask[:, None] & mmask[None, :])
 
