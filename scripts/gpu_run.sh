@@ -22,7 +22,7 @@ python3 -c 'import torch, triton, transformers; print("torch", torch.__version__
 # (the upload chain appends every part, the last one included: scripts/gpu_upload_model.sh)
 echo "$SHA  $MODEL" | sha256sum -c || { ls -l "$MODEL"; exit 1; }
 stamp kernel_tests
-timeout ${KT_S:-90} python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -5
+timeout ${KT_S:-90} python3 -m pytest -q -x -p no:cacheprovider ${KT_ARGS:-tests/kernels} 2>&1 | tail -5
 stamp main
 export STAGES=${STAGES:-mma graphs,cublas bf16 graphs,gemv graphs,mma seg64,mma seg32,mma exact,mma engine,mma profile,mma sweep}
 timeout ${MAIN_S:-330} python3 scripts/gpu_bench.py main --model "$MODEL" --out "$OUT" 2>&1 | tee "$OUT/main.log"
