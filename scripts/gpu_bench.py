@@ -327,6 +327,43 @@ def stage_mma_sweep(m, out: Path, rows: list, bw: float) -> None:
         qmma.QMMA_WIDE_CONFIGS.update(base_wide)
 
 
+def stage_pdl_sweep(m, out: Path, rows: list, bw: float) -> None:
+    """Under PDL the products fetch and decode their first K step before waiting for x: a config
+    whose K slice is ONE step has all its weights decoded before the wait. End-to-end graph
+    steps (1 and 16 slots) for layer tilings of both forms and for the per-format form choice;
+    each candidate fixed per weight shape (never per M)."""
+    from dataclasses import replace as dc_replace
+
+    from workbench.kernels import qmatmul, qmma
+
+    base_mma, base_gemv = dict(qmma.QMMA_CONFIGS), dict(qmatmul.QGEMV_CONFIGS)
+    C = qmma.MmaConfig
+    mma_cands = {"n64k256w4": C(64, 256, 4), "n64k256w8": C(64, 256, 8), "n32k256w4": C(32, 256, 4),
+                 "n128k256w8": C(128, 256, 8), "n32k128w4": C(32, 128, 4)}
+    gemv_cands = {"Q4_K k256": ("Q4_K", dict(block_k=256)), "Q4_K k256 w8": ("Q4_K", dict(block_k=256, num_warps=8)),
+                  "Q4_K m8": ("Q4_K", dict(m_tile=8)), "Q8_0 n32": ("Q8_0", dict(block_n=32))}
+    try:
+        for label, cfg in mma_cands.items():
+            qmma.QMMA_CONFIGS["Q5_0"] = cfg
+            bench_runner(m, f"pdl_sweep mma Q5_0 {label}", (1, 16), out, rows, bw)
+        qmma.QMMA_CONFIGS.update(base_mma)
+        for label, (fmt, kw) in gemv_cands.items():
+            qmatmul.QGEMV_CONFIGS[fmt] = dc_replace(base_gemv[fmt], **kw)
+            bench_runner(m, f"pdl_sweep gemv {label}", (1, 16), out, rows, bw)
+            qmatmul.QGEMV_CONFIGS.update(base_gemv)
+        bench_runner(m, "pdl_sweep forms all gemv, mma head", (1, 16), out, rows, bw, matmul="gemv",
+                     head_matmul="mma", layer_forms={})
+        bench_runner(m, "pdl_sweep forms all mma", (1, 16), out, rows, bw, matmul="mma")
+        for label, cfg in mma_cands.items():
+            for k in ("Q4_K", "Q6_K", "Q8_0"):
+                qmma.QMMA_CONFIGS[k] = cfg
+            qmma.QMMA_CONFIGS["Q5_0"] = cfg
+            bench_runner(m, f"pdl_sweep forms all mma {label}", (1, 16), out, rows, bw, matmul="mma")
+    finally:
+        qmma.QMMA_CONFIGS.update(base_mma)
+        qmatmul.QGEMV_CONFIGS.update(base_gemv)
+
+
 def stage_torch_path(path: str, out: Path, rows: list, device: str = "cuda", slots=(1, 4, 16), gen: int = 32) -> None:
     """The torch reference path (workbench.model, TorchRunner) on the GPU, through Engine: the
     model's tensors moved to the device and torch's default device set, so its step-local
@@ -423,6 +460,7 @@ def main_stage(args) -> None:
         ("mma engine", lambda: bench_engine(m, (1, 4, 16), out, rows)),
         ("mma profile", lambda: stage_profile(m, out, prof_rows)),
         ("mma sweep", lambda: stage_mma_sweep(m, out, rows, bw)),
+        ("pdl sweep", lambda: stage_pdl_sweep(m, out, rows, bw)),
         ("gemv seg32", lambda: bench_runner(m, "triton_gemv_graphs_seg32", SLOTS, out, rows, bw, matmul="gemv", attn_segment=32)),
         ("profile", lambda: stage_profile(m, out, prof_rows)),
         ("seg64", lambda: bench_runner(m, "triton_graphs_seg64", SLOTS, out, rows, bw, attn_segment=64)),
