@@ -72,6 +72,7 @@ from .quant_tiles import (
     dequant_tile,
     quant_format,
 )
+from .step_fused import glu_pair_epilogue
 
 
 @dataclass(frozen=True)
@@ -250,7 +251,9 @@ class GemvConfig:
 QGEMV_CONFIGS: dict[str, GemvConfig] = {  # chosen on an H200 (docs/GPU_NOTES.md), graph-timed
     "Q8_0": GemvConfig(block_n=16, block_k=256, m_tile=8, num_warps=8),
     "Q5_0": GemvConfig(block_n=16, block_k=128, m_tile=8, num_warps=4, late_reduce=True),
-    "Q4_K": GemvConfig(block_n=32, block_k=128, m_tile=4, num_warps=4, late_reduce=True),
+    # one K step per 256-weight slice: all of a program's weights decoded before its PDL wait
+    # (session 4 on an H200: 0.848 -> 0.824 ms at 1 slot, 1.125 -> 1.079 at 16 vs block_k=128)
+    "Q4_K": GemvConfig(block_n=32, block_k=256, m_tile=4, num_warps=4, late_reduce=True),
     "Q6_K": GemvConfig(block_n=16, block_k=256, m_tile=8, num_warps=4, late_reduce=True),
 }
 QGEMV_WIDE_CONFIGS: dict[str, GemvConfig] = {
@@ -413,10 +416,10 @@ def _packed_program(M, N, K, k_split, qs_ptr, qh_ptr, sc_ptr, d_ptr, qs_row, qh_
 @triton.jit(do_not_specialize=["M"])
 def _qgemv_kernel(
     x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr,
-    M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row,
+    M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row, o_ptr, stride_o, count_ptr,
     QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
     M_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    LATE_REDUCE: tl.constexpr, PDL: tl.constexpr,
+    LATE_REDUCE: tl.constexpr, GLU: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     G: tl.constexpr = BLOCK_K // GW
     pid_m, n, nmask, k_begin, k_end, qs_rows, qh_rows, sc_rows, d_rows = _packed_program(
@@ -473,12 +476,59 @@ def _qgemv_kernel(
         _row_store(yr + 5 * stride_ym, acc5, n, N, m0 + 5, M, LATE_REDUCE)
         _row_store(yr + 6 * stride_ym, acc6, n, N, m0 + 6, M, LATE_REDUCE)
         _row_store(yr + 7 * stride_ym, acc7, n, N, m0 + 7, M, LATE_REDUCE)
+    if GLU > 0:  # a fused [gate | up] weight: the pair's last program writes act(gate) * up
+        pairs = (N // 2) // BLOCK_N
+        pid_n = tl.program_id(0) // tl.cdiv(M, M_TILE)
+        m = m0 + tl.arange(0, M_TILE)
+        glu_pair_epilogue(y_ptr, stride_ys, stride_ym, o_ptr, stride_o, count_ptr, pid_m * pairs + pid_n % pairs,
+                          n, nmask, m, m < M, N // 2, NSPLIT, GLU - 1)
+
+
+@dataclass(frozen=True)
+class GluEpilogue:
+    """Fold the GLU into a fused [gate | up] product (``step_fused.glu_pair_epilogue``): besides
+    its partials the product writes act(gate) * up into ``out`` [M, N / 2]. ``counters``: int32
+    zeros (each launch leaves them zero), at least ``glu_counters(...)`` of them."""
+
+    out: torch.Tensor
+    counters: torch.Tensor
+    act: str = "gelu_tanh"
+
+    @property
+    def code(self) -> int:
+        return 1 + GLU_ACTS.index(self.act)
+
+
+GLU_ACTS = ("gelu_tanh", "silu")
+
+
+def glu_counters(M: int, N: int, block_n: int, m_tile: int) -> int | None:
+    """Counters a GLU-fused launch needs, or None where the fold does not apply (the gate/up
+    boundary must fall between two N tiles)."""
+    if N % 2 or (N // 2) % block_n:
+        return None
+    return triton.cdiv(M, m_tile) * ((N // 2) // block_n)
+
+
+def glu_args(glu: GluEpilogue | None, y: torch.Tensor, splits: int, block_n: int, M: int, m_tile: int, N: int) -> tuple:
+    """(o_ptr, stride_o, count_ptr) for a product launch, checked; dummies without ``glu``."""
+    if glu is None:
+        return (y, 0, y)
+    need = glu_counters(M, N, block_n, m_tile)
+    if glu.act not in GLU_ACTS:
+        raise ValueError(f"act={glu.act!r} is not allowed: allowed {', '.join(GLU_ACTS)}")
+    if need is None or glu.counters.dtype != torch.int32 or glu.counters.numel() < need:
+        raise ValueError(f"the GLU fold needs N/2 a multiple of {block_n} and {need} int32 counters")
+    if glu.out.shape != (M, N // 2) or glu.out.stride(1) != 1:
+        raise ValueError(f"glu out must be [{M}, {N // 2}] with unit stride")
+    return (glu.out, glu.out.stride(0), glu.counters)
 
 
 def launch_qgemv(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, stride_ys: int,
-                 config: GemvConfig | None = None) -> None:
+                 config: GemvConfig | None = None, glu: GluEpilogue | None = None) -> None:
     """Launch ``_qgemv_kernel``: y[s, m, n] (s < splits, at stride_ys; y's row stride is
-    y.stride(-2)) = the K slice s of x[m] @ W[n]^T. No checks: callers check (qmatmul, the runner)."""
+    y.stride(-2)) = the K slice s of x[m] @ W[n]^T; with ``glu`` also act(gate) * up into glu.out.
+    No checks: callers check (qmatmul, the runner)."""
     cfg = config or gemv_config(w.fmt.name, w.N, w.K, x.device)
     gw, s, nplane, pstep = _GEMV_GEOMETRY[w.fmt.name]
     if cfg.m_tile not in (1, 2, 4, 8) or QMATMUL_SPLIT_K % cfg.block_k or cfg.block_k % gw or cfg.block_k // gw & (cfg.block_k // gw - 1):
@@ -491,9 +541,10 @@ def launch_qgemv(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int,
         x, w.qs, qh, sc, w.d, y, M, w.N, w.K, QMATMUL_SPLIT_K if splits > 1 else w.K,
         x.stride(0), y.stride(-2), stride_ys,
         w.qs.stride(0), qh.stride(0) if w.qh is not None else 0, sc.stride(0) if w.sc is not None else 0, w.d.stride(0),
+        *glu_args(glu, y, splits, cfg.block_n, M, cfg.m_tile, w.N),
         QTYPE=w.fmt.code, GW=gw, S=s, NPLANE=nplane, PSTEP=pstep, M_TILE=cfg.m_tile,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, LATE_REDUCE=cfg.late_reduce,
-        num_warps=cfg.num_warps, **launch_kw(x),
+        GLU=glu.code if glu else 0, NSPLIT=splits, num_warps=cfg.num_warps, **launch_kw(x),
     )
 
 

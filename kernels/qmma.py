@@ -36,14 +36,17 @@ from .pdl import enter, launch_kw
 from .qmatmul import (
     _GEMV_GEOMETRY,
     QMATMUL_SPLIT_K,
+    GluEpilogue,
     PackedWeight,
     _packed_program,
     _step_planes,
     _x_offsets,
     check_x_out,
+    glu_args,
     num_k_splits,
     sum_splits,
 )
+from .step_fused import glu_pair_epilogue
 
 QMMA_BLOCK_M = 16  # rows of x per program: the MMA's narrow side; fixed
 
@@ -57,9 +60,11 @@ class MmaConfig:
 
 
 # Per format; fixed (never chosen from M). Wide weights (the head, unsplit) may differ.
+# Q5_0 (Gemma 3 270M's q|k|v and gate|up): 32 outputs per program, measured under PDL on an H200
+# (docs/GPU_NOTES.md, session 4): 0.848 -> 0.831 ms at 1 slot, 1.125 -> 1.080 at 16 vs 64.
 QMMA_CONFIGS: dict[str, MmaConfig] = {
     "Q8_0": MmaConfig(block_n=64, block_k=128),
-    "Q5_0": MmaConfig(block_n=64, block_k=128),
+    "Q5_0": MmaConfig(block_n=32, block_k=128),
     "Q4_K": MmaConfig(block_n=64, block_k=128),
     "Q6_K": MmaConfig(block_n=64, block_k=128),
 }
@@ -116,10 +121,10 @@ def _plane_dot(acc, w, x_ptr, xoff, xmask, m, mmask, stride_xm,
 @triton.jit(do_not_specialize=["M"])
 def _qmma_kernel(
     x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr,
-    M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row,
+    M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row, o_ptr, stride_o, count_ptr,
     QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PREC: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
+    PREC: tl.constexpr, USE_DOT: tl.constexpr, GLU: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     G: tl.constexpr = BLOCK_K // GW
     GS: tl.constexpr = G * S
@@ -150,12 +155,19 @@ def _qmma_kernel(
                                           GW, QTYPE)
     yp = y_ptr + tl.program_id(1) * stride_ys + m[None, :] * stride_ym + n[:, None]
     tl.store(yp, acc, mask=nmask[:, None] & mmask[None, :])
+    if GLU > 0:  # a fused [gate | up] weight: the pair's last program writes act(gate) * up
+        pairs = (N // 2) // BLOCK_N
+        pid_n = tl.program_id(0) // tl.cdiv(M, BLOCK_M)
+        glu_pair_epilogue(y_ptr, stride_ys, stride_ym, o_ptr, stride_o, count_ptr, pid_m * pairs + pid_n % pairs,
+                          n, nmask, m, mmask, N // 2, NSPLIT, GLU - 1)
 
 
 def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, stride_ys: int,
-                prec: str = "bf16", config: MmaConfig | None = None, use_dot: bool | None = None) -> None:
+                prec: str = "bf16", config: MmaConfig | None = None, use_dot: bool | None = None,
+                glu: GluEpilogue | None = None) -> None:
     """Launch ``_qmma_kernel``: y[s, m, n] (s < splits, at stride_ys; y's row stride is
-    y.stride(-2)) = the K slice s of x[m] @ W[n]^T. No value checks: callers check."""
+    y.stride(-2)) = the K slice s of x[m] @ W[n]^T; with ``glu`` also act(gate) * up into glu.out
+    (``step_fused.glu_pair_epilogue``). No value checks: callers check."""
     if prec not in QMMA_PRECISIONS:
         raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(QMMA_PRECISIONS)}")
     cfg = config or mma_config(w.fmt.name, w.N, w.K, x.device)
@@ -171,9 +183,11 @@ def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, 
         x, w.qs, qh, sc, w.d, y, M, w.N, w.K, QMATMUL_SPLIT_K if splits > 1 else w.K,
         x.stride(0), y.stride(-2), stride_ys,
         w.qs.stride(0), qh.stride(0) if w.qh is not None else 0, sc.stride(0) if w.sc is not None else 0, w.d.stride(0),
+        *glu_args(glu, y, splits, cfg.block_n, M, QMMA_BLOCK_M, w.N),
         QTYPE=w.fmt.code, GW=gw, S=s, NPLANE=nplane, PSTEP=pstep, BLOCK_M=QMMA_BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, PREC=prec,
-        USE_DOT=x.is_cuda if use_dot is None else use_dot, num_warps=cfg.num_warps, **launch_kw(x),
+        USE_DOT=x.is_cuda if use_dot is None else use_dot, GLU=glu.code if glu else 0, NSPLIT=splits,
+        num_warps=cfg.num_warps, **launch_kw(x),
     )
 
 

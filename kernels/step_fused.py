@@ -25,12 +25,47 @@ from .pdl import enter, launch_kw
 
 
 @triton.jit
-def _sum_parts(ptr, offs, mask, stride_s, NSPLIT: tl.constexpr):
+def _sum_parts(ptr, offs, mask, stride_s, NSPLIT: tl.constexpr, CACHE: tl.constexpr = ""):
     """((p[0] + p[1]) + ...) at offs: the qmatmul split-K slices added in slice order."""
-    acc = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.load(ptr + offs, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
     for sp in tl.static_range(1, NSPLIT):
-        acc += tl.load(ptr + sp * stride_s + offs, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(ptr + sp * stride_s + offs, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
     return acc
+
+
+@triton.jit
+def _glu_math(g, u, ACT: tl.constexpr):
+    """act(g) * u. ACT 0: gelu_tanh (as kernels/geglu.py: g * sigmoid(2u), overflow-free), 1: silu."""
+    if ACT == 0:
+        t = 2.0 * 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+    else:
+        t = g
+    z = tl.exp(-tl.abs(t))
+    sig = tl.where(t >= 0, 1.0 / (1.0 + z), z / (1.0 + z))
+    return (g * sig) * u
+
+
+@triton.jit
+def glu_pair_epilogue(part_ptr, stride_ps, stride_pm, o_ptr, stride_o, count_ptr, count_idx, n, nmask, m, mmask, F,
+                      NSPLIT: tl.constexpr, ACT: tl.constexpr):
+    """The GLU folded into a fused [gate | up] product (``glu_from_parts`` without its launch).
+
+    Called by every program of the product after it stored its split-K partial of columns ``n``
+    ([BN]) x rows ``m`` ([BM]). The 2 * NSPLIT programs that cover gate columns c and up columns
+    F + c (c = n mod F) count themselves on ``count_ptr[count_idx]`` (acquire-release); the last
+    one adds both partials in slice order (from L2) and stores act(gate) * up into o[m, c], then
+    re-arms the counter. The arithmetic is ``_glu_kernel``'s, so the result is bitwise the same."""
+    tl.debug_barrier()  # every thread's partial stores before the release below
+    done = tl.atomic_add(count_ptr + count_idx, 1, sem="acq_rel")
+    if done == 2 * NSPLIT - 1:
+        c = n % F
+        offs = m[None, :] * stride_pm + c[:, None]
+        mask = nmask[:, None] & mmask[None, :]
+        g = _sum_parts(part_ptr, offs, mask, stride_ps, NSPLIT, ".cg")  # (.cg: never a stale L1 line)
+        u = _sum_parts(part_ptr + F, offs, mask, stride_ps, NSPLIT, ".cg")
+        y = _glu_math(g, u, ACT)
+        tl.store(o_ptr + m[None, :] * stride_o + c[:, None], y.to(o_ptr.dtype.element_ty), mask=mask)
+        tl.store(count_ptr + count_idx, 0)
 
 
 @triton.jit
@@ -58,8 +93,7 @@ def _add_rmsnorm_kernel(
 @triton.jit
 def _glu_kernel(p_ptr, o_ptr, F, stride_ps, stride_pm, stride_o,
                 NSPLIT: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """out = act(gate) * up from the partials of the fused [gate | up] product. ACT 0: gelu_tanh
-    (as kernels/geglu.py: g * sigmoid(2u), overflow-free), 1: silu."""
+    """out = act(gate) * up from the partials of the fused [gate | up] product (``_glu_math``)."""
     enter(PDL)
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -67,13 +101,7 @@ def _glu_kernel(p_ptr, o_ptr, F, stride_ps, stride_pm, stride_o,
     base = p_ptr + r * stride_pm
     g = _sum_parts(base, offs, mask, stride_ps, NSPLIT)
     u = _sum_parts(base + F, offs, mask, stride_ps, NSPLIT)
-    if ACT == 0:
-        t = 2.0 * 0.7978845608028654 * (g + 0.044715 * (g * g * g))
-    else:
-        t = g
-    z = tl.exp(-tl.abs(t))
-    sig = tl.where(t >= 0, 1.0 / (1.0 + z), z / (1.0 + z))
-    y = (g * sig) * u
+    y = _glu_math(g, u, ACT)
     tl.store(o_ptr + r * stride_o + offs, y.to(o_ptr.dtype.element_ty), mask=mask)
 
 

@@ -364,6 +364,32 @@ def stage_pdl_sweep(m, out: Path, rows: list, bw: float) -> None:
         qmatmul.QGEMV_CONFIGS.update(base_gemv)
 
 
+def stage_tile_sweep(m, out: Path, rows: list, bw: float) -> None:
+    """Around the session-4 defaults (under PDL, GLU folded): one format's tiling at a time."""
+    from dataclasses import replace as dc_replace
+
+    from workbench.kernels import qmatmul, qmma
+
+    base_mma, base_gemv = dict(qmma.QMMA_CONFIGS), dict(qmatmul.QGEMV_CONFIGS)
+    mma = {"Q5_0 n16k128w4": dict(block_n=16), "Q5_0 n16k128w2": dict(block_n=16, num_warps=2),
+           "Q5_0 n32k128w2": dict(num_warps=2)}
+    gemv = {"Q4_K k256 m2": ("Q4_K", dict(m_tile=2)), "Q4_K k256 n16": ("Q4_K", dict(block_n=16)),
+            "Q6_K m4": ("Q6_K", dict(m_tile=4)), "Q6_K m2": ("Q6_K", dict(m_tile=2)),
+            "Q8_0 m4": ("Q8_0", dict(m_tile=4)), "Q8_0 m2": ("Q8_0", dict(m_tile=2))}
+    try:
+        for label, kw in mma.items():
+            qmma.QMMA_CONFIGS["Q5_0"] = dc_replace(base_mma["Q5_0"], **kw)
+            bench_runner(m, f"tile_sweep mma {label}", (1, 16), out, rows, bw)
+            qmma.QMMA_CONFIGS.update(base_mma)
+        for label, (fmt, kw) in gemv.items():
+            qmatmul.QGEMV_CONFIGS[fmt] = dc_replace(base_gemv[fmt], **kw)
+            bench_runner(m, f"tile_sweep gemv {label}", (1, 16), out, rows, bw)
+            qmatmul.QGEMV_CONFIGS.update(base_gemv)
+    finally:
+        qmma.QMMA_CONFIGS.update(base_mma)
+        qmatmul.QGEMV_CONFIGS.update(base_gemv)
+
+
 def stage_torch_path(path: str, out: Path, rows: list, device: str = "cuda", slots=(1, 4, 16), gen: int = 32) -> None:
     """The torch reference path (workbench.model, TorchRunner) on the GPU, through Engine: the
     model's tensors moved to the device and torch's default device set, so its step-local
@@ -461,6 +487,8 @@ def main_stage(args) -> None:
         ("mma profile", lambda: stage_profile(m, out, prof_rows)),
         ("mma sweep", lambda: stage_mma_sweep(m, out, rows, bw)),
         ("pdl sweep", lambda: stage_pdl_sweep(m, out, rows, bw)),
+        ("tile sweep", lambda: stage_tile_sweep(m, out, rows, bw)),
+        ("noglu", lambda: bench_runner(m, "triton_default_unfused_glu", SLOTS, out, rows, bw, fuse_glu=False)),
         ("gemv seg32", lambda: bench_runner(m, "triton_gemv_graphs_seg32", SLOTS, out, rows, bw, matmul="gemv", attn_segment=32)),
         ("profile", lambda: stage_profile(m, out, prof_rows)),
         ("seg64", lambda: bench_runner(m, "triton_graphs_seg64", SLOTS, out, rows, bw, attn_segment=64)),

@@ -198,21 +198,23 @@ def test_run_ahead_is_exact_and_used(tiny_model, monkeypatch):
         assert h.result().token_ids == solo.submit(p, max_tokens=k, ignore_eos=True).result().token_ids, i
 
 
-def test_fused_attention_combine_is_bitwise_the_two_launch_form(tiny_model):
-    """The runner's default folds the attention combine into the partial kernel; the two-launch
-    form gives bitwise the same logits (prefill chunk across the window, then decode)."""
+@pytest.mark.parametrize("option", ["fuse_combine", "fuse_glu"])
+def test_folded_launches_are_bitwise_the_separate_ones(tiny_model, option):
+    """The runner's defaults fold the attention combine into the partial kernel and the GLU into
+    the gate|up product; the separate launches give bitwise the same logits (prefill chunk
+    across the window, then decode), one launch more per layer."""
     m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
     gen = torch.Generator().manual_seed(11)
     toks = torch.randint(0, m.config.vocab_size, (14,), generator=gen).tolist()
     outs = []
     for fuse in (True, False):
-        r = TritonRunner(m, 256, graphs=False, fuse_combine=fuse)
+        r = TritonRunner(m, 256, graphs=False, **{option: fuse})
         got = [r.run([Segment(0, "a", tuple(toks[:12]), 0, True)], {0: 64})[0]]
         got += [r.run([Segment(0, "a", (toks[i],), i, True)], {0: 64})[0] for i in (12, 13)]
         outs.append(torch.stack(got))
         outs.append(r.launches)
     assert torch.equal(outs[0], outs[2])
-    assert outs[3] - outs[1] == m.config.n_layers  # one attention launch fewer per layer
+    assert outs[3] - outs[1] == m.config.n_layers  # one launch fewer per layer
 
 
 def test_step_weight_bytes_leave_out_the_embedding_table(tiny_model):

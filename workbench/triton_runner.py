@@ -70,6 +70,11 @@ ATTN_SEGMENT = 32
 # one launch per layer instead of two, bitwise the same result.
 FUSE_ATTENTION_COMBINE = True
 ATTN_COUNTER_ROWS = 8192  # rows of a forward the fused form covers (more: the two-launch form)
+# The GLU folded into the [gate | up] product (the last program of each gate/up column pair
+# writes act(gate) * up: kernels/step_fused.glu_pair_epilogue): one launch less per layer,
+# bitwise the same result as the separate kernel.
+FUSE_GLU = True
+GLU_COUNTERS = 1 << 16  # pairs x row tiles a fused launch may count (more: the separate kernel)
 # Programmatic dependent launch (kernels/pdl.py) where the GPU has it (sm_90+): each kernel's
 # launch and ramp-up overlap its predecessor's work. Ordering, hence every bit, is unchanged.
 PDL = True
@@ -101,7 +106,7 @@ class TritonRunner:
                  graphs: bool | str | None = None, dense: str = "quant", kv_dtype: torch.dtype | None = None,
                  attn_segment: int | None = None, matmul: str | None = None,
                  head_matmul: str | None = None, layer_forms: dict[str, str] | None = None,
-                 fuse_combine: bool | None = None, pdl: bool | None = None):
+                 fuse_combine: bool | None = None, pdl: bool | None = None, fuse_glu: bool | None = None):
         from .kernels import qmatmul as qm
 
         from .kernels import pdl as _pdl
@@ -198,6 +203,8 @@ class TritonRunner:
         # one buffer for every forward (graphs keep its address); each launch leaves it zero
         self._attn_counters = torch.zeros(ATTN_COUNTER_ROWS * c.n_kv_heads, dtype=torch.int32,
                                           device=self.device) if fuse else None
+        self.fuse_glu = (FUSE_GLU if fuse_glu is None else bool(fuse_glu)) and dense == "quant"
+        self._glu_counters = torch.zeros(GLU_COUNTERS, dtype=torch.int32, device=self.device) if self.fuse_glu else None
         self._zeros = torch.zeros(BUCKETS[-1], dtype=torch.int32, device=self.device)
         self._wins = torch.full((BUCKETS[-1],), max(c.sliding_window, 0), dtype=torch.int32, device=self.device)
         self.launches = 0  # kernel launches of the last forward (counted where they are issued)
@@ -246,9 +253,23 @@ class TritonRunner:
         self._graphs.clear()  # they point at the old pool
 
     # -- the forward ----------------------------------------------------------------------------
-    def _project(self, x: torch.Tensor, p: Proj, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _glu_fold(self, p: Proj, M: int) -> bool:
+        """Whether the GLU can ride on this [gate | up] product's launch (kernels' GluEpilogue)."""
+        if not self.fuse_glu or p.dense is not None or len(p.parts) != 1 or p.parts[0][1].packed is None:
+            return False
+        w = p.parts[0][1]
+        if w.form == "mma":
+            cfg = self._qmma.mma_config(w.fmt.name, w.N, w.K, self.device)
+            need = self._qm.glu_counters(M, w.N, cfg.block_n, self._qmma.QMMA_BLOCK_M)
+        else:
+            cfg = self._qm.gemv_config(w.fmt.name, w.N, w.K, self.device)
+            need = self._qm.glu_counters(M, w.N, cfg.block_n, cfg.m_tile)
+        return need is not None and need <= self._glu_counters.numel()
+
+    def _project(self, x: torch.Tensor, p: Proj, out: torch.Tensor | None = None, glu=None) -> torch.Tensor:
         """Partials [splits, M, N] of x @ W^T (float32; bf16 [1, M, N] for the dense variant).
-        ``out`` (float32 [M, N], an unsplit product: the head): written in place and returned."""
+        ``out`` (float32 [M, N], an unsplit product: the head): written in place and returned.
+        ``glu`` (a kernels GluEpilogue, where ``_glu_fold``): also act(gate) * up into glu.out."""
         M = x.shape[0]
         if p.dense is not None:
             self.launches += 2
@@ -264,7 +285,7 @@ class TritonRunner:
         qm = self._qm
         for off, w in p.parts:
             if w.packed is not None:
-                self._launch_packed(x, w.packed, part[:, :, off:], w.splits, part.stride(0), w.form)
+                self._launch_packed(x, w.packed, part[:, :, off:], w.splits, part.stride(0), w.form, glu)
                 continue
             cfg = qm.QMATMUL_CONFIGS[w.fmt.name]
             grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(w.N, cfg.block_n), w.splits)
@@ -278,11 +299,11 @@ class TritonRunner:
             self.launches += 1
         return part if out is None else out
 
-    def _launch_packed(self, x, pw, y, splits: int, stride_ys: int, form: str) -> None:
+    def _launch_packed(self, x, pw, y, splits: int, stride_ys: int, form: str, glu=None) -> None:
         if form == "mma":
-            self._qmma.launch_qmma(x, pw, y, splits, stride_ys, self.mma_prec, use_dot=self.use_dot)
+            self._qmma.launch_qmma(x, pw, y, splits, stride_ys, self.mma_prec, use_dot=self.use_dot, glu=glu)
         else:
-            self._qm.launch_qgemv(x, pw, y, splits, stride_ys)
+            self._qm.launch_qgemv(x, pw, y, splits, stride_ys, glu=glu)
         self.launches += 1
 
     def _add_norm(self, x, part, w_post, w_next, h) -> None:
@@ -332,10 +353,13 @@ class TritonRunner:
             a = attn.view(R, Hq * D)
             part = self._project(a, L.wo)
             self._add_norm(x, part, L.post_attn_norm, L.ffn_norm, h)
-            part = self._project(h, L.gate_up)
             g = torch.empty((R, c.n_ff), dtype=hdt, device=dev)
-            self._fused.glu_from_parts(part, g, act)
-            self.launches += 1
+            if self._glu_fold(L.gate_up, R):
+                self._project(h, L.gate_up, glu=self._qm.GluEpilogue(g, self._glu_counters, act))
+            else:
+                part = self._project(h, L.gate_up)
+                self._fused.glu_from_parts(part, g, act)
+                self.launches += 1
             part = self._project(g, L.down)
             nxt = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.output_norm
             self._add_norm(x, part, L.post_ffw_norm, nxt, h)

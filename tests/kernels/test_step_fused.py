@@ -76,3 +76,41 @@ def test_qk_rope_kv(norm, device):
     q1 = torch.empty(1, Hq, D, device=device)
     qk_rope_kv(part[:, 1:2].contiguous(), q1, k_pool, v_pool, seq[1:2], pos[1:2], qn, kn, inv, 1e-6)
     assert torch.equal(q1, q[1:2])
+
+
+@pytest.mark.parametrize("form,name,act", [("mma", "Q5_0", "gelu_tanh"), ("gemv", "Q4_K", "silu"), ("gemv", "Q5_0", "gelu_tanh")])
+def test_glu_folded_into_the_product_is_bitwise_the_separate_kernel(form, name, act, device, quant_rows):
+    """GluEpilogue: the [gate | up] product's last program per column pair writes act(gate) * up,
+    bitwise what glu_from_parts makes of the same partials; rows stay invariant; the counters are
+    left zero for the next launch (here: reused by the second call)."""
+    from workbench.kernels import qmatmul, qmma
+    from workbench.kernels.qmatmul import GluEpilogue, num_k_splits, pack_weights
+    from workbench.kernels.quant_tiles import FORMATS
+
+    F, K = 256, 512
+    N = 2 * F
+    pw = pack_weights(quant_rows(FORMATS[name], N, K, seed=9, device=device), name, N, K)
+    splits = num_k_splits(N, K)
+    counters = torch.zeros(64, dtype=torch.int32, device=device)
+
+    def run(x):
+        M = x.shape[0]
+        part = torch.full((splits, M, N), float("nan"), device=device)
+        g = torch.full((M, F), float("nan"), device=device)
+        glu = GluEpilogue(g, counters, act)
+        if form == "mma":
+            qmma.launch_qmma(x, pw, part, splits, part.stride(0), "bf16", glu=glu)
+        else:
+            qmatmul.launch_qgemv(x, pw, part, splits, part.stride(0), glu=glu)
+        return part, g
+
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(2)).to(device)
+    part, g = run(x)
+    want = torch.empty(5, F, device=device)
+    glu_from_parts(part, want, act)
+    assert torch.equal(g, want)
+    assert int(counters.abs().sum()) == 0
+    _, g3 = run(x[3:4].clone())
+    assert torch.equal(g3, g[3:4])
+    with pytest.raises(ValueError, match="the GLU fold needs"):
+        qmatmul.glu_args(GluEpilogue(g, counters[:1], act), part, splits, 32, 5, 4, N)
