@@ -25,8 +25,9 @@ from .pdl import enter, launch_kw
 
 
 @triton.jit
-def _sum_parts(ptr, offs, mask, stride_s, NSPLIT: tl.constexpr, CACHE: tl.constexpr = ""):
-    """((p[0] + p[1]) + ...) at offs: the qmatmul split-K slices added in slice order."""
+def _sum_parts(ptr, offs, mask, stride_s, NSPLIT: tl.constexpr, CACHE: tl.constexpr):
+    """((p[0] + p[1]) + ...) at offs: the qmatmul split-K slices added in slice order. (CACHE is
+    passed explicitly: a defaulted constexpr fails to compile on a GPU under triton 3.6.)"""
     acc = tl.load(ptr + offs, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
     for sp in tl.static_range(1, NSPLIT):
         acc += tl.load(ptr + sp * stride_s + offs, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
@@ -79,7 +80,7 @@ def _add_rmsnorm_kernel(
     r = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < E
-    d = _sum_parts(p_ptr + r * stride_pm, cols, mask, stride_ps, NSPLIT)
+    d = _sum_parts(p_ptr + r * stride_pm, cols, mask, stride_ps, NSPLIT, "")
     if HAS_POST:
         rs = 1.0 / tl.sqrt_rn(tl.sum(d * d, axis=0) / E + eps)
         d = (d * rs) * tl.load(wpost_ptr + cols, mask=mask, other=0.0)
@@ -99,8 +100,8 @@ def _glu_kernel(p_ptr, o_ptr, F, stride_ps, stride_pm, stride_o,
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < F
     base = p_ptr + r * stride_pm
-    g = _sum_parts(base, offs, mask, stride_ps, NSPLIT)
-    u = _sum_parts(base + F, offs, mask, stride_ps, NSPLIT)
+    g = _sum_parts(base, offs, mask, stride_ps, NSPLIT, "")
+    u = _sum_parts(base + F, offs, mask, stride_ps, NSPLIT, "")
     y = _glu_math(g, u, ACT)
     tl.store(o_ptr + r * stride_o + offs, y.to(o_ptr.dtype.element_ty), mask=mask)
 
@@ -108,8 +109,8 @@ def _glu_kernel(p_ptr, o_ptr, F, stride_ps, stride_pm, stride_o,
 @triton.jit
 def _norm_rope_heads(base, offs, mask, stride_ps, nw_ptr, i, imask, c, s, D, eps,
                      NSPLIT: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-    x1 = _sum_parts(base, offs, mask, stride_ps, NSPLIT)
-    x2 = _sum_parts(base, offs + HALF, mask, stride_ps, NSPLIT)
+    x1 = _sum_parts(base, offs, mask, stride_ps, NSPLIT, "")
+    x2 = _sum_parts(base, offs + HALF, mask, stride_ps, NSPLIT, "")
     if HAS_NORM:
         ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
         rs = 1.0 / tl.sqrt_rn(ss / D + eps)
@@ -154,8 +155,8 @@ def _qk_rope_kv_kernel(
     tl.store(k_ptr + dst, k1.to(k_ptr.dtype.element_ty), mask=kmask)
     tl.store(k_ptr + dst + HALF, k2.to(k_ptr.dtype.element_ty), mask=kmask)
     vbase = base + (HQ + HKV) * D
-    v1 = _sum_parts(vbase, koffs, kmask, stride_ps, NSPLIT)
-    v2 = _sum_parts(vbase, koffs + HALF, kmask, stride_ps, NSPLIT)
+    v1 = _sum_parts(vbase, koffs, kmask, stride_ps, NSPLIT, "")
+    v2 = _sum_parts(vbase, koffs + HALF, kmask, stride_ps, NSPLIT, "")
     tl.store(v_ptr + dst, v1.to(v_ptr.dtype.element_ty), mask=kmask)
     tl.store(v_ptr + dst + HALF, v2.to(v_ptr.dtype.element_ty), mask=kmask)
 
