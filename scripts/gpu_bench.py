@@ -390,6 +390,33 @@ def stage_tile_sweep(m, out: Path, rows: list, bw: float) -> None:
         qmatmul.QGEMV_CONFIGS.update(base_gemv)
 
 
+def stage_form_sweep(m, out: Path, rows: list, bw: float) -> None:
+    """Under PDL a product's first K step is decoded before its wait, which hides most of the
+    tensor-core form's costlier decode: which formats should take it now (1, 4, 16 slots)."""
+    from dataclasses import replace as dc_replace
+
+    from workbench.kernels import qmatmul, qmma
+
+    base_mma, base_gemv = dict(qmma.QMMA_CONFIGS), dict(qmatmul.QGEMV_CONFIGS)
+    C = qmma.MmaConfig
+    tiles = {"n64k128": C(64, 128, 4), "n32k128": C(32, 128, 4), "n64k256": C(64, 256, 4)}
+    cands = [("Q4_K", "n64k128"), ("Q4_K", "n32k128"), ("Q4_K", "n64k256"), ("Q6_K", "n64k128"), ("Q8_0", "n64k128"),
+             ("Q4_K+Q6_K", "n64k128"), ("Q4_K+Q6_K", "n32k128"), ("Q4_K+Q6_K+Q8_0", "n64k128"),
+             ("Q4_K+Q6_K+Q8_0", "n32k128"), ("Q4_K+Q6_K+Q8_0", "n64k256")]
+    try:
+        for fmts, tile in cands:
+            for f in ("Q4_K", "Q6_K", "Q8_0"):
+                qmma.QMMA_CONFIGS[f] = tiles[tile]
+            forms = {"Q5_0": "mma", **{f: "mma" for f in fmts.split("+")}}
+            bench_runner(m, f"form_sweep {fmts} mma {tile}", (1, 4, 16), out, rows, bw, layer_forms=forms)
+        qmma.QMMA_CONFIGS.update(base_mma)
+        qmatmul.QGEMV_CONFIGS["Q8_0"] = dc_replace(base_gemv["Q8_0"], m_tile=4)
+        bench_runner(m, "form_sweep gemv Q8_0 m4", (1, 4, 16), out, rows, bw)
+    finally:
+        qmma.QMMA_CONFIGS.update(base_mma)
+        qmatmul.QGEMV_CONFIGS.update(base_gemv)
+
+
 def stage_torch_path(path: str, out: Path, rows: list, device: str = "cuda", slots=(1, 4, 16), gen: int = 32) -> None:
     """The torch reference path (workbench.model, TorchRunner) on the GPU, through Engine: the
     model's tensors moved to the device and torch's default device set, so its step-local
@@ -488,6 +515,7 @@ def main_stage(args) -> None:
         ("mma sweep", lambda: stage_mma_sweep(m, out, rows, bw)),
         ("pdl sweep", lambda: stage_pdl_sweep(m, out, rows, bw)),
         ("tile sweep", lambda: stage_tile_sweep(m, out, rows, bw)),
+        ("form sweep", lambda: stage_form_sweep(m, out, rows, bw)),
         ("noglu", lambda: bench_runner(m, "triton_default_unfused_glu", SLOTS, out, rows, bw, fuse_glu=False)),
         ("gemv seg32", lambda: bench_runner(m, "triton_gemv_graphs_seg32", SLOTS, out, rows, bw, matmul="gemv", attn_segment=32)),
         ("profile", lambda: stage_profile(m, out, prof_rows)),
