@@ -62,11 +62,13 @@ class MmaConfig:
 # Per format; fixed (never chosen from M). Wide weights (the head, unsplit) may differ.
 # Q5_0 (Gemma 3 270M's q|k|v and gate|up): 32 outputs per program, measured under PDL on an H200
 # (docs/GPU_NOTES.md, session 4): 0.848 -> 0.831 ms at 1 slot, 1.125 -> 1.080 at 16 vs 64.
+# Q4_K, Q6_K, Q8_0: one 256-weight K step per program (all its weights decoded before the PDL
+# wait): with every layer on tensor cores 0.987 ms at 16 slots vs 1.060 with 128-weight steps.
 QMMA_CONFIGS: dict[str, MmaConfig] = {
-    "Q8_0": MmaConfig(block_n=64, block_k=128),
+    "Q8_0": MmaConfig(block_n=64, block_k=256),
     "Q5_0": MmaConfig(block_n=32, block_k=128),
-    "Q4_K": MmaConfig(block_n=64, block_k=128),
-    "Q6_K": MmaConfig(block_n=64, block_k=128),
+    "Q4_K": MmaConfig(block_n=64, block_k=256),
+    "Q6_K": MmaConfig(block_n=64, block_k=256),
 }
 QMMA_WIDE_CONFIGS: dict[str, MmaConfig] = {  # the head: unpipelined was the fastest of six on an H200
     "Q8_0": MmaConfig(block_n=64, block_k=128, num_warps=4, num_stages=1),

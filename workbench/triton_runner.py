@@ -54,14 +54,17 @@ MAX_EMBD = 8192  # the fused norms hold a whole row in one tile
 # of a weight takes the same form): "mma" packed planes on tensor cores (kernels/qmma.py; bf16
 # operands for a bfloat16 engine, tf32x3 for a float32 one), "gemv" packed planes with float32
 # FMAs (kernels/qmatmul.py's decode-shaped kernel), "raw" the GGUF bytes with tf32x3 tl.dot
-# (the first version). docs/GPU_NOTES.md compares them.
-MATMUL = "gemv"
+# (the first version). docs/GPU_NOTES.md compares them. Every layer weight on tensor cores:
+# with PDL a product decodes its first K step before waiting for x, which hid most of the
+# tensor-core form's costlier Q4_K/Q6_K decode (session 4, H200: 16 slots 1.035 -> 0.987 ms, 1 slot
+# 0.816 -> 0.874 against FMA GEMVs for Q4_K/Q6_K/Q8_0).
+MATMUL = "mma"
 MATMUL_FORMS = ("mma", "gemv", "raw")
 # The head's form: None = the layers' form. A per-weight choice (fixed at load, by the weight,
 # never by the row count), so rows stay invariant whichever form each weight takes.
 HEAD_MATMUL: str | None = "mma"
-# Per-format overrides of the layers' form ({"Q5_0": "mma"}): again fixed per weight.
-LAYER_FORMS: dict[str, str] = {"Q5_0": "mma"}  # measured: docs/GPU_NOTES.md, run 6
+# Per-format overrides of the layers' form ({"Q4_K": "gemv"}): again fixed per weight.
+LAYER_FORMS: dict[str, str] = {}
 # Keys per attention partial program, one value per runner (prefill and decode alike). Small
 # segments give a decode row at a short context several programs instead of one: on an H200
 # 32 vs 256 took the 1-slot step from 1.74 to 1.18 ms (docs/GPU_NOTES.md).
