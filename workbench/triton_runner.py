@@ -11,11 +11,13 @@ Same interface as `runner.TorchRunner` (the engine picks it with EngineConfig(ba
   permutation of W_q and W_k.
 * KV: one pool per layer [S, L_max, Hkv, D] (slot id = pool index, the last index a scratch
   slot that padded rows write into); it grows (copying) when a slot id or a reservation needs it.
-* Each step: embedding -> per layer [qkv qmatmul -> fused QK-norm + rope + KV write ->
-  attention_rows -> wo qmatmul -> fused (post-norm, residual add, next pre-norm) -> gate|up
-  qmatmul -> fused split-K sum + GeGLU/SwiGLU -> down qmatmul -> fused add+norm] -> head.
-  The qmatmul launches write their fixed split-K partials and the consumer kernel adds them in
-  slice order, so no separate sum launch. Every kernel computes a row from that row alone, with
+* Each step: embedding -> per layer [qkv product -> fused QK-norm + rope + KV write ->
+  attention_rows (combine folded in) -> wo product -> fused (post-norm, residual add, next
+  pre-norm) -> gate|up product with the GeGLU/SwiGLU folded in (its last program per column
+  pair) -> down product -> fused add+norm] -> head: 160 launches for Gemma 3 270M. The products
+  write their fixed split-K partials and the consumer adds them in slice order, so no separate
+  sum launch. On sm_90+ every kernel is chained to the previous one by programmatic dependent
+  launch (kernels/pdl.py), and a product decodes its first weights before waiting for x. Every kernel computes a row from that row alone, with
   shapes, tiles and split-K fixed by the weight shapes, never by the number of rows: a slot's
   logits are bitwise the same whatever else shares the step.
 * Decode-only forwards on CUDA replay a CUDA graph captured per (row bucket, attention segment
