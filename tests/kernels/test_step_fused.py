@@ -114,3 +114,17 @@ def test_glu_folded_into_the_product_is_bitwise_the_separate_kernel(form, name, 
     assert torch.equal(g3, g[3:4])
     with pytest.raises(ValueError, match="the GLU fold needs"):
         qmatmul.glu_args(GluEpilogue(g, counters[:1], act), part, splits, 32, 5, 4, N)
+
+
+def test_pdl_launch_options_follow_the_device_and_the_switch(device):
+    """kernels/pdl.py: PDL only where the GPU and triton have it (sm_90+); ENABLED off means none
+    anywhere; enabled() restores the switch."""
+    from workbench.kernels import pdl
+
+    t = torch.zeros(1, device=device)
+    on = device.type == "cuda" and pdl._supported(torch.cuda.current_device())
+    assert pdl.launch_kw(t) == ({"PDL": True, "launch_pdl": True} if on else {"PDL": False})
+    with pdl.enabled(False):
+        assert pdl.launch_kw(t) == {"PDL": False}
+    assert pdl.ENABLED
+    assert pdl.launch_kw(torch.zeros(1)) == {"PDL": False}  # a CPU tensor never
