@@ -48,7 +48,7 @@ from .qmatmul import (
 )
 from .step_fused import glu_pair_epilogue
 
-QMMA_BLOCK_M = 16  # rows of x per program: the MMA's narrow side; fixed
+QMMA_BLOCK_M = 16  # rows of x per program (the MMA's narrow side) unless a config says otherwise
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,9 @@ class MmaConfig:
     block_k: int  # weights along K per step: divides QMATMUL_SPLIT_K, a power-of-two number of groups
     num_warps: int = 4
     num_stages: int = 1
+    # rows per program, fixed per weight (16 or 32): 32 rows take one tile instead of two (each
+    # decoding the weights again), at the price of a 32-wide MMA for 1..16 rows. Not yet measured.
+    block_m: int = QMMA_BLOCK_M
 
 
 # Per format; fixed (never chosen from M). Wide weights (the head, unsplit) may differ.
@@ -180,13 +183,15 @@ def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, 
     M = x.shape[0]
     qh = w.qh if w.qh is not None else w.qs
     sc = w.sc if w.sc is not None else w.qs
-    grid = (triton.cdiv(M, QMMA_BLOCK_M) * triton.cdiv(w.N, cfg.block_n), splits)
+    if cfg.block_m not in (16, 32):
+        raise ValueError(f"bad qmma config {cfg} for {w.fmt.name}: block_m must be 16 or 32")
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(w.N, cfg.block_n), splits)
     _qmma_kernel[grid](
         x, w.qs, qh, sc, w.d, y, M, w.N, w.K, QMATMUL_SPLIT_K if splits > 1 else w.K,
         x.stride(0), y.stride(-2), stride_ys,
         w.qs.stride(0), qh.stride(0) if w.qh is not None else 0, sc.stride(0) if w.sc is not None else 0, w.d.stride(0),
-        *glu_args(glu, y, splits, cfg.block_n, M, QMMA_BLOCK_M, w.N),
-        QTYPE=w.fmt.code, GW=gw, S=s, NPLANE=nplane, PSTEP=pstep, BLOCK_M=QMMA_BLOCK_M,
+        *glu_args(glu, y, splits, cfg.block_n, M, cfg.block_m, w.N),
+        QTYPE=w.fmt.code, GW=gw, S=s, NPLANE=nplane, PSTEP=pstep, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, PREC=prec,
         USE_DOT=x.is_cuda if use_dot is None else use_dot, GLU=glu.code if glu else 0, NSPLIT=splits,
         num_warps=cfg.num_warps, **launch_kw(x),

@@ -417,6 +417,26 @@ def stage_form_sweep(m, out: Path, rows: list, bw: float) -> None:
         qmatmul.QGEMV_CONFIGS.update(base_gemv)
 
 
+def stage_m32(m, out: Path, rows: list, bw: float) -> None:
+    """32-row tensor-core tiles for the layers (then the head too): fixed per weight, so 1..16
+    rows pay a 32-wide MMA and 32 rows take one tile instead of two."""
+    from dataclasses import replace as dc_replace
+
+    from workbench.kernels import qmma
+
+    base, base_wide = dict(qmma.QMMA_CONFIGS), dict(qmma.QMMA_WIDE_CONFIGS)
+    try:
+        for k, cfg in base.items():
+            qmma.QMMA_CONFIGS[k] = dc_replace(cfg, block_m=32)
+        bench_runner(m, "m32 layers", SLOTS, out, rows, bw)
+        for k, cfg in base_wide.items():
+            qmma.QMMA_WIDE_CONFIGS[k] = dc_replace(cfg, block_m=32)
+        bench_runner(m, "m32 layers and head", SLOTS, out, rows, bw)
+    finally:
+        qmma.QMMA_CONFIGS.update(base)
+        qmma.QMMA_WIDE_CONFIGS.update(base_wide)
+
+
 def stage_torch_path(path: str, out: Path, rows: list, device: str = "cuda", slots=(1, 4, 16), gen: int = 32) -> None:
     """The torch reference path (workbench.model, TorchRunner) on the GPU, through Engine: the
     model's tensors moved to the device and torch's default device set, so its step-local
@@ -516,6 +536,7 @@ def main_stage(args) -> None:
         ("pdl sweep", lambda: stage_pdl_sweep(m, out, rows, bw)),
         ("tile sweep", lambda: stage_tile_sweep(m, out, rows, bw)),
         ("form sweep", lambda: stage_form_sweep(m, out, rows, bw)),
+        ("m32", lambda: stage_m32(m, out, rows, bw)),
         ("alt q8 gemv", lambda: bench_runner(m, "alt_Q8_0_gemv", SLOTS, out, rows, bw, layer_forms={"Q8_0": "gemv"})),
         ("alt q4k q6k gemv", lambda: bench_runner(m, "alt_Q4_K_Q6_K_Q8_0_gemv", SLOTS, out, rows, bw,
                                                   layer_forms={"Q4_K": "gemv", "Q6_K": "gemv", "Q8_0": "gemv"})),

@@ -265,7 +265,7 @@ class TritonRunner:
         w = p.parts[0][1]
         if w.form == "mma":
             cfg = self._qmma.mma_config(w.fmt.name, w.N, w.K, self.device)
-            need = self._qm.glu_counters(M, w.N, cfg.block_n, self._qmma.QMMA_BLOCK_M)
+            need = self._qm.glu_counters(M, w.N, cfg.block_n, cfg.block_m)
         else:
             cfg = self._qm.gemv_config(w.fmt.name, w.N, w.K, self.device)
             need = self._qm.glu_counters(M, w.N, cfg.block_n, cfg.m_tile)

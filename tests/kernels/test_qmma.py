@@ -81,6 +81,23 @@ def test_qmma_unsplit_weight_and_config(name, device, quant_rows, monkeypatch):
             assert torch.equal(y[i : i + 1], qmma(x[i : i + 1].clone(), pw, "bf16", config=cfg)), f"row {i}"
 
 
+def test_qmma_32_row_tiles_are_batch_invariant(device, quant_rows):
+    """A config with 32-row tiles: row i of a 35-row call (two tiles) is the 1-row call, and the
+    result is reference-close; 16 or 32 only."""
+    name = "Q4_K"
+    N, K = SHAPES[name]
+    raw = quant_rows(FORMATS[name], N, K, seed=3, device=device)
+    pw = pack_weights(raw, name, N, K)
+    cfg = MmaConfig(block_n=64, block_k=256, block_m=32)
+    x = _x(35, K, torch.float32, device, seed=3)
+    y = qmma(x, pw, "bf16", config=cfg)
+    assert_close(y, x, raw, name, K, "bf16", device)
+    for i in (0, 31, 32, 34):
+        assert torch.equal(y[i : i + 1], qmma(x[i : i + 1].clone(), pw, "bf16", config=cfg)), f"row {i}"
+    with pytest.raises(ValueError, match="block_m must be 16 or 32"):
+        qmma(x, pw, config=MmaConfig(block_n=64, block_k=256, block_m=8))
+
+
 def test_qmma_rejects_bad_inputs(device, quant_rows):
     raw = quant_rows(FORMATS["Q8_0"], 8, 64, seed=0, device=device)
     pw = pack_weights(raw, "Q8_0", 8, 64)
