@@ -629,6 +629,19 @@ def load_rows(d: Path) -> list[dict]:
             rows += json.loads(f.read_text())
         except Exception:  # noqa: BLE001
             pass
+    return rows + llamacpp_rows(d / "llamacpp.jsonl")
+
+
+def llamacpp_rows(path: Path) -> list[dict]:
+    """Bench rows from scripts/gpu_llamacpp.sh's llama-batched-bench JSON lines (speed_tg: the
+    aggregate decode tok/s of pl sequences generating tg tokens each after pp-token prompts)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        rows.append(dict(stage="bench", variant="llamacpp_cuda_fa_kvu", slots=r["pl"], prompt=r["pp"], steps=r["tg"],
+                         tok_s=r["speed_tg"], step_ms=1e3 * r["t_tg"] / r["tg"], prefill_tok_s=r["speed_pp"]))
     return rows
 
 

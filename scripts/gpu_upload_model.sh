@@ -27,7 +27,14 @@ mkdir -p "$stage/tok" "$stage/whl"
 ln -s "$(realpath "$SRC")" "$stage/model.gguf"
 cp "${SLOTLAB_CACHE:-$HOME/.cache/slotlab}/tokenizers/$SHA.json" "$stage/tok/"
 cp .whl/*.whl "$stage/whl/"
+# LLAMA=1: also the llama-cpp-python sdist (scripts/gpu_llamacpp.sh builds its llama.cpp with
+# CUDA there; fetch it once with: pip download --no-deps --no-binary llama-cpp-python
+# llama-cpp-python==0.3.36 -d .whl): two parts more
+LLAMA_DIR=
+if [ "${LLAMA:-0}" = 1 ]; then
+    mkdir -p "$stage/llama" && cp .whl/llama_cpp_python-*.tar.gz "$stage/llama/" && LLAMA_DIR=llama
+fi
 rm -rf .carry/parts && mkdir -p .carry/parts
-tar -C "$stage" -chf - model.gguf tok whl | split -b "$PART" -d -a 1 - .carry/parts/part
+tar -C "$stage" -chf - model.gguf tok whl $LLAMA_DIR | split -b "$PART" -d -a 1 - .carry/parts/part
 ls -l .carry/parts
 echo "parts: $(ls .carry/parts | wc -l)"
