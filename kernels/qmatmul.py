@@ -524,6 +524,33 @@ def glu_args(glu: GluEpilogue | None, y: torch.Tensor, splits: int, block_n: int
     return (glu.out, glu.out.stride(0), glu.counters)
 
 
+@dataclass(frozen=True)
+class HeadsEpilogue:
+    """Fold ``step_fused.qk_rope_kv`` into the q|k|v product (tensor-core form;
+    ``step_fused.heads_epilogue``): besides its partials the product writes q_out [M, Hq, D]
+    (QK-norm + rope), and k, v into the pools at (seq, pos). ``counters``: int32 zeros (each
+    launch leaves them zero), at least ``heads_counters(...)`` of them."""
+
+    q_out: torch.Tensor
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    seq: torch.Tensor
+    pos: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    inv_freq: torch.Tensor
+    eps: float
+    counters: torch.Tensor
+
+
+def heads_counters(M: int, N: int, col0: int, D: int, block_n: int, m_tile: int) -> int | None:
+    """Counters a heads-fused launch of N columns starting at column col0 of q|k|v needs, or
+    None where the fold does not apply (heads must not straddle N tiles or launches)."""
+    if N % D or col0 % D or D % block_n:
+        return None
+    return triton.cdiv(M, m_tile) * (N // D)
+
+
 def launch_qgemv(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, stride_ys: int,
                  config: GemvConfig | None = None, glu: GluEpilogue | None = None) -> None:
     """Launch ``_qgemv_kernel``: y[s, m, n] (s < splits, at stride_ys; y's row stride is

@@ -161,6 +161,61 @@ def _qk_rope_kv_kernel(
     tl.store(v_ptr + dst + HALF, v2.to(v_ptr.dtype.element_ty), mask=kmask)
 
 
+@triton.jit
+def heads_epilogue(part_ptr, stride_ps, stride_pm, count_ptr, count_idx, head, m, mmask, col0,
+                   q_ptr, stride_qr, k_ptr, v_ptr, stride_ks, stride_kl, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr,
+                   eps, NEED, NSPLIT: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                   HALF: tl.constexpr, HALF_P: tl.constexpr, HAS_NORM: tl.constexpr):
+    """``qk_rope_kv`` folded into the q|k|v product (``HeadsEpilogue``): called by every program
+    after it stored its split-K partial. The NEED programs that cover head ``head`` of this
+    launch's columns (global head (col0 + head D) / D) for rows ``m`` count themselves on
+    ``count_ptr[count_idx]`` (acquire-release); the last one adds the partials in slice order
+    (from L2), then for a q or k head QK-norm + NEOX rope at each row's position and stores q
+    (float32) or k into the pool at (seq, pos); for a v head stores v there. Same expressions as
+    ``_qk_rope_kv_kernel``, laid out [rows, D/2] instead of [heads, D/2]: per-row results, so
+    batch-invariant, but not bitwise that kernel's (the norm's sum runs over another layout)."""
+    tl.debug_barrier()  # every thread's partial stores before the release below
+    done = tl.atomic_add(count_ptr + count_idx, 1, sem="acq_rel")
+    if done == NEED - 1:
+        i = tl.arange(0, HALF_P)
+        imask = i < HALF
+        mask = mmask[:, None] & imask[None, :]
+        offs = m[:, None] * stride_pm + head * D + i[None, :]
+        x1 = _sum_parts(part_ptr, offs, mask, stride_ps, NSPLIT, ".cg")  # (.cg: never a stale L1 line)
+        x2 = _sum_parts(part_ptr, offs + HALF, mask, stride_ps, NSPLIT, ".cg")
+        gh = col0 // D + head
+        pos = tl.load(pos_ptr + m, mask=mmask, other=0)
+        seq = tl.load(seq_ptr + m, mask=mmask, other=0).to(tl.int64)
+        dst = seq[:, None] * stride_ks + pos.to(tl.int64)[:, None] * stride_kl + (gh - HQ) * D + i[None, :]
+        if gh < HQ + HKV:
+            if HAS_NORM:
+                if gh < HQ:
+                    nw = qn_ptr
+                else:
+                    nw = kn_ptr
+                ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+                rs = 1.0 / tl.sqrt_rn(ss / D + eps)
+                x1 = (x1 * rs[:, None]) * tl.load(nw + i, mask=imask, other=0.0)[None, :]
+                x2 = (x2 * rs[:, None]) * tl.load(nw + HALF + i, mask=imask, other=0.0)[None, :]
+            ang = pos.to(tl.float32)[:, None] * tl.load(inv_ptr + i, mask=imask, other=0.0)[None, :]
+            c = tl.cos(ang)
+            sn = tl.sin(ang)
+            o1 = x1 * c - x2 * sn
+            o2 = x2 * c + x1 * sn
+            if gh < HQ:
+                qo = q_ptr + m[:, None] * stride_qr + gh * D + i[None, :]
+                tl.store(qo, o1, mask=mask)
+                tl.store(qo + HALF, o2, mask=mask)
+            else:
+                tl.store(k_ptr + dst, o1.to(k_ptr.dtype.element_ty), mask=mask)
+                tl.store(k_ptr + dst + HALF, o2.to(k_ptr.dtype.element_ty), mask=mask)
+        else:
+            dst = dst - HKV * D
+            tl.store(v_ptr + dst, x1.to(v_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_ptr + dst + HALF, x2.to(v_ptr.dtype.element_ty), mask=mask)
+        tl.store(count_ptr + count_idx, 0)
+
+
 def _check_part(part: torch.Tensor, n: int) -> None:
     if part.dim() != 3 or part.dtype not in (torch.float32, torch.bfloat16) or part.shape[2] < n or part.stride(2) != 1:
         raise ValueError(f"part must be float32/bfloat16 [splits, R, >= {n}] with unit stride, got {part.dtype} {tuple(part.shape)}")

@@ -490,6 +490,18 @@ def _with_segment(seg: int, fn) -> None:
         A.ATTENTION_SEGMENT = old
 
 
+def _with_qk_rope_fold(fn) -> None:
+    """Run fn with triton_runner.FUSE_QK_ROPE on (runners built inside take it)."""
+    import workbench.triton_runner as tr
+
+    old = tr.FUSE_QK_ROPE
+    tr.FUSE_QK_ROPE = True
+    try:
+        fn()
+    finally:
+        tr.FUSE_QK_ROPE = old
+
+
 def main_stage(args) -> None:
 
     from workbench.model import load_model
@@ -537,6 +549,8 @@ def main_stage(args) -> None:
         ("tile sweep", lambda: stage_tile_sweep(m, out, rows, bw)),
         ("form sweep", lambda: stage_form_sweep(m, out, rows, bw)),
         ("m32", lambda: stage_m32(m, out, rows, bw)),
+        ("qkrope", lambda: bench_runner(m, "triton_qk_rope_fold", SLOTS, out, rows, bw, fuse_qk_rope=True)),
+        ("qkrope exact", lambda: _with_qk_rope_fold(lambda: stage_exact(m, out, exact_rows))),
         ("alt q8 gemv", lambda: bench_runner(m, "alt_Q8_0_gemv", SLOTS, out, rows, bw, layer_forms={"Q8_0": "gemv"})),
         ("alt q4k q6k gemv", lambda: bench_runner(m, "alt_Q4_K_Q6_K_Q8_0_gemv", SLOTS, out, rows, bw,
                                                   layer_forms={"Q4_K": "gemv", "Q6_K": "gemv", "Q8_0": "gemv"})),

@@ -223,3 +223,35 @@ def test_step_weight_bytes_leave_out_the_embedding_table(tiny_model):
     assert r.fixed_bytes - r.step_weight_bytes == r.embed.raw.numel()
     raw = TritonRunner(m, 64, graphs=False, matmul="raw")  # the raw form's tied head reads the table itself
     assert raw.fixed_bytes == raw.step_weight_bytes
+
+
+def test_qk_rope_fold_is_close_invariant_and_one_launch_less(tiny_model, monkeypatch):
+    """fuse_qk_rope: QK-norm + rope + the KV write ride on the q|k|v product's launch. Its logits
+    are close to the separate kernel's (another layout for the norm's sum, so not bitwise), a
+    slot batched with another is bitwise the slot alone, and each layer has one launch less."""
+    from workbench.kernels import qmma
+
+    # heads of 32 must not straddle tensor-core tiles: 32-wide tiles here (and on the GPU)
+    monkeypatch.setattr(qmma, "QMMA_INTERPRETER_MIN_BLOCK_N", 32)
+    for table in (qmma.QMMA_CONFIGS, qmma.QMMA_WIDE_CONFIGS):  # (K = 128: one split, the "wide" table)
+        monkeypatch.setitem(table, "Q8_0", qmma.MmaConfig(block_n=32, block_k=128))
+    m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
+    gen = torch.Generator().manual_seed(12)
+    a = torch.randint(0, m.config.vocab_size, (13,), generator=gen).tolist()
+    b = torch.randint(0, m.config.vocab_size, (7,), generator=gen).tolist()
+
+    def alone(fuse):
+        r = TritonRunner(m, 256, graphs=False, fuse_qk_rope=fuse)
+        got = [r.run([Segment(0, "a", tuple(a[:12]), 0, True)], {0: 64})[0]]
+        got.append(r.run([Segment(0, "a", (a[12],), 12, True)], {0: 64})[0])
+        return torch.stack(got), r.launches
+
+    fused, n_fused = alone(True)
+    plain, n_plain = alone(False)
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    assert n_plain - n_fused == m.config.n_layers
+    r = TritonRunner(m, 256, graphs=False, fuse_qk_rope=True)
+    o = r.run([Segment(1, "b", tuple(b[:6]), 0, True), Segment(0, "a", tuple(a[:12]), 0, True)], {0: 64, 1: 64})
+    assert torch.equal(o[0], fused[0])
+    o = r.run([Segment(0, "a", (a[12],), 12, True), Segment(1, "b", (b[6],), 6, True)], {0: 64, 1: 64})
+    assert torch.equal(o[0], fused[1])

@@ -80,6 +80,12 @@ ATTN_COUNTER_ROWS = 8192  # rows of a forward the fused form covers (more: the t
 # bitwise the same result as the separate kernel.
 FUSE_GLU = True
 GLU_COUNTERS = 1 << 16  # pairs x row tiles a fused launch may count (more: the separate kernel)
+# QK-norm + rope + the KV write folded into the q|k|v product (its last program per head:
+# kernels/step_fused.heads_epilogue), tensor-core form only: one launch less per layer. Off by
+# default: tested under the interpreter, not yet measured on a GPU (docs/GPU_NOTES.md). Unlike
+# the folds above its results are not bitwise the separate kernel's (same expressions, another
+# layout for the norm's sum), so it is one choice per runner, like a product's form.
+FUSE_QK_ROPE = False
 # Programmatic dependent launch (kernels/pdl.py) where the GPU has it (sm_90+): each kernel's
 # launch and ramp-up overlap its predecessor's work. Ordering, hence every bit, is unchanged.
 PDL = True
@@ -111,7 +117,8 @@ class TritonRunner:
                  graphs: bool | str | None = None, dense: str = "quant", kv_dtype: torch.dtype | None = None,
                  attn_segment: int | None = None, matmul: str | None = None,
                  head_matmul: str | None = None, layer_forms: dict[str, str] | None = None,
-                 fuse_combine: bool | None = None, pdl: bool | None = None, fuse_glu: bool | None = None):
+                 fuse_combine: bool | None = None, pdl: bool | None = None, fuse_glu: bool | None = None,
+                 fuse_qk_rope: bool | None = None):
         from .kernels import qmatmul as qm
 
         from .kernels import pdl as _pdl
@@ -210,6 +217,9 @@ class TritonRunner:
                                           device=self.device) if fuse else None
         self.fuse_glu = (FUSE_GLU if fuse_glu is None else bool(fuse_glu)) and dense == "quant"
         self._glu_counters = torch.zeros(GLU_COUNTERS, dtype=torch.int32, device=self.device) if self.fuse_glu else None
+        self.fuse_qk_rope = (FUSE_QK_ROPE if fuse_qk_rope is None else bool(fuse_qk_rope)) and dense == "quant"
+        self._heads_counters = torch.zeros(GLU_COUNTERS, dtype=torch.int32, device=self.device) \
+            if self.fuse_qk_rope else None
         self._zeros = torch.zeros(BUCKETS[-1], dtype=torch.int32, device=self.device)
         self._wins = torch.full((BUCKETS[-1],), max(c.sliding_window, 0), dtype=torch.int32, device=self.device)
         self.launches = 0  # kernel launches of the last forward (counted where they are issued)
@@ -271,10 +281,25 @@ class TritonRunner:
             need = self._qm.glu_counters(M, w.N, cfg.block_n, cfg.m_tile)
         return need is not None and need <= self._glu_counters.numel()
 
-    def _project(self, x: torch.Tensor, p: Proj, out: torch.Tensor | None = None, glu=None) -> torch.Tensor:
+    def _heads_fold(self, p: Proj, M: int) -> bool:
+        """Whether QK-norm + rope + the KV write can ride on this q|k|v product's launches."""
+        if not self.fuse_qk_rope or p.dense is not None:
+            return False
+        for off, w in p.parts:
+            if w.packed is None or w.form != "mma":
+                return False
+            cfg = self._qmma.mma_config(w.fmt.name, w.N, w.K, self.device)
+            need = self._qm.heads_counters(M, w.N, off, self.cfg.head_dim, cfg.block_n, cfg.block_m)
+            if need is None or need > self._heads_counters.numel():
+                return False
+        return True
+
+    def _project(self, x: torch.Tensor, p: Proj, out: torch.Tensor | None = None, glu=None,
+                 heads=None) -> torch.Tensor:
         """Partials [splits, M, N] of x @ W^T (float32; bf16 [1, M, N] for the dense variant).
         ``out`` (float32 [M, N], an unsplit product: the head): written in place and returned.
-        ``glu`` (a kernels GluEpilogue, where ``_glu_fold``): also act(gate) * up into glu.out."""
+        ``glu`` (a kernels GluEpilogue, where ``_glu_fold``): also act(gate) * up into glu.out;
+        ``heads`` (a kernels HeadsEpilogue, where ``_heads_fold``): also q, k, v as qk_rope_kv."""
         M = x.shape[0]
         if p.dense is not None:
             self.launches += 2
@@ -290,7 +315,7 @@ class TritonRunner:
         qm = self._qm
         for off, w in p.parts:
             if w.packed is not None:
-                self._launch_packed(x, w.packed, part[:, :, off:], w.splits, part.stride(0), w.form, glu)
+                self._launch_packed(x, w.packed, part[:, :, off:], w.splits, part.stride(0), w.form, glu, heads, off)
                 continue
             cfg = qm.QMATMUL_CONFIGS[w.fmt.name]
             grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(w.N, cfg.block_n), w.splits)
@@ -304,9 +329,11 @@ class TritonRunner:
             self.launches += 1
         return part if out is None else out
 
-    def _launch_packed(self, x, pw, y, splits: int, stride_ys: int, form: str, glu=None) -> None:
+    def _launch_packed(self, x, pw, y, splits: int, stride_ys: int, form: str, glu=None, heads=None,
+                       col0: int = 0) -> None:
         if form == "mma":
-            self._qmma.launch_qmma(x, pw, y, splits, stride_ys, self.mma_prec, use_dot=self.use_dot, glu=glu)
+            self._qmma.launch_qmma(x, pw, y, splits, stride_ys, self.mma_prec, use_dot=self.use_dot, glu=glu,
+                                   heads=heads, col0=col0)
         else:
             self._qm.launch_qgemv(x, pw, y, splits, stride_ys, glu=glu)
         self.launches += 1
@@ -342,11 +369,16 @@ class TritonRunner:
             wins = torch.full((R,), max(c.sliding_window, 0), dtype=torch.int32, device=dev)
         act = "gelu_tanh" if c.activation == "gelu_tanh" else "silu"
         for li, L in enumerate(self.layers):
-            part = self._project(h, L.qkv)
             q = torch.empty((R, Hq, D), dtype=torch.float32, device=dev)
             kp, vp = self.k_pool[li], self.v_pool[li]
-            self._fused.qk_rope_kv(part, q, kp, vp, seq, pos, L.q_norm, L.k_norm,
-                                   self._inv_freq[c.layer_rope_base(li)], c.rms_eps)
+            inv = self._inv_freq[c.layer_rope_base(li)]
+            if self._heads_fold(L.qkv, R):
+                self._project(h, L.qkv, heads=self._qm.HeadsEpilogue(q, kp, vp, seq, pos, L.q_norm, L.k_norm, inv,
+                                                                     c.rms_eps, self._heads_counters))
+                self.launches -= 1  # (counted below for the separate kernel)
+            else:
+                part = self._project(h, L.qkv)
+                self._fused.qk_rope_kv(part, q, kp, vp, seq, pos, L.q_norm, L.k_norm, inv, c.rms_eps)
             seg_saved, self._attn.ATTENTION_SEGMENT = self._attn.ATTENTION_SEGMENT, self.attn_segment
             try:  # the module constant is read at launch; put it back for other callers
                 counters = self._attn_counters if R <= ATTN_COUNTER_ROWS else None

@@ -128,3 +128,49 @@ def test_pdl_launch_options_follow_the_device_and_the_switch(device):
         assert pdl.launch_kw(t) == {"PDL": False}
     assert pdl.ENABLED
     assert pdl.launch_kw(torch.zeros(1)) == {"PDL": False}  # a CPU tensor never
+
+
+@pytest.mark.parametrize("norm,members", [(True, 1), (False, 2)])
+def test_heads_folded_into_the_qkv_product(norm, members, device, quant_rows):
+    """HeadsEpilogue: the q|k|v product's last program per head does QK-norm + rope + the KV
+    write (qk_rope_kv's work) from its partials: close to the reference, rows bitwise invariant,
+    counters left zero. ``members`` 2: q|k and v as two launches (two formats in the model)."""
+    from workbench.kernels import qmma
+    from workbench.kernels.qmatmul import HeadsEpilogue, num_k_splits, pack_weights
+    from workbench.kernels.quant_tiles import FORMATS
+
+    Hq, Hkv, D, K, S, L = 2, 1, 128, 512, 3, 16
+    N = (Hq + 2 * Hkv) * D
+    raw = quant_rows(FORMATS["Q5_0"], N, K, seed=4, device=device)
+    cuts = [(0, N)] if members == 1 else [(0, (Hq + Hkv) * D), ((Hq + Hkv) * D, N)]
+    parts = [(lo, pack_weights(raw[lo:hi].contiguous(), "Q5_0", hi - lo, K)) for lo, hi in cuts]
+    gen = torch.Generator().manual_seed(6)
+    qn = _r(D, gen=gen, device=device) if norm else None
+    kn = _r(D, gen=gen, device=device) if norm else None
+    inv = (1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))).to(device)
+    counters = torch.zeros(64, dtype=torch.int32, device=device)
+
+    def run(x, seq, pos):
+        M = x.shape[0]
+        splits = num_k_splits(N, K)
+        part = torch.full((splits, M, N), float("nan"), device=device)
+        q = torch.full((M, Hq, D), float("nan"), device=device)
+        kp = torch.zeros(S, L, Hkv, D, device=device)
+        vp = torch.zeros(S, L, Hkv, D, device=device)
+        h = HeadsEpilogue(q, kp, vp, seq, pos, qn, kn, inv, 1e-6, counters)
+        for lo, pw in parts:
+            qmma.launch_qmma(x, pw, part[:, :, lo:], num_k_splits(pw.N, K), part.stride(0), "tf32x3", heads=h, col0=lo)
+        return part, q, kp, vp
+
+    x = torch.randn(5, K, generator=gen).to(device)
+    seq = torch.tensor([0, 2, 1, 0, 2], dtype=torch.int32, device=device)
+    pos = torch.tensor([3, 0, 7, 9, 15], dtype=torch.int32, device=device)
+    part, q, kp, vp = run(x, seq, pos)
+    want_q, want_k, want_v = qk_rope_kv_ref(part, Hq, Hkv, D, pos, qn, kn, inv, 1e-6)
+    torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kp[seq.long(), pos.long()], want_k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(vp[seq.long(), pos.long()], want_v, rtol=1e-5, atol=1e-5)
+    assert int(counters.abs().sum()) == 0
+    _, q3, kp3, vp3 = run(x[3:4].clone(), seq[3:4].clone(), pos[3:4].clone())
+    assert torch.equal(q3, q[3:4])
+    assert torch.equal(kp3[0, 9], kp[0, 9]) and torch.equal(vp3[0, 9], vp[0, 9])
