@@ -1,0 +1,159 @@
+"""Compile every kernel the Triton runner launches for an sm_90 GPU, here, without a GPU.
+
+Device time is scarce and a kernel that the CPU interpreter accepts may still fail to compile on
+the device (session 4 lost a call to a defaulted constexpr argument that triton 3.6 rejects and
+triton 3.9 accepts). This drives `TritonRunner` forwards (prefill, decode at 1 / 16 / 32 rows)
+on the real model with Triton's JIT switched to compile-only: a stand-in driver names the target
+(cuda, sm_90), `JITFunction.run` compiles (through ptxas) and never launches, and the launch
+options are the GPU's (tensor-core `tl.dot`, PDL, the GPU tiles). Outputs are garbage; only
+compilation is checked. Run it with the device image's triton (3.6.0 there):
+
+    .venv/bin/pip install --no-deps --target /tmp/t36site triton==3.6.0
+    PYTHONPATH=/tmp/t36site .venv/bin/python scripts/gpu_compile_check.py [--variants default,qkrope,m32]
+
+Exit status 1 and the compiler's message where a variant fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+os.environ.pop("TRITON_INTERPRET", None)  # real JIT functions: set before triton is imported
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+
+COMPILED: set = set()  # (kernel name, compiled hash) of every launch seen
+
+
+class _CompileOnlyDriver:
+    """What Triton's JIT asks of the active driver before it compiles."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def is_active(self):
+        return True
+
+
+def _install() -> None:
+    triton.runtime.driver.set_active(_CompileOnlyDriver())
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        COMPILED.add((self.__name__, kernel.hash if kernel is not None else None))
+        return kernel
+
+    JITFunction.run = compile_only
+
+
+def _gpu_options(modules) -> None:
+    """The launch choices a GPU gets: PDL on, GPU tiles (no interpreter widening)."""
+    from workbench.kernels import pdl, qmatmul, qmma
+
+    def launch_kw(t):
+        return {"PDL": True, "launch_pdl": True} if pdl.ENABLED else {"PDL": False}
+
+    for mod in modules:
+        if hasattr(mod, "launch_kw"):
+            mod.launch_kw = launch_kw
+    qmma.QMMA_INTERPRETER_MIN_BLOCK_N = 0
+    qmatmul.QGEMV_INTERPRETER_MIN_BLOCK_N = 0
+
+
+VARIANTS = {
+    "default": {},
+    "nopdl": {"pdl": False},
+    "noglu": {"fuse_glu": False},
+    "qkrope": {"fuse_qk_rope": True},
+    "gemv": {"matmul": "gemv", "head_matmul": "mma"},
+    "q8gemv": {"layer_forms": {"Q8_0": "gemv"}},
+    "unfused_combine": {"fuse_combine": False},
+    "m32": "m32",
+}
+
+
+def check(model, name: str, kw) -> float:
+    from dataclasses import replace
+
+    from workbench.kernels import qmma
+    from workbench.kernels.sampling import argmax
+    from workbench.scheduler import Segment
+    from workbench.triton_runner import TritonRunner
+
+    saved, saved_wide = dict(qmma.QMMA_CONFIGS), dict(qmma.QMMA_WIDE_CONFIGS)
+    if kw == "m32":
+        for table in (qmma.QMMA_CONFIGS, qmma.QMMA_WIDE_CONFIGS):
+            for k, cfg in table.items():
+                table[k] = replace(cfg, block_m=32)
+        kw = {}
+    t0 = time.perf_counter()
+    try:
+        os.environ["TRITON_INTERPRET"] = "1"  # (only for the runner's CPU-device check)
+        r = TritonRunner(model, 1024, device="cpu", graphs=False, **kw)
+        os.environ.pop("TRITON_INTERPRET", None)
+        r.use_dot = True  # the GPU's product and attention forms
+        V = model.config.vocab_size
+        r.run([Segment(0, "a", tuple(range(5, 12)), 0, True)], {0: 256})  # a 7-row prefill chunk
+        for rows in (1, 16, 32):  # decode-shaped forwards: one token per sequence (new ones)
+            r.run([Segment(s, f"{rows}-{s}", (5,), 0, True) for s in range(rows)], {s: 256 for s in range(rows)})
+        argmax(torch.zeros(16, V), out=torch.empty(16, dtype=torch.int64))
+    finally:
+        os.environ.pop("TRITON_INTERPRET", None)
+        qmma.QMMA_CONFIGS.update(saved)
+        qmma.QMMA_WIDE_CONFIGS.update(saved_wide)
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="GGUF (default: the embedded default model)")
+    ap.add_argument("--variants", default="default,qkrope,m32,q8gemv",
+                    help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    args = ap.parse_args()
+    names = args.variants.split(",")
+    bad = [n for n in names if n not in VARIANTS]
+    if bad:
+        print(f"unknown variant(s) {', '.join(bad)}: allowed {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    _install()
+    from workbench.default_model import default_model_path
+    from workbench.kernels import attention, embedding, norm, qmatmul, qmma, rope, sampling, step_fused
+    from workbench.model import load_model
+
+    _gpu_options([attention, embedding, norm, qmatmul, qmma, rope, sampling, step_fused])
+    model = load_model(args.model or str(default_model_path()), dtype="bfloat16")
+    print(f"triton {triton.__version__}, target sm_90")
+    failed = 0
+    for name in names:
+        try:
+            COMPILED.clear()
+            dt = check(model, name, VARIANTS[name])
+            kernels = sorted({k for k, _ in COMPILED})
+            print(f"{name}: {len(COMPILED)} specializations of {len(kernels)} kernels compiled in {dt:.0f} s "
+                  f"({', '.join(kernels)})")
+        except Exception:  # noqa: BLE001
+            failed += 1
+            print(f"{name}: FAILED\n{traceback.format_exc()[-3000:]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
