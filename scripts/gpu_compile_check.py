@@ -24,11 +24,10 @@ import traceback
 
 os.environ.pop("TRITON_INTERPRET", None)  # real JIT functions: set before triton is imported
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
-
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import JITFunction
 
 COMPILED: set = set()  # (kernel name, compiled hash) of every launch seen
 
@@ -95,6 +94,7 @@ def check(model, name: str, kw) -> float:
 
     from workbench.kernels import qmma
     from workbench.kernels.sampling import argmax
+
     from workbench.scheduler import Segment
     from workbench.triton_runner import TritonRunner
 
@@ -134,8 +134,18 @@ def main() -> int:
         print(f"unknown variant(s) {', '.join(bad)}: allowed {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
     _install()
+    from workbench.kernels import (
+        attention,
+        embedding,
+        norm,
+        qmatmul,
+        qmma,
+        rope,
+        sampling,
+        step_fused,
+    )
+
     from workbench.default_model import default_model_path
-    from workbench.kernels import attention, embedding, norm, qmatmul, qmma, rope, sampling, step_fused
     from workbench.model import load_model
 
     _gpu_options([attention, embedding, norm, qmatmul, qmma, rope, sampling, step_fused])

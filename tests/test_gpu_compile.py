@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_runner_kernels_compile_for_sm90():
     variants = "default,qkrope,m32,gemv,noglu,unfused_combine"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_compile_check.py"), "--variants", variants],
-                       capture_output=True, text=True, timeout=1200, cwd=ROOT)
+                       capture_output=True, text=True, timeout=1200, cwd=ROOT, check=False)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     for v in variants.split(","):
         assert f"{v}: " in r.stdout and f"{v}: FAILED" not in r.stdout
