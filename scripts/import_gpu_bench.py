@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import time
 from pathlib import Path
 
 import polars as pl
@@ -29,9 +31,18 @@ def main() -> int:
     store = RunStore(args.data_dir)
     done = {(m["params"].get("device_run"), m["params"].get("variant")) for m in store.manifests()}
     frame = pl.read_parquet(SOURCE).filter(pl.col("variant").is_in(VARIANTS) & pl.col("tok_s").is_not_null())
-    for (device_run, variant), rows in frame.group_by(["run", "variant"], maintain_order=True):
+    # oldest device run first, one second apart: run ids start with their creation time (to the
+    # second), and the dashboards draw their line through the latest run of each hardware
+    order = {r: (int(re.match(r"run(\d+)", r).group(1)) if re.match(r"run(\d+)", r) else 0, r)
+             for r in frame["run"].unique().to_list()}
+    first = True
+    for (device_run, variant), rows in sorted(frame.group_by(["run", "variant"], maintain_order=True),
+                                              key=lambda kv: order[kv[0][0]]):
         if (device_run, variant) in done:
             continue
+        if not first:
+            time.sleep(1.0)
+        first = False
         hardware = json.loads(rows["fingerprint"][0])
         params = {
             "model": "gemma-3-270m-q4_k_m.gguf",
