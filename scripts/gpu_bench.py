@@ -549,6 +549,7 @@ def main_stage(args) -> None:
         ("tile sweep", lambda: stage_tile_sweep(m, out, rows, bw)),
         ("form sweep", lambda: stage_form_sweep(m, out, rows, bw)),
         ("m32", lambda: stage_m32(m, out, rows, bw)),
+        ("attn fma", lambda: bench_runner(m, "triton_attention_fma", SLOTS, out, rows, bw, attn_dot=False)),
         ("qkrope", lambda: bench_runner(m, "triton_qk_rope_fold", SLOTS, out, rows, bw, fuse_qk_rope=True)),
         ("qkrope exact", lambda: _with_qk_rope_fold(lambda: stage_exact(m, out, exact_rows))),
         ("alt q8 gemv", lambda: bench_runner(m, "alt_Q8_0_gemv", SLOTS, out, rows, bw, layer_forms={"Q8_0": "gemv"})),

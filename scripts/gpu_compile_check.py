@@ -86,6 +86,7 @@ VARIANTS = {
     "q8gemv": {"layer_forms": {"Q8_0": "gemv"}},
     "unfused_combine": {"fuse_combine": False},
     "m32": "m32",
+    "attn_fma": {"attn_dot": False},
 }
 
 
@@ -110,6 +111,7 @@ def check(model, name: str, kw) -> float:
         r = TritonRunner(model, 1024, device="cpu", graphs=False, **kw)
         os.environ.pop("TRITON_INTERPRET", None)
         r.use_dot = True  # the GPU's product and attention forms
+        r.attn_dot = kw.get("attn_dot", True)
         V = model.config.vocab_size
         r.run([Segment(0, "a", tuple(range(5, 12)), 0, True)], {0: 256})  # a 7-row prefill chunk
         for rows in (1, 16, 32):  # decode-shaped forwards: one token per sequence (new ones)

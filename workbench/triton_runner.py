@@ -118,7 +118,7 @@ class TritonRunner:
                  attn_segment: int | None = None, matmul: str | None = None,
                  head_matmul: str | None = None, layer_forms: dict[str, str] | None = None,
                  fuse_combine: bool | None = None, pdl: bool | None = None, fuse_glu: bool | None = None,
-                 fuse_qk_rope: bool | None = None):
+                 fuse_qk_rope: bool | None = None, attn_dot: bool | None = None):
         from .kernels import qmatmul as qm
 
         from .kernels import pdl as _pdl
@@ -162,6 +162,10 @@ class TritonRunner:
         if self.attn_segment not in (32, 64, 128, 256):
             raise WorkbenchError(f"attn_segment={attn_segment!r} is not allowed: allowed 32, 64, 128, 256")
         self.use_dot = self.device.type == "cuda"
+        # attention's two products: tl.dot (tf32x3 on tensor cores) or float32 multiply + tl.sum
+        # (the interpreter's form; exact float32, run on the GPU too when attn_dot=False): one
+        # form per runner. Not yet measured against each other on a GPU.
+        self.attn_dot = self.use_dot if attn_dot is None else bool(attn_dot) and self.use_dot
         # graphs="emulate": the graph path (buckets, padding, scratch slot, device-fed tokens)
         # replayed eagerly, so that the CPU tests cover it; True: CUDA graphs where CUDA is.
         graphs = GRAPHS if graphs is None else graphs
@@ -188,7 +192,7 @@ class TritonRunner:
         # Activation bytes of one row at the widest point (float32 residual, normed input, qkv
         # partials, q, attention output, gate|up partials, GLU output, down partials) plus the
         # attention workspace of a row at full slot capacity.
-        qrows = max(16, triton.next_power_of_2(c.n_heads // c.n_kv_heads)) if self.use_dot else \
+        qrows = max(16, triton.next_power_of_2(c.n_heads // c.n_kv_heads)) if self.attn_dot else \
             triton.next_power_of_2(c.n_heads // c.n_kv_heads)
         nseg_cap = -(-slot_capacity // self.attn_segment)
         ws = c.n_kv_heads * nseg_cap * qrows * (max(16, triton.next_power_of_2(d)) + 2)
@@ -383,7 +387,7 @@ class TritonRunner:
             try:  # the module constant is read at launch; put it back for other callers
                 counters = self._attn_counters if R <= ATTN_COUNTER_ROWS else None
                 attn = attention_rows(q, kp, vp, seq, pos, wins if c.layer_window(li) else zeros,
-                                      c.attn_scale, max_pos=max_pos, use_dot=self.use_dot, counters=counters)
+                                      c.attn_scale, max_pos=max_pos, use_dot=self.attn_dot, counters=counters)
             finally:
                 self._attn.ATTENTION_SEGMENT = seg_saved
             self.launches += 2 if counters is not None else 3
