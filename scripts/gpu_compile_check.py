@@ -30,6 +30,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
 COMPILED: set = set()  # (kernel name, compiled hash) of every launch seen
+KERNELS: dict = {}  # (kernel name, hash) -> compiled kernel (for --report)
 
 
 class _CompileOnlyDriver:
@@ -57,6 +58,8 @@ def _install() -> None:
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        if kernel is not None:
+            KERNELS[(self.__name__, kernel.hash)] = kernel
         COMPILED.add((self.__name__, kernel.hash if kernel is not None else None))
         return kernel
 
@@ -124,9 +127,37 @@ def check(model, name: str, kw) -> float:
     return time.perf_counter() - t0
 
 
+def report() -> None:
+    """Registers, spills and shared memory of each compiled specialization (ptxas -v on its PTX;
+    Triton targets sm_90a on Hopper)."""
+    import re
+    import subprocess
+    import tempfile
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")  # (the wheel's)
+    seen = set()
+    for (name, h), k in sorted(KERNELS.items()):
+        ptx = k.asm.get("ptx")
+        if ptx is None or (name, h) in seen:
+            continue
+        seen.add((name, h))
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(ptx)
+            f.flush()
+            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                                 text=True, check=False)
+            out = out.stderr + out.stdout
+        regs = re.search(r"Used (\d+) registers", out)
+        spill = re.search(r"(\d+) bytes spill stores", out)
+        warps = k.metadata.num_warps
+        print(f"  {name} [{h[:8]}] warps {warps}: {regs.group(1) if regs else '?'} registers, "
+              f"{spill.group(1) if spill else '?'} B spill stores, {k.metadata.shared} B shared")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded default model)")
+    ap.add_argument("--report", action="store_true", help="registers / spills / shared memory per kernel")
     ap.add_argument("--variants", default="default,qkrope,m32,q8gemv",
                     help=f"comma-separated, of: {', '.join(VARIANTS)}")
     args = ap.parse_args()
@@ -157,10 +188,13 @@ def main() -> int:
     for name in names:
         try:
             COMPILED.clear()
+            KERNELS.clear()
             dt = check(model, name, VARIANTS[name])
             kernels = sorted({k for k, _ in COMPILED})
             print(f"{name}: {len(COMPILED)} specializations of {len(kernels)} kernels compiled in {dt:.0f} s "
                   f"({', '.join(kernels)})")
+            if args.report:
+                report()
         except Exception:  # noqa: BLE001
             failed += 1
             print(f"{name}: FAILED\n{traceback.format_exc()[-3000:]}")
