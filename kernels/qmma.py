@@ -4,10 +4,15 @@ The third form of the quantized product (``qmatmul.py`` has the other two). It r
 ``PackedWeight`` planes as the FMA GEMV and decodes them with the same expressions
 (``qmatmul._decode_planes``), but multiplies on tensor cores with the operands swapped:
 
-* a program owns BLOCK_N output features x a fixed tile of BLOCK_M = 16 rows of x, and computes
-  ``y^T[BLOCK_N, 16] = W[BLOCK_N, K] @ x^T[K, 16]``: the weights are the MMA's wide operand (the
-  64-row side Hopper's wgmma wants), the batch is its narrow one. A decode step's 1..16 rows
-  therefore cost one tile, as in llama.cpp's MMQ kernels and TensorRT-LLM's "swap AB" GEMMs.
+* a program owns BLOCK_N output features x a fixed tile of BLOCK_M rows of x (16; 32 where a
+  config says so, fixed per weight), and computes ``y^T[BLOCK_N, 16] = W[BLOCK_N, K] @ x^T[K, 16]``:
+  the weights are the MMA's wide operand, the batch is its narrow one. A decode step's 1..16
+  rows therefore cost one tile, as in llama.cpp's MMQ kernels and TensorRT-LLM's "swap AB" GEMMs.
+* the first K step's weights are fetched and decoded before ``pdl.enter`` (weights are never
+  written by a step), so under programmatic dependent launch they overlap the producer of x.
+* epilogues that ride on the launch: ``GluEpilogue`` (a [gate | up] weight also writes
+  act(gate) * up) and ``HeadsEpilogue`` (a q|k|v weight also does QK-norm + rope + the KV write),
+  each by the last program of its column group over acquire-release counters.
 * per fixed BLOCK_K step of the program's K range the weight tile is decoded once in registers,
   plane by plane ([BLOCK_N, G*S] per plane, see ``PackedWeight``), and each plane is one
   ``tl.dot`` against the x values at that plane's K positions (gathered; x is small and cached).
