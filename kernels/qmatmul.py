@@ -22,6 +22,8 @@ within 3%, see ``PackedWeight``), and ``qmatmul(x, packed)`` runs ``_qgemv_kerne
   to per-(output, group-lane) accumulators that are summed over G once after the last step. K
   steps in increasing order. Measured on an H200 (docs/GPU_NOTES.md): a decode step's 82 products
   486 us at 1 row (old path 1,280, cuBLAS bf16 465), 656 at 4, 1,292 at 16 (old 1,294).
+* the first K step's weights are decoded before ``pdl.enter`` (no step writes weights), so
+  with programmatic dependent launch they overlap the kernel that produces x.
 * grid: (ceil(M / M_TILE) * ceil(N / BLOCK_N), splits) with the same fixed split-K as the raw
   path (``num_k_splits``: a function of N and K only), so consumers of the split partials work
   with either path.
