@@ -553,26 +553,37 @@ def heads_counters(M: int, N: int, col0: int, D: int, block_n: int, m_tile: int)
     return triton.cdiv(M, m_tile) * (N // D)
 
 
+def packed_launch_args(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, stride_ys: int) -> tuple:
+    """The leading arguments every packed-weight product kernel takes (``_packed_program``'s):
+    x, the planes, y, M, N, K, the K slice, the strides; absent planes stand in as qs, stride 0."""
+    qh = w.qh if w.qh is not None else w.qs
+    sc = w.sc if w.sc is not None else w.qs
+    return (x, w.qs, qh, sc, w.d, y, x.shape[0], w.N, w.K, QMATMUL_SPLIT_K if splits > 1 else w.K,
+            x.stride(0), y.stride(-2), stride_ys,
+            w.qs.stride(0), qh.stride(0) if w.qh is not None else 0, sc.stride(0) if w.sc is not None else 0,
+            w.d.stride(0))
+
+
+def packed_geometry(w: PackedWeight) -> dict:
+    """The format constexprs of a packed-weight product kernel (how its planes are laid out)."""
+    gw, s, nplane, pstep = _GEMV_GEOMETRY[w.fmt.name]
+    return {"QTYPE": w.fmt.code, "GW": gw, "S": s, "NPLANE": nplane, "PSTEP": pstep}
+
+
 def launch_qgemv(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, stride_ys: int,
                  config: GemvConfig | None = None, glu: GluEpilogue | None = None) -> None:
     """Launch ``_qgemv_kernel``: y[s, m, n] (s < splits, at stride_ys; y's row stride is
     y.stride(-2)) = the K slice s of x[m] @ W[n]^T; with ``glu`` also act(gate) * up into glu.out.
     No checks: callers check (qmatmul, the runner)."""
     cfg = config or gemv_config(w.fmt.name, w.N, w.K, x.device)
-    gw, s, nplane, pstep = _GEMV_GEOMETRY[w.fmt.name]
+    gw = _GEMV_GEOMETRY[w.fmt.name][0]
     if cfg.m_tile not in (1, 2, 4, 8) or QMATMUL_SPLIT_K % cfg.block_k or cfg.block_k % gw or cfg.block_k // gw & (cfg.block_k // gw - 1):
         raise ValueError(f"bad qgemv config {cfg} for {w.fmt.name}")
     M = x.shape[0]
-    qh = w.qh if w.qh is not None else w.qs
-    sc = w.sc if w.sc is not None else w.qs
     grid = (triton.cdiv(M, cfg.m_tile) * triton.cdiv(w.N, cfg.block_n), splits)
     _qgemv_kernel[grid](
-        x, w.qs, qh, sc, w.d, y, M, w.N, w.K, QMATMUL_SPLIT_K if splits > 1 else w.K,
-        x.stride(0), y.stride(-2), stride_ys,
-        w.qs.stride(0), qh.stride(0) if w.qh is not None else 0, sc.stride(0) if w.sc is not None else 0, w.d.stride(0),
-        *glu_args(glu, y, splits, cfg.block_n, M, cfg.m_tile, w.N),
-        QTYPE=w.fmt.code, GW=gw, S=s, NPLANE=nplane, PSTEP=pstep, M_TILE=cfg.m_tile,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, LATE_REDUCE=cfg.late_reduce,
+        *packed_launch_args(x, w, y, splits, stride_ys), *glu_args(glu, y, splits, cfg.block_n, M, cfg.m_tile, w.N),
+        **packed_geometry(w), M_TILE=cfg.m_tile, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, LATE_REDUCE=cfg.late_reduce,
         GLU=glu.code if glu else 0, NSPLIT=splits, num_warps=cfg.num_warps, **launch_kw(x),
     )
 

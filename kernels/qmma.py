@@ -51,6 +51,8 @@ from .qmatmul import (
     glu_args,
     heads_counters,
     num_k_splits,
+    packed_geometry,
+    packed_launch_args,
     sum_splits,
 )
 from .step_fused import glu_pair_epilogue, heads_epilogue
@@ -131,14 +133,15 @@ def _plane_dot(acc, w, x_ptr, xoff, xmask, m, mmask, stride_xm,
 
 
 @triton.jit
-def _qmma_tile(
-    x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, M, N, K, k_split, stride_xm, qs_row, qh_row, sc_row, d_row,
+def _qmma_program(
+    x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
+    qs_row, qh_row, sc_row, d_row,
     QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     PREC: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
-    """A program's accumulator acc [BLOCK_N, BLOCK_M] (its outputs x its rows) over its K slice,
-    with (pid_m, m, mmask, n, nmask)."""
+    """A program's product over its K slice, stored as its split-K partial of y: its outputs x
+    its rows. Returns (pid_m, m, mmask, n, nmask) for the kernels' epilogues."""
     G: tl.constexpr = BLOCK_K // GW
     GS: tl.constexpr = G * S
     pid_m, n, nmask, k_begin, k_end, qs_rows, qh_rows, sc_rows, d_rows = _packed_program(
@@ -166,7 +169,9 @@ def _qmma_tile(
         if k0 + BLOCK_K < k_end:  # the next step's weights
             w0, w1, w2, w3 = _step_planes(k0 + BLOCK_K, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows,
                                           GW, QTYPE)
-    return acc, pid_m, m, mmask, n, nmask
+    yp = y_ptr + tl.program_id(1) * stride_ys + m[None, :] * stride_ym + n[:, None]
+    tl.store(yp, acc, mask=nmask[:, None] & mmask[None, :])
+    return pid_m, m, mmask, n, nmask
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -177,11 +182,10 @@ def _qmma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     PREC: tl.constexpr, USE_DOT: tl.constexpr, GLU: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
-    acc, pid_m, m, mmask, n, nmask = _qmma_tile(
-        x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, M, N, K, k_split, stride_xm, qs_row, qh_row, sc_row, d_row,
-        QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC, USE_DOT, PDL)
-    yp = y_ptr + tl.program_id(1) * stride_ys + m[None, :] * stride_ym + n[:, None]
-    tl.store(yp, acc, mask=nmask[:, None] & mmask[None, :])
+    pid_m, m, mmask, n, nmask = _qmma_program(
+        x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
+        qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC,
+        USE_DOT, PDL)
     if GLU > 0:  # a fused [gate | up] weight: the pair's last program writes act(gate) * up
         pairs = (N // 2) // BLOCK_N
         pid_n = tl.program_id(0) // tl.cdiv(M, BLOCK_M)
@@ -200,11 +204,10 @@ def _qmma_heads_kernel(
     D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     """``_qmma_kernel`` for (a member of) the q|k|v product with ``step_fused.heads_epilogue``."""
-    acc, pid_m, m, mmask, n, nmask = _qmma_tile(
-        x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, M, N, K, k_split, stride_xm, qs_row, qh_row, sc_row, d_row,
-        QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC, USE_DOT, PDL)
-    yp = y_ptr + tl.program_id(1) * stride_ys + m[None, :] * stride_ym + n[:, None]
-    tl.store(yp, acc, mask=nmask[:, None] & mmask[None, :])
+    pid_m, m, mmask, n, nmask = _qmma_program(
+        x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
+        qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC,
+        USE_DOT, PDL)
     heads = N // D
     head = (tl.program_id(0) // tl.cdiv(M, BLOCK_M)) * BLOCK_N // D
     heads_epilogue(y_ptr, stride_ys, stride_ym, count_ptr, pid_m * heads + head, head, m, mmask, col0,
@@ -223,36 +226,31 @@ def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, 
     if prec not in QMMA_PRECISIONS:
         raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(QMMA_PRECISIONS)}")
     cfg = config or mma_config(w.fmt.name, w.N, w.K, x.device)
-    gw, s, nplane, pstep = _GEMV_GEOMETRY[w.fmt.name]
+    gw, s = _GEMV_GEOMETRY[w.fmt.name][:2]
     groups = cfg.block_k // gw
     if QMATMUL_SPLIT_K % cfg.block_k or cfg.block_k % gw or groups & (groups - 1) or groups * s < 16:
         raise ValueError(f"bad qmma config {cfg} for {w.fmt.name}")
     M = x.shape[0]
-    qh = w.qh if w.qh is not None else w.qs
-    sc = w.sc if w.sc is not None else w.qs
     if cfg.block_m not in (16, 32):
         raise ValueError(f"bad qmma config {cfg} for {w.fmt.name}: block_m must be 16 or 32")
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(w.N, cfg.block_n), splits)
+    common = dict(**packed_geometry(w), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  NUM_STAGES=cfg.num_stages, PREC=prec, USE_DOT=x.is_cuda if use_dot is None else use_dot,
+                  NSPLIT=splits, num_warps=cfg.num_warps, **launch_kw(x))
     if heads is not None:
-        _launch_heads(x, w, y, splits, stride_ys, prec, cfg, use_dot, heads, col0, grid, qh, sc)
+        _launch_heads(packed_launch_args(x, w, y, splits, stride_ys), common, M, w.N, cfg, heads, col0, grid)
         return
     _qmma_kernel[grid](
-        x, w.qs, qh, sc, w.d, y, M, w.N, w.K, QMATMUL_SPLIT_K if splits > 1 else w.K,
-        x.stride(0), y.stride(-2), stride_ys,
-        w.qs.stride(0), qh.stride(0) if w.qh is not None else 0, sc.stride(0) if w.sc is not None else 0, w.d.stride(0),
-        *glu_args(glu, y, splits, cfg.block_n, M, cfg.block_m, w.N),
-        QTYPE=w.fmt.code, GW=gw, S=s, NPLANE=nplane, PSTEP=pstep, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, PREC=prec,
-        USE_DOT=x.is_cuda if use_dot is None else use_dot, GLU=glu.code if glu else 0, NSPLIT=splits,
-        num_warps=cfg.num_warps, **launch_kw(x),
+        *packed_launch_args(x, w, y, splits, stride_ys), *glu_args(glu, y, splits, cfg.block_n, M, cfg.block_m, w.N),
+        GLU=glu.code if glu else 0, **common,
     )
 
 
-def _launch_heads(x, w, y, splits, stride_ys, prec, cfg, use_dot, h: HeadsEpilogue, col0, grid, qh, sc) -> None:
-    M = x.shape[0]
+def _launch_heads(args: tuple, common: dict, M: int, N: int, cfg: MmaConfig, h: HeadsEpilogue, col0: int,
+                  grid) -> None:
     _, Hq, D = h.q_out.shape
     Hkv = h.k_pool.shape[2]
-    need = heads_counters(M, w.N, col0, D, cfg.block_n, cfg.block_m)
+    need = heads_counters(M, N, col0, D, cfg.block_n, cfg.block_m)
     if need is None or h.counters.dtype != torch.int32 or h.counters.numel() < need:
         raise ValueError(f"the heads fold needs whole heads of {D} per launch, head dim a multiple of "
                          f"{cfg.block_n} and {need} int32 counters")
@@ -260,19 +258,13 @@ def _launch_heads(x, w, y, splits, stride_ys, prec, cfg, use_dot, h: HeadsEpilog
         raise ValueError("the heads fold needs a contiguous q_out [M, Hq, D] (D even) and contiguous pools")
     if (h.q_norm is None) != (h.k_norm is None):
         raise ValueError("need both QK-norm weights or neither")
-    gw, s, nplane, pstep = _GEMV_GEOMETRY[w.fmt.name]
     has_norm = h.q_norm is not None
     _qmma_heads_kernel[grid](
-        x, w.qs, qh, sc, w.d, y, M, w.N, w.K, QMATMUL_SPLIT_K if splits > 1 else w.K,
-        x.stride(0), y.stride(-2), stride_ys,
-        w.qs.stride(0), qh.stride(0) if w.qh is not None else 0, sc.stride(0) if w.sc is not None else 0, w.d.stride(0),
-        h.counters, col0, h.q_out, h.q_out.stride(0), h.k_pool, h.v_pool, h.k_pool.stride(0), h.k_pool.stride(1),
+        *args, h.counters, col0, h.q_out, h.q_out.stride(0), h.k_pool, h.v_pool, h.k_pool.stride(0), h.k_pool.stride(1),
         h.seq, h.pos, h.q_norm if has_norm else h.inv_freq, h.k_norm if has_norm else h.inv_freq, h.inv_freq,
         float(h.eps),
-        QTYPE=w.fmt.code, GW=gw, S=s, NPLANE=nplane, PSTEP=pstep, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, PREC=prec,
-        USE_DOT=x.is_cuda if use_dot is None else use_dot, NSPLIT=splits, HQ=Hq, HKV=Hkv, D=D, HALF=D // 2,
-        HALF_P=max(2, triton.next_power_of_2(D // 2)), HAS_NORM=has_norm, num_warps=cfg.num_warps, **launch_kw(x),
+        HQ=Hq, HKV=Hkv, D=D, HALF=D // 2, HALF_P=max(2, triton.next_power_of_2(D // 2)), HAS_NORM=has_norm,
+        **common,
     )
 
 
