@@ -79,7 +79,8 @@ ATTN_COUNTER_ROWS = 8192  # rows of a forward the fused form covers (more: the t
 # writes act(gate) * up: kernels/step_fused.glu_pair_epilogue): one launch less per layer,
 # bitwise the same result as the separate kernel.
 FUSE_GLU = True
-GLU_COUNTERS = 1 << 16  # pairs x row tiles a fused launch may count (more: the separate kernel)
+# column groups x row tiles a folded launch may count (GLU pairs, q|k|v heads; more: the separate kernel)
+EPILOGUE_COUNTERS = 1 << 16
 # QK-norm + rope + the KV write folded into the q|k|v product (its last program per head:
 # kernels/step_fused.heads_epilogue), tensor-core form only: one launch less per layer. Off by
 # default: tested under the interpreter, not yet measured on a GPU (docs/GPU_NOTES.md). Unlike
@@ -220,9 +221,9 @@ class TritonRunner:
         self._attn_counters = torch.zeros(ATTN_COUNTER_ROWS * c.n_kv_heads, dtype=torch.int32,
                                           device=self.device) if fuse else None
         self.fuse_glu = (FUSE_GLU if fuse_glu is None else bool(fuse_glu)) and dense == "quant"
-        self._glu_counters = torch.zeros(GLU_COUNTERS, dtype=torch.int32, device=self.device) if self.fuse_glu else None
+        self._glu_counters = torch.zeros(EPILOGUE_COUNTERS, dtype=torch.int32, device=self.device) if self.fuse_glu else None
         self.fuse_qk_rope = (FUSE_QK_ROPE if fuse_qk_rope is None else bool(fuse_qk_rope)) and dense == "quant"
-        self._heads_counters = torch.zeros(GLU_COUNTERS, dtype=torch.int32, device=self.device) \
+        self._heads_counters = torch.zeros(EPILOGUE_COUNTERS, dtype=torch.int32, device=self.device) \
             if self.fuse_qk_rope else None
         self._zeros = torch.zeros(BUCKETS[-1], dtype=torch.int32, device=self.device)
         self._wins = torch.full((BUCKETS[-1],), max(c.sliding_window, 0), dtype=torch.int32, device=self.device)
@@ -379,10 +380,10 @@ class TritonRunner:
             if self._heads_fold(L.qkv, R):
                 self._project(h, L.qkv, heads=self._qm.HeadsEpilogue(q, kp, vp, seq, pos, L.q_norm, L.k_norm, inv,
                                                                      c.rms_eps, self._heads_counters))
-                self.launches -= 1  # (counted below for the separate kernel)
             else:
                 part = self._project(h, L.qkv)
                 self._fused.qk_rope_kv(part, q, kp, vp, seq, pos, L.q_norm, L.k_norm, inv, c.rms_eps)
+                self.launches += 1
             seg_saved, self._attn.ATTENTION_SEGMENT = self._attn.ATTENTION_SEGMENT, self.attn_segment
             try:  # the module constant is read at launch; put it back for other callers
                 counters = self._attn_counters if R <= ATTN_COUNTER_ROWS else None
@@ -390,7 +391,7 @@ class TritonRunner:
                                       c.attn_scale, max_pos=max_pos, use_dot=self.attn_dot, counters=counters)
             finally:
                 self._attn.ATTENTION_SEGMENT = seg_saved
-            self.launches += 2 if counters is not None else 3
+            self.launches += 1 if counters is not None else 2
             a = attn.view(R, Hq * D)
             part = self._project(a, L.wo)
             self._add_norm(x, part, L.post_attn_norm, L.ffn_norm, h)
