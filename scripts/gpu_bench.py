@@ -13,6 +13,7 @@ tokens; "tok/s" is aggregate (N * steps / decode time; prefill excluded).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -298,33 +299,58 @@ def bench_engine(m, slots_list, out: Path, rows: list) -> None:
             log(f"ENGINE N={N} FAILED\n{traceback.format_exc()}")
 
 
+@contextlib.contextmanager
+def _config_tables():
+    """The product kernels' launch-config tables (qmma's layer and wide tables, qmatmul's GEMV
+    table) as they are now: yields (mma, wide, gemv) copies and a reset() that puts the tables
+    back mid-stage; they are put back on exit too. Sweeps change them between runners; each
+    runner takes its configs when it launches."""
+    from workbench.kernels import qmatmul, qmma
+
+    tables = (qmma.QMMA_CONFIGS, qmma.QMMA_WIDE_CONFIGS, qmatmul.QGEMV_CONFIGS)
+    saved = tuple(dict(t) for t in tables)
+
+    def reset():
+        for t, b in zip(tables, saved, strict=True):
+            t.clear()
+            t.update(b)
+
+    try:
+        yield saved, reset
+    finally:
+        reset()
+
+
+def _patched(module, name: str, value, fn) -> None:
+    """Run fn with module.name = value (runners built inside take it), then put it back."""
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        fn()
+    finally:
+        setattr(module, name, old)
+
+
 def stage_mma_sweep(m, out: Path, rows: list, bw: float) -> None:
     """End-to-end decode steps (graphs, 1 and 16 slots) for candidate tensor-core tilings: the
     layer products' config (all formats alike), then the head's. Each candidate is fixed per
     weight shape (never per M), as the runner requires."""
-    from dataclasses import replace as dc_replace
-
     from workbench.kernels import qmma
 
-    base, base_wide = dict(qmma.QMMA_CONFIGS), dict(qmma.QMMA_WIDE_CONFIGS)
     C = qmma.MmaConfig
     layer_cands = {"n64k128w4": C(64, 128, 4), "n128k128w4": C(128, 128, 4), "n64k256w4": C(64, 256, 4),
                    "n32k128w4": C(32, 128, 4), "n128k128w8": C(128, 128, 8), "n64k128w4s2": C(64, 128, 4, 2)}
     head_cands = {"n64k128w4s3": C(64, 128, 4, 3), "n128k128w4s3": C(128, 128, 4, 3), "n128k128w8s3": C(128, 128, 8, 3),
                   "n64k128w4s1": C(64, 128, 4, 1), "n256k128w8s3": C(256, 128, 8, 3), "n64k64w4s4": C(64, 64, 4, 4)}
-    try:
+    with _config_tables() as (_, reset):
         for label, cfg in layer_cands.items():
             for k in qmma.QMMA_CONFIGS:
-                qmma.QMMA_CONFIGS[k] = dc_replace(cfg)
+                qmma.QMMA_CONFIGS[k] = replace(cfg)
             bench_runner(m, f"mma_sweep layers {label}", (1, 16), out, rows, bw, matmul="mma")
-        qmma.QMMA_CONFIGS.update(base)
+        reset()
         for label, cfg in head_cands.items():
             qmma.QMMA_WIDE_CONFIGS["Q8_0"] = cfg
             bench_runner(m, f"mma_sweep head {label}", (1, 16), out, rows, bw, matmul="mma")
-    finally:
-        qmma.QMMA_CONFIGS.update(base)
-        qmma.QMMA_WIDE_CONFIGS.clear()
-        qmma.QMMA_WIDE_CONFIGS.update(base_wide)
 
 
 def stage_pdl_sweep(m, out: Path, rows: list, bw: float) -> None:
@@ -332,25 +358,22 @@ def stage_pdl_sweep(m, out: Path, rows: list, bw: float) -> None:
     whose K slice is ONE step has all its weights decoded before the wait. End-to-end graph
     steps (1 and 16 slots) for layer tilings of both forms and for the per-format form choice;
     each candidate fixed per weight shape (never per M)."""
-    from dataclasses import replace as dc_replace
-
     from workbench.kernels import qmatmul, qmma
 
-    base_mma, base_gemv = dict(qmma.QMMA_CONFIGS), dict(qmatmul.QGEMV_CONFIGS)
     C = qmma.MmaConfig
     mma_cands = {"n64k256w4": C(64, 256, 4), "n64k256w8": C(64, 256, 8), "n32k256w4": C(32, 256, 4),
                  "n128k256w8": C(128, 256, 8), "n32k128w4": C(32, 128, 4)}
     gemv_cands = {"Q4_K k256": ("Q4_K", dict(block_k=256)), "Q4_K k256 w8": ("Q4_K", dict(block_k=256, num_warps=8)),
                   "Q4_K m8": ("Q4_K", dict(m_tile=8)), "Q8_0 n32": ("Q8_0", dict(block_n=32))}
-    try:
+    with _config_tables() as ((_, _, base_gemv), reset):
         for label, cfg in mma_cands.items():
             qmma.QMMA_CONFIGS["Q5_0"] = cfg
             bench_runner(m, f"pdl_sweep mma Q5_0 {label}", (1, 16), out, rows, bw)
-        qmma.QMMA_CONFIGS.update(base_mma)
+        reset()
         for label, (fmt, kw) in gemv_cands.items():
-            qmatmul.QGEMV_CONFIGS[fmt] = dc_replace(base_gemv[fmt], **kw)
+            qmatmul.QGEMV_CONFIGS[fmt] = replace(base_gemv[fmt], **kw)
             bench_runner(m, f"pdl_sweep gemv {label}", (1, 16), out, rows, bw)
-            qmatmul.QGEMV_CONFIGS.update(base_gemv)
+            reset()
         bench_runner(m, "pdl_sweep forms all gemv, mma head", (1, 16), out, rows, bw, matmul="gemv",
                      head_matmul="mma", layer_forms={})
         bench_runner(m, "pdl_sweep forms all mma", (1, 16), out, rows, bw, matmul="mma")
@@ -359,82 +382,61 @@ def stage_pdl_sweep(m, out: Path, rows: list, bw: float) -> None:
                 qmma.QMMA_CONFIGS[k] = cfg
             qmma.QMMA_CONFIGS["Q5_0"] = cfg
             bench_runner(m, f"pdl_sweep forms all mma {label}", (1, 16), out, rows, bw, matmul="mma")
-    finally:
-        qmma.QMMA_CONFIGS.update(base_mma)
-        qmatmul.QGEMV_CONFIGS.update(base_gemv)
 
 
 def stage_tile_sweep(m, out: Path, rows: list, bw: float) -> None:
     """Around the session-4 defaults (under PDL, GLU folded): one format's tiling at a time."""
-    from dataclasses import replace as dc_replace
-
     from workbench.kernels import qmatmul, qmma
 
-    base_mma, base_gemv = dict(qmma.QMMA_CONFIGS), dict(qmatmul.QGEMV_CONFIGS)
     mma = {"Q5_0 n16k128w4": dict(block_n=16), "Q5_0 n16k128w2": dict(block_n=16, num_warps=2),
            "Q5_0 n32k128w2": dict(num_warps=2)}
     gemv = {"Q4_K k256 m2": ("Q4_K", dict(m_tile=2)), "Q4_K k256 n16": ("Q4_K", dict(block_n=16)),
             "Q6_K m4": ("Q6_K", dict(m_tile=4)), "Q6_K m2": ("Q6_K", dict(m_tile=2)),
             "Q8_0 m4": ("Q8_0", dict(m_tile=4)), "Q8_0 m2": ("Q8_0", dict(m_tile=2))}
-    try:
+    with _config_tables() as ((base_mma, _, base_gemv), reset):
         for label, kw in mma.items():
-            qmma.QMMA_CONFIGS["Q5_0"] = dc_replace(base_mma["Q5_0"], **kw)
+            qmma.QMMA_CONFIGS["Q5_0"] = replace(base_mma["Q5_0"], **kw)
             bench_runner(m, f"tile_sweep mma {label}", (1, 16), out, rows, bw)
-            qmma.QMMA_CONFIGS.update(base_mma)
+            reset()
         for label, (fmt, kw) in gemv.items():
-            qmatmul.QGEMV_CONFIGS[fmt] = dc_replace(base_gemv[fmt], **kw)
+            qmatmul.QGEMV_CONFIGS[fmt] = replace(base_gemv[fmt], **kw)
             bench_runner(m, f"tile_sweep gemv {label}", (1, 16), out, rows, bw)
-            qmatmul.QGEMV_CONFIGS.update(base_gemv)
-    finally:
-        qmma.QMMA_CONFIGS.update(base_mma)
-        qmatmul.QGEMV_CONFIGS.update(base_gemv)
+            reset()
 
 
 def stage_form_sweep(m, out: Path, rows: list, bw: float) -> None:
     """Under PDL a product's first K step is decoded before its wait, which hides most of the
     tensor-core form's costlier decode: which formats should take it now (1, 4, 16 slots)."""
-    from dataclasses import replace as dc_replace
-
     from workbench.kernels import qmatmul, qmma
 
-    base_mma, base_gemv = dict(qmma.QMMA_CONFIGS), dict(qmatmul.QGEMV_CONFIGS)
     C = qmma.MmaConfig
     tiles = {"n64k128": C(64, 128, 4), "n32k128": C(32, 128, 4), "n64k256": C(64, 256, 4)}
     cands = [("Q4_K", "n64k128"), ("Q4_K", "n32k128"), ("Q4_K", "n64k256"), ("Q6_K", "n64k128"), ("Q8_0", "n64k128"),
              ("Q4_K+Q6_K", "n64k128"), ("Q4_K+Q6_K", "n32k128"), ("Q4_K+Q6_K+Q8_0", "n64k128"),
              ("Q4_K+Q6_K+Q8_0", "n32k128"), ("Q4_K+Q6_K+Q8_0", "n64k256")]
-    try:
+    with _config_tables() as ((_, _, base_gemv), reset):
         for fmts, tile in cands:
             for f in ("Q4_K", "Q6_K", "Q8_0"):
                 qmma.QMMA_CONFIGS[f] = tiles[tile]
             forms = {"Q5_0": "mma", **{f: "mma" for f in fmts.split("+")}}
             bench_runner(m, f"form_sweep {fmts} mma {tile}", (1, 4, 16), out, rows, bw, layer_forms=forms)
-        qmma.QMMA_CONFIGS.update(base_mma)
-        qmatmul.QGEMV_CONFIGS["Q8_0"] = dc_replace(base_gemv["Q8_0"], m_tile=4)
+        reset()
+        qmatmul.QGEMV_CONFIGS["Q8_0"] = replace(base_gemv["Q8_0"], m_tile=4)
         bench_runner(m, "form_sweep gemv Q8_0 m4", (1, 4, 16), out, rows, bw)
-    finally:
-        qmma.QMMA_CONFIGS.update(base_mma)
-        qmatmul.QGEMV_CONFIGS.update(base_gemv)
 
 
 def stage_m32(m, out: Path, rows: list, bw: float) -> None:
     """32-row tensor-core tiles for the layers (then the head too): fixed per weight, so 1..16
     rows pay a 32-wide MMA and 32 rows take one tile instead of two."""
-    from dataclasses import replace as dc_replace
-
     from workbench.kernels import qmma
 
-    base, base_wide = dict(qmma.QMMA_CONFIGS), dict(qmma.QMMA_WIDE_CONFIGS)
-    try:
+    with _config_tables() as ((base, base_wide, _), _reset):
         for k, cfg in base.items():
-            qmma.QMMA_CONFIGS[k] = dc_replace(cfg, block_m=32)
+            qmma.QMMA_CONFIGS[k] = replace(cfg, block_m=32)
         bench_runner(m, "m32 layers", SLOTS, out, rows, bw)
         for k, cfg in base_wide.items():
-            qmma.QMMA_WIDE_CONFIGS[k] = dc_replace(cfg, block_m=32)
+            qmma.QMMA_WIDE_CONFIGS[k] = replace(cfg, block_m=32)
         bench_runner(m, "m32 layers and head", SLOTS, out, rows, bw)
-    finally:
-        qmma.QMMA_CONFIGS.update(base)
-        qmma.QMMA_WIDE_CONFIGS.update(base_wide)
 
 
 def stage_torch_path(path: str, out: Path, rows: list, device: str = "cuda", slots=(1, 4, 16), gen: int = 32) -> None:
@@ -478,32 +480,11 @@ def stage_torch_path(path: str, out: Path, rows: list, device: str = "cuda", slo
         torch.set_default_device(None)
 
 
-def _with_segment(seg: int, fn) -> None:
-    """Run fn with kernels.attention.ATTENTION_SEGMENT = seg (what runners built inside take)."""
-    from workbench.kernels import attention as A
-
-    old = A.ATTENTION_SEGMENT
-    A.ATTENTION_SEGMENT = seg
-    try:
-        fn()
-    finally:
-        A.ATTENTION_SEGMENT = old
-
-
-def _with_qk_rope_fold(fn) -> None:
-    """Run fn with triton_runner.FUSE_QK_ROPE on (runners built inside take it)."""
-    import workbench.triton_runner as tr
-
-    old = tr.FUSE_QK_ROPE
-    tr.FUSE_QK_ROPE = True
-    try:
-        fn()
-    finally:
-        tr.FUSE_QK_ROPE = old
-
-
 def main_stage(args) -> None:
 
+    from workbench.kernels import attention as A
+
+    import workbench.triton_runner as tr
     from workbench.model import load_model
 
     out = Path(args.out)
@@ -551,7 +532,7 @@ def main_stage(args) -> None:
         ("m32", lambda: stage_m32(m, out, rows, bw)),
         ("attn fma", lambda: bench_runner(m, "triton_attention_fma", SLOTS, out, rows, bw, attn_dot=False)),
         ("qkrope", lambda: bench_runner(m, "triton_qk_rope_fold", SLOTS, out, rows, bw, fuse_qk_rope=True)),
-        ("qkrope exact", lambda: _with_qk_rope_fold(lambda: stage_exact(m, out, exact_rows))),
+        ("qkrope exact", lambda: _patched(tr, "FUSE_QK_ROPE", True, lambda: stage_exact(m, out, exact_rows))),
         ("alt q8 gemv", lambda: bench_runner(m, "alt_Q8_0_gemv", SLOTS, out, rows, bw, layer_forms={"Q8_0": "gemv"})),
         ("alt q4k q6k gemv", lambda: bench_runner(m, "alt_Q4_K_Q6_K_Q8_0_gemv", SLOTS, out, rows, bw,
                                                   layer_forms={"Q4_K": "gemv", "Q6_K": "gemv", "Q8_0": "gemv"})),
@@ -561,7 +542,7 @@ def main_stage(args) -> None:
         ("seg64", lambda: bench_runner(m, "triton_graphs_seg64", SLOTS, out, rows, bw, attn_segment=64)),
         ("seg32", lambda: bench_runner(m, "triton_graphs_seg32", SLOTS, out, rows, bw, attn_segment=32)),
         ("profile64", lambda: stage_profile(m, out, prof_rows, 64)),
-        ("exact64", lambda: _with_segment(64, lambda: stage_exact(m, out, exact_rows))),
+        ("exact64", lambda: _patched(A, "ATTENTION_SEGMENT", 64, lambda: stage_exact(m, out, exact_rows))),
         ("triton graphs", lambda: bench_runner(m, "triton_graphs", SLOTS, out, rows, bw)),
         ("exact", lambda: stage_exact(m, out, exact_rows)),
         ("engine", lambda: bench_engine(m, (1, 4, 16), out, rows)),
