@@ -553,6 +553,33 @@ def heads_counters(M: int, N: int, col0: int, D: int, block_n: int, m_tile: int)
     return triton.cdiv(M, m_tile) * (N // D)
 
 
+@dataclass(frozen=True)
+class NormEpilogue:
+    """Fold ``step_fused.add_rmsnorm`` into the product that feeds it (tensor-core form;
+    ``step_fused.add_norm_epilogue``): x [M, N] += post_norm(x_in @ W^T) (``w_post`` None: the
+    plain product), then h = rmsnorm(x) * w_next. The product's split-0 partials end up holding
+    the summed product. ``counters``: int32 zeros (each launch leaves them zero), at least
+    ``norm_counters(...)`` of them."""
+
+    x: torch.Tensor
+    h: torch.Tensor
+    w_post: torch.Tensor | None
+    w_next: torch.Tensor
+    eps: float
+    counters: torch.Tensor
+
+
+NORM_FOLD_MAX_N = 4096  # widest row the fold's last program normalizes (one [rows, E] tile)
+
+
+def norm_counters(M: int, N: int, block_n: int, m_tile: int) -> int | None:
+    """Counters an add+norm-fused launch needs (column tiles + one per row tile), or None where
+    the fold does not apply (a row wider than NORM_FOLD_MAX_N)."""
+    if N > NORM_FOLD_MAX_N:
+        return None
+    return triton.cdiv(M, m_tile) * (triton.cdiv(N, block_n) + 1)
+
+
 def packed_launch_args(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, stride_ys: int) -> tuple:
     """The leading arguments every packed-weight product kernel takes (``_packed_program``'s):
     x, the planes, y, M, N, K, the K slice, the strides; absent planes stand in as qs, stride 0."""

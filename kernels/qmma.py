@@ -12,7 +12,8 @@ The third form of the quantized product (``qmatmul.py`` has the other two). It r
   written by a step), so under programmatic dependent launch they overlap the producer of x.
 * epilogues that ride on the launch: ``GluEpilogue`` (a [gate | up] weight also writes
   act(gate) * up) and ``HeadsEpilogue`` (a q|k|v weight also does QK-norm + rope + the KV write),
-  each by the last program of its column group over acquire-release counters.
+  and ``NormEpilogue`` (the attention-output and FFN-down weights also do the residual add and
+  the next norm), each by the last program of its column group over acquire-release counters.
 * per fixed BLOCK_K step of the program's K range the weight tile is decoded once in registers,
   plane by plane ([BLOCK_N, G*S] per plane, see ``PackedWeight``), and each plane is one
   ``tl.dot`` against the x values at that plane's K positions (gathered; x is small and cached).
@@ -40,9 +41,11 @@ import triton.language as tl
 from .pdl import enter, launch_kw
 from .qmatmul import (
     _GEMV_GEOMETRY,
+    NORM_FOLD_MAX_N,
     QMATMUL_SPLIT_K,
     GluEpilogue,
     HeadsEpilogue,
+    NormEpilogue,
     PackedWeight,
     _packed_program,
     _step_planes,
@@ -50,12 +53,13 @@ from .qmatmul import (
     check_x_out,
     glu_args,
     heads_counters,
+    norm_counters,
     num_k_splits,
     packed_geometry,
     packed_launch_args,
     sum_splits,
 )
-from .step_fused import glu_pair_epilogue, heads_epilogue
+from .step_fused import add_norm_epilogue, glu_pair_epilogue, heads_epilogue
 
 QMMA_BLOCK_M = 16  # rows of x per program (the MMA's narrow side) unless a config says otherwise
 
@@ -215,14 +219,42 @@ def _qmma_heads_kernel(
                    eps, (D // BLOCK_N) * NSPLIT, NSPLIT, HQ, HKV, D, HALF, HALF_P, HAS_NORM)
 
 
+NORM_ROWS = 4  # rows the add+norm epilogue handles at once ([4, E] tiles)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _qmma_norm_kernel(
+    x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr,
+    M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row, count_ptr,
+    r_ptr, stride_r, h_ptr, stride_h, wpost_ptr, wn_ptr, eps,
+    QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PREC: tl.constexpr, USE_DOT: tl.constexpr, NSPLIT: tl.constexpr, HAS_POST: tl.constexpr,
+    BLOCK_E: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
+):
+    """``_qmma_kernel`` with ``step_fused.add_norm_epilogue`` (residual r, next input h)."""
+    pid_m, m, mmask, n, nmask = _qmma_program(
+        x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
+        qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC,
+        USE_DOT, PDL)
+    ntiles = tl.cdiv(N, BLOCK_N)
+    pid_n = tl.program_id(0) // tl.cdiv(M, BLOCK_M)
+    add_norm_epilogue(y_ptr, stride_ys, stride_ym, count_ptr, pid_m * ntiles + pid_n,
+                      tl.cdiv(M, BLOCK_M) * ntiles + pid_m, ntiles, pid_m * BLOCK_M, M, n, nmask,
+                      r_ptr, stride_r, h_ptr, stride_h, wpost_ptr, wn_ptr, N, eps,
+                      NSPLIT, HAS_POST, BLOCK_M, BLOCK_E, ROWS)
+
+
 def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, stride_ys: int,
                 prec: str = "bf16", config: MmaConfig | None = None, use_dot: bool | None = None,
-                glu: GluEpilogue | None = None, heads: HeadsEpilogue | None = None, col0: int = 0) -> None:
+                glu: GluEpilogue | None = None, heads: HeadsEpilogue | None = None, col0: int = 0,
+                norm: NormEpilogue | None = None) -> None:
     """Launch ``_qmma_kernel``: y[s, m, n] (s < splits, at stride_ys; y's row stride is
     y.stride(-2)) = the K slice s of x[m] @ W[n]^T; with ``glu`` also act(gate) * up into glu.out
     (``step_fused.glu_pair_epilogue``); with ``heads`` (this weight's columns start at column
     ``col0`` of q|k|v) also q, k, v as ``step_fused.qk_rope_kv`` makes them
-    (``step_fused.heads_epilogue``). No value checks: callers check."""
+    (``step_fused.heads_epilogue``); with ``norm`` also the residual add + next norm
+    (``step_fused.add_norm_epilogue``). No value checks: callers check."""
     if prec not in QMMA_PRECISIONS:
         raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(QMMA_PRECISIONS)}")
     cfg = config or mma_config(w.fmt.name, w.N, w.K, x.device)
@@ -237,12 +269,29 @@ def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, 
     common = dict(**packed_geometry(w), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   NUM_STAGES=cfg.num_stages, PREC=prec, USE_DOT=x.is_cuda if use_dot is None else use_dot,
                   NSPLIT=splits, num_warps=cfg.num_warps, **launch_kw(x))
+    if norm is not None:
+        _launch_norm(packed_launch_args(x, w, y, splits, stride_ys), common, M, w.N, cfg, norm, grid)
+        return
     if heads is not None:
         _launch_heads(packed_launch_args(x, w, y, splits, stride_ys), common, M, w.N, cfg, heads, col0, grid)
         return
     _qmma_kernel[grid](
         *packed_launch_args(x, w, y, splits, stride_ys), *glu_args(glu, y, splits, cfg.block_n, M, cfg.block_m, w.N),
         GLU=glu.code if glu else 0, **common,
+    )
+
+
+def _launch_norm(args: tuple, common: dict, M: int, N: int, cfg: MmaConfig, e: NormEpilogue, grid) -> None:
+    need = norm_counters(M, N, cfg.block_n, cfg.block_m)
+    if need is None or e.counters.dtype != torch.int32 or e.counters.numel() < need:
+        raise ValueError(f"the add+norm fold needs rows of at most {NORM_FOLD_MAX_N} and {need} int32 counters")
+    if e.x.shape != (M, N) or e.h.shape != (M, N) or e.x.dtype != torch.float32 or e.x.stride(1) != 1 \
+            or e.h.stride(1) != 1:
+        raise ValueError(f"the add+norm fold needs x float32 [{M}, {N}] and h [{M}, {N}] with unit stride")
+    _qmma_norm_kernel[grid](
+        *args, e.counters, e.x, e.x.stride(0), e.h, e.h.stride(0),
+        e.w_post if e.w_post is not None else e.w_next, e.w_next, float(e.eps),
+        HAS_POST=e.w_post is not None, BLOCK_E=triton.next_power_of_2(N), ROWS=NORM_ROWS, **common,
     )
 
 

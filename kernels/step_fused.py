@@ -10,6 +10,9 @@ step's elementwise/per-row work in the same launch:
 * ``qk_rope_kv``: from the fused [q | k | v] product: QK-norm (Gemma 3), NEOX rope at the
   row's position, q out, k and v written into the row's KV-pool slot (seq, pos).
 
+Each can also ride on the launch of the product that feeds it, done by that product's last
+program(s) over acquire-release counters (``*_epilogue``, called from kernels/qmma.py).
+
 One program per row (``glu_from_parts``: per row and column block): every result is a function
 of its row alone, so batch-invariant by construction. float32 compute; outputs in their
 buffers' dtypes. Each has a plain-torch reference (``*_ref``) of the same arithmetic.
@@ -214,6 +217,61 @@ def heads_epilogue(part_ptr, stride_ps, stride_pm, count_ptr, count_idx, head, m
             tl.store(v_ptr + dst, x1.to(v_ptr.dtype.element_ty), mask=mask)
             tl.store(v_ptr + dst + HALF, x2.to(v_ptr.dtype.element_ty), mask=mask)
         tl.store(count_ptr + count_idx, 0)
+
+
+@triton.jit
+def _add_norm_rows(p_ptr, stride_pm, x_ptr, stride_x, h_ptr, stride_h, wpost_ptr, wn_ptr, r, rmask, cols, cmask, E, eps,
+                   HAS_POST: tl.constexpr):
+    """``_add_rmsnorm_kernel``'s arithmetic on a [rows, E] tile of combined sums (rows ``r``)."""
+    mask = rmask[:, None] & cmask[None, :]
+    d = tl.load(p_ptr + r[:, None] * stride_pm + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    if HAS_POST:
+        rs = 1.0 / tl.sqrt_rn(tl.sum(d * d, axis=1) / E + eps)
+        d = (d * rs[:, None]) * tl.load(wpost_ptr + cols, mask=cmask, other=0.0)[None, :]
+    xo = x_ptr + r[:, None] * stride_x + cols[None, :]
+    x = tl.load(xo, mask=mask, other=0.0) + d
+    tl.store(xo, x, mask=mask)
+    rs2 = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / E + eps)
+    h = (x * rs2[:, None]) * tl.load(wn_ptr + cols, mask=cmask, other=0.0)[None, :]
+    tl.store(h_ptr + r[:, None] * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def add_norm_epilogue(part_ptr, stride_ps, stride_pm, count_ptr, tile_idx, row_idx, ntiles, m0, M, n, nmask,
+                      x_ptr, stride_x, h_ptr, stride_h, wpost_ptr, wn_ptr, E, eps,
+                      NSPLIT: tl.constexpr, HAS_POST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                      ROWS: tl.constexpr):
+    """``add_rmsnorm`` folded into the product whose output feeds it (``NormEpilogue``: the
+    attention output and FFN down projections), in two levels of acquire-release counting:
+
+    1. the NSPLIT programs of one column tile (``tile_idx``) count themselves; the last adds the
+       tile's partials in slice order (``_sum_parts``, from L2) and stores the sum over split 0;
+    2. those tiles' last programs count themselves per row tile (``row_idx``, ``ntiles`` of
+       them); the last one runs the add + two norms for rows m0 .. m0 + BLOCK_M (< M), ROWS at a
+       time (``_add_norm_rows``), and re-arms both counters.
+
+    Per-row arithmetic on tiles of fixed shape, so batch-invariant; not bitwise the separate
+    kernel's (the norms' sums run over [ROWS, E] tiles instead of one row)."""
+    tl.debug_barrier()  # every thread's partial stores before the release below
+    done = tl.atomic_add(count_ptr + tile_idx, 1, sem="acq_rel")
+    if done == NSPLIT - 1:
+        if NSPLIT > 1:
+            m = m0 + tl.arange(0, BLOCK_M)
+            offs = m[None, :] * stride_pm + n[:, None]
+            mask = nmask[:, None] & (m < M)[None, :]
+            tl.store(part_ptr + offs, _sum_parts(part_ptr, offs, mask, stride_ps, NSPLIT, ".cg"), mask=mask)
+        tl.store(count_ptr + tile_idx, 0)
+        tl.debug_barrier()  # the tile's sums before the release below
+        last = tl.atomic_add(count_ptr + row_idx, 1, sem="acq_rel")
+        if last == ntiles - 1:
+            cols = tl.arange(0, BLOCK_E)
+            cmask = cols < E
+            for r0 in tl.static_range(0, BLOCK_M, ROWS):
+                if m0 + r0 < M:
+                    r = m0 + r0 + tl.arange(0, ROWS)
+                    _add_norm_rows(part_ptr, stride_pm, x_ptr, stride_x, h_ptr, stride_h, wpost_ptr, wn_ptr, r,
+                                   r < M, cols, cmask, E, eps, HAS_POST)
+            tl.store(count_ptr + row_idx, 0)
 
 
 def _check_part(part: torch.Tensor, n: int) -> None:

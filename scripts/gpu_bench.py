@@ -252,6 +252,7 @@ def stage_profile(m, out: Path, rows: list, seg: int | None = None) -> None:
                                   {sl: 400 for sl in range(N)})
                         toks = [int(o[sl].argmax()) for sl in range(N)]
                 torch.cuda.synchronize()
+            _launch_sequence(prof, out, f"launches_{'graph' if graphs else 'eager'}_{N}.json", r.launches)
             ka = prof.key_averages()
             kern = []
             for e in ka:
@@ -321,14 +322,38 @@ def _config_tables():
         reset()
 
 
+def _launch_sequence(prof, out: Path, name: str, per_step: int) -> None:
+    """The last step's kernels in issue order: name, start and end (us from the step's first
+    kernel). With graphs (PDL) a kernel's end minus its predecessor's end is what it adds to the
+    step's chain; eager, the durations and the gaps between launches. Best effort: a profiler
+    without per-event device times skips it."""
+    try:
+        ev = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")
+              and not e.name.startswith("Memcpy")]
+        ev.sort(key=lambda e: e.time_range.start)
+        ev = ev[-per_step:]
+        t0 = ev[0].time_range.start
+        dump(out, name, [dict(i=i, kernel=e.name[:60], start_us=e.time_range.start - t0,
+                              end_us=e.time_range.end - t0) for i, e in enumerate(ev)])
+    except Exception as e:  # noqa: BLE001
+        log(f"launch sequence {name}: skipped ({e})")
+
+
 def _patched(module, name: str, value, fn) -> None:
     """Run fn with module.name = value (runners built inside take it), then put it back."""
-    old = getattr(module, name)
-    setattr(module, name, value)
+    _patched_all(module, {name: value}, fn)
+
+
+def _patched_all(module, values: dict, fn) -> None:
+    """Run fn with module's attributes set to ``values``, then put them back."""
+    old = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
     try:
         fn()
     finally:
-        setattr(module, name, old)
+        for k, v in old.items():
+            setattr(module, k, v)
 
 
 def stage_mma_sweep(m, out: Path, rows: list, bw: float) -> None:
@@ -481,11 +506,11 @@ def stage_torch_path(path: str, out: Path, rows: list, device: str = "cuda", slo
 
 
 def main_stage(args) -> None:
-
-    from workbench.kernels import attention as A
-
     import workbench.triton_runner as tr
+    from workbench.kernels import attention as A
     from workbench.model import load_model
+
+    FOLDS = {"FUSE_ADD_NORM": True, "FUSE_QK_ROPE": True}  # the two close (not bitwise) folds together
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -533,6 +558,12 @@ def main_stage(args) -> None:
         ("attn fma", lambda: bench_runner(m, "triton_attention_fma", SLOTS, out, rows, bw, attn_dot=False)),
         ("qkrope", lambda: bench_runner(m, "triton_qk_rope_fold", SLOTS, out, rows, bw, fuse_qk_rope=True)),
         ("qkrope exact", lambda: _patched(tr, "FUSE_QK_ROPE", True, lambda: stage_exact(m, out, exact_rows))),
+        ("addnorm", lambda: bench_runner(m, "triton_add_norm_fold", SLOTS, out, rows, bw, fuse_add_norm=True)),
+        ("folds", lambda: bench_runner(m, "triton_folds", SLOTS, out, rows, bw, fuse_add_norm=True, fuse_qk_rope=True)),
+        ("folds fma", lambda: bench_runner(m, "triton_folds_attention_fma", SLOTS, out, rows, bw, fuse_add_norm=True,
+                                           fuse_qk_rope=True, attn_dot=False)),
+        ("folds exact", lambda: _patched_all(tr, FOLDS, lambda: stage_exact(m, out, exact_rows))),
+        ("folds profile", lambda: _patched_all(tr, FOLDS, lambda: stage_profile(m, out, prof_rows))),
         ("alt q8 gemv", lambda: bench_runner(m, "alt_Q8_0_gemv", SLOTS, out, rows, bw, layer_forms={"Q8_0": "gemv"})),
         ("alt q4k q6k gemv", lambda: bench_runner(m, "alt_Q4_K_Q6_K_Q8_0_gemv", SLOTS, out, rows, bw,
                                                   layer_forms={"Q4_K": "gemv", "Q6_K": "gemv", "Q8_0": "gemv"})),

@@ -90,6 +90,8 @@ VARIANTS = {
     "unfused_combine": {"fuse_combine": False},
     "m32": "m32",
     "attn_fma": {"attn_dot": False},
+    "addnorm": {"fuse_add_norm": True},
+    "folds": {"fuse_add_norm": True, "fuse_qk_rope": True, "attn_dot": False},
 }
 
 

@@ -225,10 +225,13 @@ def test_step_weight_bytes_leave_out_the_embedding_table(tiny_model):
     assert raw.fixed_bytes == raw.step_weight_bytes
 
 
-def test_qk_rope_fold_is_close_invariant_and_one_launch_less(tiny_model, monkeypatch):
-    """fuse_qk_rope: QK-norm + rope + the KV write ride on the q|k|v product's launch. Its logits
-    are close to the separate kernel's (another layout for the norm's sum, so not bitwise), a
-    slot batched with another is bitwise the slot alone, and each layer has one launch less."""
+@pytest.mark.parametrize("option,fewer", [("fuse_qk_rope", 1), ("fuse_add_norm", 2)])
+def test_close_folds_are_invariant_and_save_launches(tiny_model, monkeypatch, option, fewer):
+    """fuse_qk_rope: QK-norm + rope + the KV write ride on the q|k|v product's launch;
+    fuse_add_norm: the residual add + next norm on the attention-output and down products'.
+    Their logits are close to the separate kernels' (another layout for the norms' sums, so not
+    bitwise), a slot batched with another is bitwise the slot alone, and each layer has
+    ``fewer`` launches."""
     from workbench.kernels import qmma
 
     # heads of 32 must not straddle tensor-core tiles: 32-wide tiles here (and on the GPU)
@@ -241,7 +244,7 @@ def test_qk_rope_fold_is_close_invariant_and_one_launch_less(tiny_model, monkeyp
     b = torch.randint(0, m.config.vocab_size, (7,), generator=gen).tolist()
 
     def alone(fuse):
-        r = TritonRunner(m, 256, graphs=False, fuse_qk_rope=fuse)
+        r = TritonRunner(m, 256, graphs=False, **{option: fuse})
         got = [r.run([Segment(0, "a", tuple(a[:12]), 0, True)], {0: 64})[0]]
         got.append(r.run([Segment(0, "a", (a[12],), 12, True)], {0: 64})[0])
         return torch.stack(got), r.launches
@@ -249,8 +252,8 @@ def test_qk_rope_fold_is_close_invariant_and_one_launch_less(tiny_model, monkeyp
     fused, n_fused = alone(True)
     plain, n_plain = alone(False)
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
-    assert n_plain - n_fused == m.config.n_layers
-    r = TritonRunner(m, 256, graphs=False, fuse_qk_rope=True)
+    assert n_plain - n_fused == fewer * m.config.n_layers
+    r = TritonRunner(m, 256, graphs=False, **{option: True})
     o = r.run([Segment(1, "b", tuple(b[:6]), 0, True), Segment(0, "a", tuple(a[:12]), 0, True)], {0: 64, 1: 64})
     assert torch.equal(o[0], fused[0])
     o = r.run([Segment(0, "a", (a[12],), 12, True), Segment(1, "b", (b[6],), 6, True)], {0: 64, 1: 64})

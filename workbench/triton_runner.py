@@ -87,6 +87,12 @@ EPILOGUE_COUNTERS = 1 << 16
 # the folds above its results are not bitwise the separate kernel's (same expressions, another
 # layout for the norm's sum), so it is one choice per runner, like a product's form.
 FUSE_QK_ROPE = False
+# The residual add + next norm (add_rmsnorm) folded into the attention-output and FFN-down
+# products (kernels/step_fused.add_norm_epilogue: the last program per column tile sums its
+# partials, the last of those per row tile does the rows' add + norms), tensor-core form only:
+# two launches less per layer. Off by default until measured; like FUSE_QK_ROPE not bitwise the
+# separate kernel (the norms' sums run over [4, E] tiles), so one choice per runner.
+FUSE_ADD_NORM = False
 # Programmatic dependent launch (kernels/pdl.py) where the GPU has it (sm_90+): each kernel's
 # launch and ramp-up overlap its predecessor's work. Ordering, hence every bit, is unchanged.
 PDL = True
@@ -119,10 +125,10 @@ class TritonRunner:
                  attn_segment: int | None = None, matmul: str | None = None,
                  head_matmul: str | None = None, layer_forms: dict[str, str] | None = None,
                  fuse_combine: bool | None = None, pdl: bool | None = None, fuse_glu: bool | None = None,
-                 fuse_qk_rope: bool | None = None, attn_dot: bool | None = None):
-        from .kernels import qmatmul as qm
-
+                 fuse_qk_rope: bool | None = None, attn_dot: bool | None = None,
+                 fuse_add_norm: bool | None = None):
         from .kernels import pdl as _pdl
+        from .kernels import qmatmul as qm
 
         self._qm, self._pdl = qm, _pdl
         self.pdl = PDL if pdl is None else bool(pdl)
@@ -225,6 +231,9 @@ class TritonRunner:
         self.fuse_qk_rope = (FUSE_QK_ROPE if fuse_qk_rope is None else bool(fuse_qk_rope)) and dense == "quant"
         self._heads_counters = torch.zeros(EPILOGUE_COUNTERS, dtype=torch.int32, device=self.device) \
             if self.fuse_qk_rope else None
+        self.fuse_add_norm = (FUSE_ADD_NORM if fuse_add_norm is None else bool(fuse_add_norm)) and dense == "quant"
+        self._norm_counters = torch.zeros(EPILOGUE_COUNTERS, dtype=torch.int32, device=self.device) \
+            if self.fuse_add_norm else None
         self._zeros = torch.zeros(BUCKETS[-1], dtype=torch.int32, device=self.device)
         self._wins = torch.full((BUCKETS[-1],), max(c.sliding_window, 0), dtype=torch.int32, device=self.device)
         self.launches = 0  # kernel launches of the last forward (counted where they are issued)
@@ -299,12 +308,24 @@ class TritonRunner:
                 return False
         return True
 
+    def _norm_fold(self, p: Proj, M: int) -> bool:
+        """Whether the residual add + next norm can ride on this product's launch."""
+        if not self.fuse_add_norm or p.dense is not None or len(p.parts) != 1:
+            return False
+        w = p.parts[0][1]
+        if w.packed is None or w.form != "mma":
+            return False
+        cfg = self._qmma.mma_config(w.fmt.name, w.N, w.K, self.device)
+        need = self._qm.norm_counters(M, w.N, cfg.block_n, cfg.block_m)
+        return need is not None and need <= self._norm_counters.numel()
+
     def _project(self, x: torch.Tensor, p: Proj, out: torch.Tensor | None = None, glu=None,
-                 heads=None) -> torch.Tensor:
+                 heads=None, norm=None) -> torch.Tensor:
         """Partials [splits, M, N] of x @ W^T (float32; bf16 [1, M, N] for the dense variant).
         ``out`` (float32 [M, N], an unsplit product: the head): written in place and returned.
         ``glu`` (a kernels GluEpilogue, where ``_glu_fold``): also act(gate) * up into glu.out;
-        ``heads`` (a kernels HeadsEpilogue, where ``_heads_fold``): also q, k, v as qk_rope_kv."""
+        ``heads`` (a kernels HeadsEpilogue, where ``_heads_fold``): also q, k, v as qk_rope_kv;
+        ``norm`` (a kernels NormEpilogue, where ``_norm_fold``): also add_rmsnorm's x and h."""
         M = x.shape[0]
         if p.dense is not None:
             self.launches += 2
@@ -320,7 +341,8 @@ class TritonRunner:
         qm = self._qm
         for off, w in p.parts:
             if w.packed is not None:
-                self._launch_packed(x, w.packed, part[:, :, off:], w.splits, part.stride(0), w.form, glu, heads, off)
+                self._launch_packed(x, w.packed, part[:, :, off:], w.splits, part.stride(0), w.form, glu, heads, off,
+                                    norm)
                 continue
             cfg = qm.QMATMUL_CONFIGS[w.fmt.name]
             grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(w.N, cfg.block_n), w.splits)
@@ -335,15 +357,22 @@ class TritonRunner:
         return part if out is None else out
 
     def _launch_packed(self, x, pw, y, splits: int, stride_ys: int, form: str, glu=None, heads=None,
-                       col0: int = 0) -> None:
+                       col0: int = 0, norm=None) -> None:
         if form == "mma":
             self._qmma.launch_qmma(x, pw, y, splits, stride_ys, self.mma_prec, use_dot=self.use_dot, glu=glu,
-                                   heads=heads, col0=col0)
+                                   heads=heads, col0=col0, norm=norm)
         else:
             self._qm.launch_qgemv(x, pw, y, splits, stride_ys, glu=glu)
         self.launches += 1
 
-    def _add_norm(self, x, part, w_post, w_next, h) -> None:
+    def _project_add_norm(self, a, p: Proj, x, w_post, w_next, h) -> None:
+        """x += post_norm(a @ W^T); h = rmsnorm(x) * w_next: folded into the product's launch
+        where ``_norm_fold``, else the product then ``add_rmsnorm``."""
+        if self._norm_fold(p, a.shape[0]):
+            self._project(a, p, norm=self._qm.NormEpilogue(x, h, w_post, w_next, self.cfg.rms_eps,
+                                                           self._norm_counters))
+            return
+        part = self._project(a, p)
         self._fused.add_rmsnorm(x, part, w_post, w_next, h, self.cfg.rms_eps)
         self.launches += 1
 
@@ -393,8 +422,7 @@ class TritonRunner:
                 self._attn.ATTENTION_SEGMENT = seg_saved
             self.launches += 1 if counters is not None else 2
             a = attn.view(R, Hq * D)
-            part = self._project(a, L.wo)
-            self._add_norm(x, part, L.post_attn_norm, L.ffn_norm, h)
+            self._project_add_norm(a, L.wo, x, L.post_attn_norm, L.ffn_norm, h)
             g = torch.empty((R, c.n_ff), dtype=hdt, device=dev)
             if self._glu_fold(L.gate_up, R):
                 self._project(h, L.gate_up, glu=self._qm.GluEpilogue(g, self._glu_counters, act))
@@ -402,9 +430,8 @@ class TritonRunner:
                 part = self._project(h, L.gate_up)
                 self._fused.glu_from_parts(part, g, act)
                 self.launches += 1
-            part = self._project(g, L.down)
             nxt = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.output_norm
-            self._add_norm(x, part, L.post_ffw_norm, nxt, h)
+            self._project_add_norm(g, L.down, x, L.post_ffw_norm, nxt, h)
         hs = h if sel is None else h.index_select(0, sel)
         if logits_out is None:
             logits_out = torch.empty((hs.shape[0], self.vocab), dtype=torch.float32, device=dev)

@@ -174,3 +174,44 @@ def test_heads_folded_into_the_qkv_product(norm, members, device, quant_rows):
     _, q3, kp3, vp3 = run(x[3:4].clone(), seq[3:4].clone(), pos[3:4].clone())
     assert torch.equal(q3, q[3:4])
     assert torch.equal(kp3[0, 9], kp[0, 9]) and torch.equal(vp3[0, 9], vp[0, 9])
+
+
+@pytest.mark.parametrize("name,post,rows", [("Q8_0", True, 5), ("Q4_K", False, 18)])
+def test_add_norm_folded_into_the_product(name, post, rows, device, quant_rows):
+    """NormEpilogue: the product's last programs sum its partials per column tile, then the last
+    of those per row tile adds the rows into the residual and writes the next norm (add_rmsnorm's
+    work): close to the reference, rows bitwise invariant, counters left zero. 18 rows: two
+    16-row tiles, each finished by its own last program."""
+    from workbench.kernels import qmma
+    from workbench.kernels.qmatmul import NormEpilogue, num_k_splits, pack_weights
+    from workbench.kernels.quant_tiles import FORMATS
+
+    N, K = 192, 768
+    raw = quant_rows(FORMATS[name], N, K, seed=7, device=device)
+    pw = pack_weights(raw, name, N, K)
+    splits = num_k_splits(N, K)
+    assert splits > 1
+    gen = torch.Generator().manual_seed(8)
+    wp = _r(N, gen=gen, device=device) if post else None
+    wn = _r(N, gen=gen, device=device)
+    counters = torch.zeros(64, dtype=torch.int32, device=device)
+
+    def run(a, x):
+        M = a.shape[0]
+        part = torch.full((splits, M, N), float("nan"), device=device)
+        x, h = x.clone(), torch.full((M, N), float("nan"), device=device)
+        qmma.launch_qmma(a, pw, part, splits, part.stride(0), "tf32x3", norm=NormEpilogue(x, h, wp, wn, 1e-6, counters))
+        return part, x, h
+
+    a = torch.randn(rows, K, generator=gen).to(device)
+    x0 = _r(rows, N, gen=gen, device=device)
+    part, x, h = run(a, x0)
+    plain = torch.empty_like(part)
+    qmma.launch_qmma(a, pw, plain, splits, plain.stride(0), "tf32x3")
+    want_x, want_h = add_rmsnorm_ref(x0, plain, wp, wn, 1e-6)
+    torch.testing.assert_close(x, want_x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h, want_h, rtol=1e-5, atol=1e-5)
+    assert int(counters.abs().sum()) == 0
+    for i in (0, rows - 1):
+        _, xi, hi = run(a[i : i + 1].clone(), x0[i : i + 1])
+        assert torch.equal(xi, x[i : i + 1]) and torch.equal(hi, h[i : i + 1])
