@@ -71,8 +71,13 @@ class MmaConfig:
     num_warps: int = 4
     num_stages: int = 1
     # rows per program, fixed per weight (16 or 32): 32 rows take one tile instead of two (each
-    # decoding the weights again), at the price of a 32-wide MMA for 1..16 rows. Not yet measured.
+    # decoding the weights again), at the price of a 32-wide MMA for 1..16 rows (measured slower
+    # at every slot count: docs/GPU_NOTES.md, session 5).
     block_m: int = QMMA_BLOCK_M
+    # L2 prefetch (GPU only; unsplit weights, whose program tiles are contiguous bytes): None
+    # off; 0: a program first asks L2 for its whole tile (every K step in flight at once, not one
+    # step ahead); p > 0: also the tile p programs ahead (a later wave's weights during this one).
+    prefetch: int | None = None
 
 
 # Per format; fixed (never chosen from M). Wide weights (the head, unsplit) may differ.
@@ -86,8 +91,11 @@ QMMA_CONFIGS: dict[str, MmaConfig] = {
     "Q4_K": MmaConfig(block_n=64, block_k=256),
     "Q6_K": MmaConfig(block_n=64, block_k=256),
 }
-QMMA_WIDE_CONFIGS: dict[str, MmaConfig] = {  # the head: unpipelined was the fastest of six on an H200
-    "Q8_0": MmaConfig(block_n=64, block_k=128, num_warps=4, num_stages=1),
+# The head (unsplit): unpipelined was the fastest of six tilings on an H200 (session 3); at
+# ~1 TB/s (150-200 us of a step, session 4's timelines) it asks L2 for its tile and for the
+# tile 264 programs (about two waves) ahead before its first step (``MmaConfig.prefetch``).
+QMMA_WIDE_CONFIGS: dict[str, MmaConfig] = {
+    "Q8_0": MmaConfig(block_n=64, block_k=128, num_warps=4, num_stages=1, prefetch=264),
 }
 QMMA_PRECISIONS = ("bf16", "tf32x3")
 QMMA_INTERPRETER_MIN_BLOCK_N = 128  # fewer, wider programs under the CPU interpreter
@@ -136,16 +144,44 @@ def _plane_dot(acc, w, x_ptr, xoff, xmask, m, mmask, stride_xm,
     return acc
 
 
+PREFETCH_LANES = tl.constexpr(128)  # cache lines a prefetch asks for per instruction across the program
+
+
+@triton.jit
+def _l2_prefetch(ptr, nelem, ELEM: tl.constexpr):
+    """Ask L2 for ``nelem`` elements of ELEM bytes from ``ptr`` on: one ``prefetch.global.L2``
+    per 128-byte line (lanes past the end repeat the last line). No data comes back to
+    registers, so it costs a few instructions, and every line is in flight at once."""
+    lanes = tl.arange(0, PREFETCH_LANES)
+    lines = tl.cdiv(nelem * ELEM, 128)
+    for l0 in range(0, lines, PREFETCH_LANES):
+        li = tl.minimum(l0 + lanes, lines - 1).to(tl.int64)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr + li * (128 // ELEM)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_tile(t, N, qs_ptr, qs_row, d_ptr, d_row, BLOCK_N: tl.constexpr, DBYTES: tl.constexpr):
+    """L2 prefetch of N tile ``t``'s quant bytes and scales (rows t BLOCK_N .. + BLOCK_N of an
+    unsplit weight: contiguous), if the tile exists."""
+    rows = tl.minimum(BLOCK_N, N - t * BLOCK_N)
+    if rows > 0:
+        r0 = (t * BLOCK_N).to(tl.int64)
+        _l2_prefetch(qs_ptr + r0 * qs_row, rows * qs_row, 1)
+        _l2_prefetch(d_ptr + r0 * d_row, rows * d_row, DBYTES)
+
+
 @triton.jit
 def _qmma_program(
     x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
     qs_row, qh_row, sc_row, d_row,
     QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PREC: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
+    PREC: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """A program's product over its K slice, stored as its split-K partial of y: its outputs x
-    its rows. Returns (pid_m, m, mmask, n, nmask) for the kernels' epilogues."""
+    its rows. Returns (pid_m, m, mmask, n, nmask) for the kernels' epilogues. PREFETCH >= 0
+    (``MmaConfig.prefetch``; GPU, unsplit): L2 prefetch of its tile and the one PREFETCH ahead."""
     G: tl.constexpr = BLOCK_K // GW
     GS: tl.constexpr = G * S
     pid_m, n, nmask, k_begin, k_end, qs_rows, qh_rows, sc_rows, d_rows = _packed_program(
@@ -156,6 +192,12 @@ def _qmma_program(
     s = tl.arange(0, S)
     s3 = s[None, None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if PREFETCH >= 0:
+        t = tl.program_id(0) // tl.cdiv(M, BLOCK_M)
+        _prefetch_tile(t, N, qs_ptr, qs_row, d_ptr, d_row, BLOCK_N, d_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        if PREFETCH > 0:
+            _prefetch_tile(t + PREFETCH, N, qs_ptr, qs_row, d_ptr, d_row, BLOCK_N,
+                           d_ptr.dtype.element_ty.primitive_bitwidth // 8)
     # the first step's weights before waiting for x's producer (as in qmatmul's GEMV)
     w0, w1, w2, w3 = _step_planes(k_begin, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows, GW, QTYPE)
     enter(PDL)
@@ -185,11 +227,12 @@ def _qmma_kernel(
     QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     PREC: tl.constexpr, USE_DOT: tl.constexpr, GLU: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid_m, m, mmask, n, nmask = _qmma_program(
         x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
         qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC,
-        USE_DOT, PDL)
+        USE_DOT, PDL, PREFETCH)
     if GLU > 0:  # a fused [gate | up] weight: the pair's last program writes act(gate) * up
         pairs = (N // 2) // BLOCK_N
         pid_n = tl.program_id(0) // tl.cdiv(M, BLOCK_M)
@@ -211,7 +254,7 @@ def _qmma_heads_kernel(
     pid_m, m, mmask, n, nmask = _qmma_program(
         x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
         qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC,
-        USE_DOT, PDL)
+        USE_DOT, PDL, -1)
     heads = N // D
     head = (tl.program_id(0) // tl.cdiv(M, BLOCK_M)) * BLOCK_N // D
     heads_epilogue(y_ptr, stride_ys, stride_ym, count_ptr, pid_m * heads + head, head, m, mmask, col0,
@@ -236,13 +279,18 @@ def _qmma_norm_kernel(
     pid_m, m, mmask, n, nmask = _qmma_program(
         x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
         qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC,
-        USE_DOT, PDL)
+        USE_DOT, PDL, -1)
     ntiles = tl.cdiv(N, BLOCK_N)
     pid_n = tl.program_id(0) // tl.cdiv(M, BLOCK_M)
     add_norm_epilogue(y_ptr, stride_ys, stride_ym, count_ptr, pid_m * ntiles + pid_n,
                       tl.cdiv(M, BLOCK_M) * ntiles + pid_m, ntiles, pid_m * BLOCK_M, M, n, nmask,
                       r_ptr, stride_r, h_ptr, stride_h, wpost_ptr, wn_ptr, N, eps,
                       NSPLIT, HAS_POST, BLOCK_M, BLOCK_E, ROWS)
+
+
+def _native(x: torch.Tensor) -> bool:
+    """Whether a launch on x compiles for a GPU (inline PTX; never under the interpreter)."""
+    return x.is_cuda
 
 
 def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, stride_ys: int,
@@ -275,9 +323,10 @@ def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, 
     if heads is not None:
         _launch_heads(packed_launch_args(x, w, y, splits, stride_ys), common, M, w.N, cfg, heads, col0, grid)
         return
+    prefetch = cfg.prefetch if cfg.prefetch is not None and splits == 1 and _native(x) else -1
     _qmma_kernel[grid](
         *packed_launch_args(x, w, y, splits, stride_ys), *glu_args(glu, y, splits, cfg.block_n, M, cfg.block_m, w.N),
-        GLU=glu.code if glu else 0, **common,
+        GLU=glu.code if glu else 0, PREFETCH=prefetch, **common,
     )
 
 

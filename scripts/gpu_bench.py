@@ -464,6 +464,22 @@ def stage_m32(m, out: Path, rows: list, bw: float) -> None:
         bench_runner(m, "m32 layers and head", SLOTS, out, rows, bw)
 
 
+def stage_head_prefetch(m, out: Path, rows: list, bw: float) -> None:
+    """The head (unsplit Q8_0, 178 MB, 150-200 us per step in session 4's timelines: ~1 TB/s)
+    with L2 prefetch of each program's tile and of the tile ``prefetch`` programs ahead, and two
+    wider tiles with it; end to end at every slot count."""
+    from workbench.kernels import qmma
+
+    with _config_tables() as ((_, base_wide, _), reset):
+        head = base_wide["Q8_0"]
+        for label, cfg in (("none", head), *[(f"pf{p}", replace(head, prefetch=p)) for p in (0, 132, 264, 528, 1056)],
+                           ("n128w8 pf264", replace(head, block_n=128, num_warps=8, prefetch=264)),
+                           ("k256w8 pf264", replace(head, block_k=256, num_warps=8, prefetch=264))):
+            reset()
+            qmma.QMMA_WIDE_CONFIGS["Q8_0"] = cfg
+            bench_runner(m, f"head {label}", SLOTS, out, rows, bw)
+
+
 def stage_torch_path(path: str, out: Path, rows: list, device: str = "cuda", slots=(1, 4, 16), gen: int = 32) -> None:
     """The torch reference path (workbench.model, TorchRunner) on the GPU, through Engine: the
     model's tensors moved to the device and torch's default device set, so its step-local
@@ -555,6 +571,7 @@ def main_stage(args) -> None:
         ("tile sweep", lambda: stage_tile_sweep(m, out, rows, bw)),
         ("form sweep", lambda: stage_form_sweep(m, out, rows, bw)),
         ("m32", lambda: stage_m32(m, out, rows, bw)),
+        ("head prefetch", lambda: stage_head_prefetch(m, out, rows, bw)),
         ("attn fma", lambda: bench_runner(m, "triton_attention_fma", SLOTS, out, rows, bw, attn_dot=False)),
         ("qkrope", lambda: bench_runner(m, "triton_qk_rope_fold", SLOTS, out, rows, bw, fuse_qk_rope=True)),
         ("qkrope exact", lambda: _patched(tr, "FUSE_QK_ROPE", True, lambda: stage_exact(m, out, exact_rows))),

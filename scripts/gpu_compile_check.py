@@ -78,6 +78,7 @@ def _gpu_options(modules) -> None:
             mod.launch_kw = launch_kw
     qmma.QMMA_INTERPRETER_MIN_BLOCK_N = 0
     qmatmul.QGEMV_INTERPRETER_MIN_BLOCK_N = 0
+    qmma._native = lambda x: True  # inline PTX (the head's L2 prefetch) as on the GPU
 
 
 VARIANTS = {
@@ -89,6 +90,7 @@ VARIANTS = {
     "q8gemv": {"layer_forms": {"Q8_0": "gemv"}},
     "unfused_combine": {"fuse_combine": False},
     "m32": "m32",
+    "prefetch": "prefetch",
     "attn_fma": {"attn_dot": False},
     "addnorm": {"fuse_add_norm": True},
     "folds": {"fuse_add_norm": True, "fuse_qk_rope": True, "attn_dot": False},
@@ -105,6 +107,10 @@ def check(model, name: str, kw) -> float:
     from workbench.triton_runner import TritonRunner
 
     saved, saved_wide = dict(qmma.QMMA_CONFIGS), dict(qmma.QMMA_WIDE_CONFIGS)
+    if kw == "prefetch":  # the head's L2 prefetch (inline PTX: compiled for the GPU only)
+        for k, cfg in qmma.QMMA_WIDE_CONFIGS.items():
+            qmma.QMMA_WIDE_CONFIGS[k] = replace(cfg, prefetch=264)
+        kw = {}
     if kw == "m32":
         for table in (qmma.QMMA_CONFIGS, qmma.QMMA_WIDE_CONFIGS):
             for k, cfg in table.items():
