@@ -91,11 +91,12 @@ QMMA_CONFIGS: dict[str, MmaConfig] = {
     "Q4_K": MmaConfig(block_n=64, block_k=256),
     "Q6_K": MmaConfig(block_n=64, block_k=256),
 }
-# The head (unsplit): unpipelined was the fastest of six tilings on an H200 (session 3); at
-# ~1 TB/s (150-200 us of a step, session 4's timelines) it asks L2 for its tile and for the
-# tile 264 programs (about two waves) ahead before its first step (``MmaConfig.prefetch``).
+# The head (unsplit; when the runner keeps it packed): unpipelined was the fastest of six
+# tilings on an H200 (session 3). It runs at ~1 TB/s (160-210 us of a step); an L2 prefetch of
+# each program's tile first (``MmaConfig.prefetch`` 0) gained 1%, of tiles 132-1056 programs
+# ahead nothing (session 5): the decode's instructions bound it, not memory.
 QMMA_WIDE_CONFIGS: dict[str, MmaConfig] = {
-    "Q8_0": MmaConfig(block_n=64, block_k=128, num_warps=4, num_stages=1, prefetch=264),
+    "Q8_0": MmaConfig(block_n=64, block_k=128, num_warps=4, num_stages=1, prefetch=0),
 }
 QMMA_PRECISIONS = ("bf16", "tf32x3")
 QMMA_INTERPRETER_MIN_BLOCK_N = 128  # fewer, wider programs under the CPU interpreter

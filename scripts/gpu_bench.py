@@ -480,6 +480,23 @@ def stage_head_prefetch(m, out: Path, rows: list, bw: float) -> None:
             bench_runner(m, f"head {label}", SLOTS, out, rows, bw)
 
 
+def stage_head_dense(m, out: Path, rows: list, bw: float) -> None:
+    """The head on its dequantized bf16 copy (kernels.dense_mma: 335 MB of plain loads, no
+    decode) in six tilings, beside the packed tensor-core head; end to end at every slot count."""
+    from workbench.kernels import dense_mma as dm
+
+    bench_runner(m, "head mma", SLOTS, out, rows, bw, matmul="mma", head_matmul="mma")
+    saved = dm.DENSE_CONFIG
+    try:
+        for cfg in (dm.DenseConfig(64, 128, 4, 3), dm.DenseConfig(128, 128, 4, 3), dm.DenseConfig(128, 64, 4, 4),
+                    dm.DenseConfig(64, 64, 4, 4), dm.DenseConfig(256, 64, 8, 3), dm.DenseConfig(128, 128, 8, 4)):
+            dm.DENSE_CONFIG = cfg
+            bench_runner(m, f"head dense n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}", SLOTS,
+                         out, rows, bw, matmul="mma", head_matmul="dense")
+    finally:
+        dm.DENSE_CONFIG = saved
+
+
 def stage_torch_path(path: str, out: Path, rows: list, device: str = "cuda", slots=(1, 4, 16), gen: int = 32) -> None:
     """The torch reference path (workbench.model, TorchRunner) on the GPU, through Engine: the
     model's tensors moved to the device and torch's default device set, so its step-local
@@ -572,6 +589,7 @@ def main_stage(args) -> None:
         ("form sweep", lambda: stage_form_sweep(m, out, rows, bw)),
         ("m32", lambda: stage_m32(m, out, rows, bw)),
         ("head prefetch", lambda: stage_head_prefetch(m, out, rows, bw)),
+        ("head dense", lambda: stage_head_dense(m, out, rows, bw)),
         ("attn fma", lambda: bench_runner(m, "triton_attention_fma", SLOTS, out, rows, bw, attn_dot=False)),
         ("qkrope", lambda: bench_runner(m, "triton_qk_rope_fold", SLOTS, out, rows, bw, fuse_qk_rope=True)),
         ("qkrope exact", lambda: _patched(tr, "FUSE_QK_ROPE", True, lambda: stage_exact(m, out, exact_rows))),

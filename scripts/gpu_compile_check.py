@@ -31,6 +31,7 @@ from triton.runtime.jit import JITFunction
 
 COMPILED: set = set()  # (kernel name, compiled hash) of every launch seen
 KERNELS: dict = {}  # (kernel name, hash) -> compiled kernel (for --report)
+TILES: dict = {}  # (kernel name, hash) -> the tile constexprs it was launched with (for --report)
 
 
 class _CompileOnlyDriver:
@@ -60,6 +61,8 @@ def _install() -> None:
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         if kernel is not None:
             KERNELS[(self.__name__, kernel.hash)] = kernel
+            TILES[(self.__name__, kernel.hash)] = " ".join(
+                f"{k}={kwargs[k]}" for k in ("QTYPE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "NSPLIT") if k in kwargs)
         COMPILED.add((self.__name__, kernel.hash if kernel is not None else None))
         return kernel
 
@@ -68,7 +71,7 @@ def _install() -> None:
 
 def _gpu_options(modules) -> None:
     """The launch choices a GPU gets: PDL on, GPU tiles (no interpreter widening)."""
-    from workbench.kernels import pdl, qmatmul, qmma
+    from workbench.kernels import dense_mma, pdl, qmatmul, qmma
 
     def launch_kw(t):
         return {"PDL": True, "launch_pdl": True} if pdl.ENABLED else {"PDL": False}
@@ -78,6 +81,7 @@ def _gpu_options(modules) -> None:
             mod.launch_kw = launch_kw
     qmma.QMMA_INTERPRETER_MIN_BLOCK_N = 0
     qmatmul.QGEMV_INTERPRETER_MIN_BLOCK_N = 0
+    dense_mma.DENSE_INTERPRETER_MIN_BLOCK_N = 0
     qmma._native = lambda x: True  # inline PTX (the head's L2 prefetch) as on the GPU
 
 
@@ -90,6 +94,7 @@ VARIANTS = {
     "q8gemv": {"layer_forms": {"Q8_0": "gemv"}},
     "unfused_combine": {"fuse_combine": False},
     "m32": "m32",
+    "packed_head": {"head_matmul": "mma"},
     "prefetch": "prefetch",
     "attn_fma": {"attn_dot": False},
     "addnorm": {"fuse_add_norm": True},
@@ -159,7 +164,8 @@ def report() -> None:
         spill = re.search(r"(\d+) bytes spill stores", out)
         warps = k.metadata.num_warps
         print(f"  {name} [{h[:8]}] warps {warps}: {regs.group(1) if regs else '?'} registers, "
-              f"{spill.group(1) if spill else '?'} B spill stores, {k.metadata.shared} B shared")
+              f"{spill.group(1) if spill else '?'} B spill stores, {k.metadata.shared} B shared"
+              + (f"  ({TILES[(name, h)]})" if TILES.get((name, h)) else ""))
 
 
 def main() -> int:
@@ -177,6 +183,7 @@ def main() -> int:
     _install()
     from workbench.kernels import (
         attention,
+        dense_mma,
         embedding,
         norm,
         qmatmul,
@@ -189,7 +196,7 @@ def main() -> int:
     from workbench.default_model import default_model_path
     from workbench.model import load_model
 
-    _gpu_options([attention, embedding, norm, qmatmul, qmma, rope, sampling, step_fused])
+    _gpu_options([attention, dense_mma, embedding, norm, qmatmul, qmma, rope, sampling, step_fused])
     model = load_model(args.model or str(default_model_path()), dtype="bfloat16")
     print(f"triton {triton.__version__}, target sm_90")
     failed = 0
@@ -197,6 +204,7 @@ def main() -> int:
         try:
             COMPILED.clear()
             KERNELS.clear()
+            TILES.clear()
             dt = check(model, name, VARIANTS[name])
             kernels = sorted({k for k, _ in COMPILED})
             print(f"{name}: {len(COMPILED)} specializations of {len(kernels)} kernels compiled in {dt:.0f} s "

@@ -31,7 +31,8 @@ class QWeight:
     K: int
     splits: int
     packed: object = None  # kernels.qmatmul.PackedWeight unless the form is "raw"
-    form: str = "raw"  # the product kernel this weight always takes: "mma", "gemv" or "raw"
+    form: str = "raw"  # the product kernel this weight always takes: "mma", "gemv", "raw" or "dense"
+    dense: torch.Tensor | None = None  # form "dense" (the head): the dequantized [N, K] for kernels.dense_mma
 
 
 @dataclass
@@ -74,7 +75,7 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
                         head_form: str, dense: str = "quant") -> DeviceWeights:
     """Every weight of ``model`` on ``device`` in the runner's layout. ``matmul``: the layers'
     form ("raw" keeps GGUF bytes, else packed planes), ``layer_forms``: per-format overrides,
-    ``head_form``: the head's. ``dense="cublas_bf16"`` also keeps bf16 copies for the
+    ``head_form``: the head's ("dense": dequantized once, for ``kernels.dense_mma``). ``dense="cublas_bf16"`` also keeps bf16 copies for the
     non-invariant comparison variant."""
     from .kernels import qmatmul as qm
     from .kernels.quant_tiles import FORMATS
@@ -180,12 +181,17 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
         if not packed:
             nbytes += head.raw.numel()
     head.splits = 1  # one K pass: the logits are written directly (a shape-only choice)
-    if packed:  # (tied: a packed copy beside the embedding's raw bytes)
+    if packed and head_form == "dense":  # the values the packed decode would make, once: bf16(d * q)
+        head.dense = model.head.to(torch.bfloat16 if model.dtype == torch.bfloat16 else torch.float32).to(device)
+        head.dense = head.dense.contiguous()
+        head.form = "dense"
+        nbytes += head.dense.numel() * head.dense.element_size()
+    elif packed:  # (tied: a packed copy beside the embedding's raw bytes)
         head.packed = qm.pack_weights(head.raw, head.fmt.name, head.N, head.K)
         head.form = head_form
         nbytes += head.packed.nbytes
-        if not c.tied_output:
-            head.raw = None
+    if packed and not c.tied_output:
+        head.raw = None
     dense_head = model.head.to(torch.bfloat16).to(device) if dense != "quant" else None
     return DeviceWeights(layers, emb, Proj([(0, head)], head.N, head.K, 1, dense_head), output_norm, nbytes,
                          nbytes - table_bytes)

@@ -62,9 +62,12 @@ MAX_EMBD = 8192  # the fused norms hold a whole row in one tile
 # 0.816 -> 0.874 against FMA GEMVs for Q4_K/Q6_K/Q8_0).
 MATMUL = "mma"
 MATMUL_FORMS = ("mma", "gemv", "raw")
-# The head's form: None = the layers' form. A per-weight choice (fixed at load, by the weight,
-# never by the row count), so rows stay invariant whichever form each weight takes.
-HEAD_MATMUL: str | None = "mma"
+# The head's form: None = the layers' form, or "dense": its dequantized copy (bf16(d * q), the
+# values the packed decode makes) on tensor cores (kernels/dense_mma.py): the Q8_0 head decoded
+# in registers ran at ~1 TB/s, bound by the decode's instructions (docs/GPU_NOTES.md, session 5).
+# A per-weight choice (fixed at load, by the weight, never by the row count), so rows stay
+# invariant whichever form each weight takes.
+HEAD_MATMUL: str | None = "dense"
 # Per-format overrides of the layers' form ({"Q4_K": "gemv"}): again fixed per weight.
 LAYER_FORMS: dict[str, str] = {}
 # Keys per attention partial program, one value per runner (prefill and decode alike). Small
@@ -154,15 +157,19 @@ class TritonRunner:
         self.layer_forms = dict(layer_forms if layer_forms is not None else LAYER_FORMS if defaults else {})
         # raw GGUF bytes or packed planes is one choice for all weights; the packed forms mix
         allowed = ("raw",) if self.matmul == "raw" else ("mma", "gemv")
-        for what, form in [("head_matmul", self.head_matmul), *(("layer_forms", f) for f in self.layer_forms.values())]:
-            if form not in allowed:
+        # the head may also take a dequantized copy on tensor cores (kernels.dense_mma)
+        head_allowed = allowed if self.matmul == "raw" else (*allowed, "dense")
+        for what, form, ok in [("head_matmul", self.head_matmul, head_allowed),
+                               *(("layer_forms", f, allowed) for f in self.layer_forms.values())]:
+            if form not in ok:
                 raise WorkbenchError(f"{what}: form {form!r} is not allowed with matmul={self.matmul!r}: "
-                                     f"allowed {', '.join(allowed)}")
+                                     f"allowed {', '.join(ok)}")
         from .kernels import attention as _attn
+        from .kernels import dense_mma as _dense
         from .kernels import qmma as _qmma
         from .kernels import step_fused as _fused
 
-        self._attn, self._qmma, self._fused = _attn, _qmma, _fused
+        self._attn, self._qmma, self._fused, self._dense = _attn, _qmma, _fused, _dense
         # keys per attention partial program (ATTN_SEGMENT by default): one
         # value per runner, used by prefill and decode alike, so rows stay bitwise invariant
         self.attn_segment = int(attn_segment or ATTN_SEGMENT)
@@ -340,6 +347,10 @@ class TritonRunner:
             else out.unsqueeze(0)
         qm = self._qm
         for off, w in p.parts:
+            if w.form == "dense":  # (the head) the dequantized weight on tensor cores
+                self._dense.dense_mma(x, w.dense, self.mma_prec, out=part[0, :, off:], use_dot=self.use_dot)
+                self.launches += 1
+                continue
             if w.packed is not None:
                 self._launch_packed(x, w.packed, part[:, :, off:], w.splits, part.stride(0), w.form, glu, heads, off,
                                     norm)

@@ -1,0 +1,121 @@
+"""y[M, N] = x[M, K] @ W^T on tensor cores from a dense (already dequantized) W; batch-invariant.
+
+The head's alternative to decoding GGUF blocks in registers (``qmma.py``). On an H200 the Q8_0
+head (262,144 x 640, 178 MB) took 160-210 us of a 0.87-0.98 ms decode step in ``qmma``
+(docs/GPU_NOTES.md, session 5): about 1 TB/s, bound by the decode's instructions per weight, not
+by memory (an L2 prefetch of every tile changed nothing). Here the weights are the bfloat16
+values that decode produces (``bf16(d * q)``, dequantized once at load: 335 MB instead of
+178), so a K step is a plain load that Triton pipelines (``num_stages``) straight into the MMA.
+
+* Operands swapped as in ``qmma``: a program owns BLOCK_N outputs x a fixed tile of BLOCK_M = 16
+  rows and computes ``y^T[BLOCK_N, 16] = W[BLOCK_N, K] @ x^T[K, 16]``.
+* Precision as ``qmma``'s: "bf16" (x rounded to bfloat16, products exact in float32, float32
+  accumulation; W bfloat16) or "tf32x3" (float32 W and x, three TF32 products).
+* Invariance: tiles, K steps and their order are fixed by the weight's shape, M is not
+  specialized, a row is one column of the MMA's output. Under the CPU interpreter the same
+  products are a broadcast multiply + ``tl.sum`` (``qmma._plane_dot``'s reason).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .pdl import enter, launch_kw
+from .qmma import QMMA_PRECISIONS, _round_bf16
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DENSE_BLOCK_M = 16
+DENSE_CONFIG = DenseConfig()
+DENSE_INTERPRETER_MIN_BLOCK_N = 128  # fewer, wider programs under the CPU interpreter
+
+
+@triton.jit(do_not_specialize=["M"])
+def _dense_mma_kernel(
+    x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PREC: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m
+    n = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = m < M
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    enter(PDL)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
+        if PREC == "bf16":
+            xb = _round_bf16(xt.to(tl.float32), not USE_DOT)
+            if USE_DOT:
+                acc = tl.dot(w, xb, acc)
+            else:  # bf16 x bf16 products are exact in float32: only the summation order differs
+                acc += tl.sum(w.to(tl.float32)[:, :, None] * xb.to(tl.float32)[None, :, :], axis=1)
+        else:
+            xf = xt.to(tl.float32)
+            if USE_DOT:
+                acc = tl.dot(w, xf, acc, input_precision="tf32x3")
+            else:
+                acc += tl.sum(w[:, :, None] * xf[None, :, :], axis=1)
+    tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc, mask=nmask[:, None] & mmask[None, :])
+
+
+def dense_config(device: torch.device | str = "cuda") -> DenseConfig:
+    cfg = DENSE_CONFIG
+    if torch.device(device).type == "cpu":
+        cfg = DenseConfig(max(cfg.block_n, DENSE_INTERPRETER_MIN_BLOCK_N), cfg.block_k, cfg.num_warps, cfg.num_stages)
+    return cfg
+
+
+def dense_mma(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16", out: torch.Tensor | None = None,
+              config: DenseConfig | None = None, use_dot: bool | None = None) -> torch.Tensor:
+    """float32 [M, N] = x[M, K] @ w^T. w: bfloat16 [N, K] for prec "bf16", float32 for
+    "tf32x3", unit stride along K; x float32 or bfloat16 [M, K]. Row i equals the product of
+    x[i:i+1] alone, bitwise. ``use_dot``: tl.dot (default on a GPU) or the tl.sum form."""
+    if prec not in QMMA_PRECISIONS:
+        raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(QMMA_PRECISIONS)}")
+    want = torch.bfloat16 if prec == "bf16" else torch.float32
+    if w.dim() != 2 or w.dtype != want or w.stride(1) != 1:
+        raise ValueError(f"w must be {want} [N, K] with unit stride along K for prec={prec!r}, "
+                         f"got {w.dtype} {tuple(w.shape)}")
+    N, K = w.shape
+    if x.dim() != 2 or x.shape[1] != K or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x must be float32/bfloat16 [M, {K}] with unit stride, got {x.dtype} {tuple(x.shape)}")
+    M = x.shape[0]
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.float32, device=x.device)
+    elif out.shape != (M, N) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out must be float32 [{M}, {N}] with unit stride")
+    if M == 0:
+        return out
+    cfg = config or dense_config(x.device)
+    grid = (triton.cdiv(M, DENSE_BLOCK_M) * triton.cdiv(N, cfg.block_n),)
+    _dense_mma_kernel[grid](
+        x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=DENSE_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, PREC=prec,
+        USE_DOT=x.is_cuda if use_dot is None else use_dot, num_warps=cfg.num_warps, **launch_kw(x),
+    )
+    return out
+
+
+def dense_mma_ref(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16") -> torch.Tensor:
+    """float64 reference of the same product (x rounded to bfloat16 for "bf16")."""
+    xr = x.to(torch.bfloat16) if prec == "bf16" else x
+    return xr.double() @ w.double().T

@@ -1,0 +1,36 @@
+"""kernels/dense_mma.py: the dense tensor-core product (the head's form on dequantized weights)
+against a float64 reference, rows bitwise invariant, bad inputs refused."""
+
+import pytest
+import torch
+
+from workbench.kernels.dense_mma import DenseConfig, dense_mma, dense_mma_ref
+
+
+@pytest.mark.parametrize("prec", ["bf16", "tf32x3"])
+def test_dense_mma_matches_reference_and_rows_are_invariant(prec, device):
+    gen = torch.Generator().manual_seed(3)
+    N, K = 200, 160  # a partial N tile and a partial K step
+    w = (0.05 * torch.randn(N, K, generator=gen)).to(torch.bfloat16 if prec == "bf16" else torch.float32).to(device)
+    x = torch.randn(18, K, generator=gen).to(device)  # two 16-row tiles
+    y = dense_mma(x, w, prec)
+    torch.testing.assert_close(y.double(), dense_mma_ref(x, w, prec), rtol=1e-5, atol=1e-5)
+    for i in (0, 7, 17):
+        assert torch.equal(dense_mma(x[i : i + 1].clone(), w, prec), y[i : i + 1])
+    sub = dense_mma(x[3:8].clone(), w, prec, config=DenseConfig(block_n=128, block_k=64, num_stages=1))
+    assert torch.equal(sub, dense_mma(x[3:8].clone(), w, prec, config=DenseConfig(block_n=128, block_k=64,
+                                                                                   num_stages=1)))
+
+
+def test_dense_mma_rejects_bad_inputs(device):
+    w = torch.zeros(8, 32, dtype=torch.bfloat16, device=device)
+    x = torch.zeros(2, 32, device=device)
+    with pytest.raises(ValueError, match="prec="):
+        dense_mma(x, w, "fp8")
+    with pytest.raises(ValueError, match="w must be"):
+        dense_mma(x, w.float(), "bf16")
+    with pytest.raises(ValueError, match="x must be"):
+        dense_mma(torch.zeros(2, 31, device=device), w)
+    with pytest.raises(ValueError, match="out must be"):
+        dense_mma(x, w, out=torch.zeros(2, 7, device=device))
+    assert dense_mma(x[:0], w).shape == (0, 8)
