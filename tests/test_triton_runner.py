@@ -243,8 +243,8 @@ def test_close_folds_are_invariant_and_save_launches(tiny_model, monkeypatch, op
     a = torch.randint(0, m.config.vocab_size, (13,), generator=gen).tolist()
     b = torch.randint(0, m.config.vocab_size, (7,), generator=gen).tolist()
 
-    def alone(fuse):
-        r = TritonRunner(m, 256, graphs=False, **{option: fuse})
+    def alone(fuse):  # (every weight on tensor cores: the folds ride on that form's launches)
+        r = TritonRunner(m, 256, graphs=False, matmul="mma", **{option: fuse})
         got = [r.run([Segment(0, "a", tuple(a[:12]), 0, True)], {0: 64})[0]]
         got.append(r.run([Segment(0, "a", (a[12],), 12, True)], {0: 64})[0])
         return torch.stack(got), r.launches
@@ -253,7 +253,7 @@ def test_close_folds_are_invariant_and_save_launches(tiny_model, monkeypatch, op
     plain, n_plain = alone(False)
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
     assert n_plain - n_fused == fewer * m.config.n_layers
-    r = TritonRunner(m, 256, graphs=False, **{option: True})
+    r = TritonRunner(m, 256, graphs=False, matmul="mma", **{option: True})
     o = r.run([Segment(1, "b", tuple(b[:6]), 0, True), Segment(0, "a", tuple(a[:12]), 0, True)], {0: 64, 1: 64})
     assert torch.equal(o[0], fused[0])
     o = r.run([Segment(0, "a", (a[12],), 12, True), Segment(1, "b", (b[6],), 6, True)], {0: 64, 1: 64})
