@@ -24,7 +24,8 @@ The arithmetic for a row is therefore a function of (q row, its cache, pos, wind
 
 Precision: q, K, V float32 or bfloat16, upcast; scores, softmax and P@V in float32; output in
 q's dtype. On a GPU the two products are ``tl.dot`` with ATTENTION_INPUT_PRECISION ("tf32x3",
-about fp32 accurate; the query heads padded to 16 rows); under the CPU interpreter tl.dot is
+about fp32 accurate; the query heads padded to 16 rows), or, where the caller asks for "bf16",
+one bfloat16 MMA each (q and the softmax weights rounded to bfloat16); under the CPU interpreter tl.dot is
 numpy sgemm, which is not row-invariant, so there they are written as broadcast multiply +
 ``tl.sum`` (see qmatmul.py).
 Cache entries beyond a row's position are never read, so they may hold anything (the tests fill
@@ -38,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .pdl import enter, launch_kw
+from .qmma import _round_bf16
 
 # Keys per block, by padded head dim: keeps the product tiles near 16K floats. Fixed per model
 # shape, never per batch or chunk.
@@ -45,8 +47,11 @@ ATTENTION_BLOCK_N: dict[int, int] = {16: 32, 32: 32, 64: 32, 128: 32, 256: 16, 5
 ATTENTION_SEGMENT = 256  # keys per partial program (a multiple of every BLOCK_N)
 ATTENTION_SMALL_TILE = 8192  # QROWS * BLOCK_N * D_P up to this: 4 warps, above: 8
 # tl.dot precision on a GPU: "tf32x3" (about fp32; on an H200 1.5-2.5x faster than "ieee" for
-# Gemma's 4x256 heads at long contexts). Never "tf32".
+# Gemma's 4x256 heads at long contexts). Never "tf32". A call may ask for "bf16" instead (a
+# bfloat16 engine: q and the softmax weights rounded to bfloat16, K and V taken as bfloat16,
+# products exact in float32, float32 accumulation: one MMA per product instead of three).
 ATTENTION_INPUT_PRECISION = "tf32x3"
+ATTENTION_PRECISIONS = ("tf32x3", "ieee", "bf16")
 _LOG2E = 1.4426950408889634
 
 
@@ -68,6 +73,19 @@ def _row_key_range(row_pos_ptr, row_win_ptr, r):
     hi = pos + 1
     lo = tl.where(win > 0, tl.maximum(hi - win, 0), 0)
     return lo, hi
+
+
+@triton.jit
+def _bf16_dot(a, b, USE_DOT: tl.constexpr):
+    """a [P, Q] @ b [Q, R] with both operands rounded to bfloat16, products exact in float32,
+    float32 accumulation; under the interpreter the same products summed with tl.sum."""
+    ab = _round_bf16(a, not USE_DOT)
+    bb = _round_bf16(b, not USE_DOT)
+    if USE_DOT:
+        out = tl.dot(ab, bb)
+    else:
+        out = tl.sum(ab.to(tl.float32)[:, :, None] * bb.to(tl.float32)[None, :, :], axis=1)
+    return out
 
 
 @triton.jit
@@ -103,7 +121,9 @@ def _attention_partial_kernel(
         jmask = (j >= seg_lo) & (j < seg_hi)
         kvmask = jmask[:, None] & dmask[None, :]
         k = tl.load(k_base + j[:, None].to(tl.int64) * stride_kl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
-        if USE_DOT:
+        if INPUT_PRECISION == "bf16":
+            s = _bf16_dot(q, tl.trans(k), USE_DOT)  # [QROWS, BN]
+        elif USE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # [QROWS, BN]
         else:
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
@@ -113,7 +133,9 @@ def _attention_partial_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + j[:, None].to(tl.int64) * stride_vl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
-        if USE_DOT:
+        if INPUT_PRECISION == "bf16":
+            pv = _bf16_dot(p, v, USE_DOT)  # [QROWS, D]
+        elif USE_DOT:
             pv = tl.dot(p, v, input_precision=INPUT_PRECISION)  # [QROWS, D]
         else:
             pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
@@ -195,6 +217,7 @@ def attention_rows(
     max_pos: int | None = None,
     use_dot: bool | None = None,
     counters: torch.Tensor | None = None,
+    precision: str | None = None,
 ) -> torch.Tensor:
     """Attention of R query rows, each against its own sequence's cache.
 
@@ -205,8 +228,12 @@ def attention_rows(
     picks the product form (default: tl.dot on a GPU; see the module docstring). ``counters``:
     int32 zeros, at least R * Hkv of them, owned by the caller and reusable across calls (each
     call leaves them zero): the last partial program of a row merges the row itself (one launch
-    instead of two; bitwise the same result).
+    instead of two; bitwise the same result). ``precision``: the products' (ATTENTION_PRECISIONS;
+    default ATTENTION_INPUT_PRECISION), one choice per caller, so rows stay invariant.
     """
+    precision = precision or ATTENTION_INPUT_PRECISION
+    if precision not in ATTENTION_PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not allowed: allowed {', '.join(ATTENTION_PRECISIONS)}")
     _check_float("q", q)
     _check_float("k_cache", k_cache)
     _check_float("v_cache", v_cache)
@@ -255,7 +282,7 @@ def attention_rows(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         float(scale) * _LOG2E, D, Hkv, num_seg, counters if fused else ws_m, out, out.stride(0), out.stride(1),
         GROUP=group, QROWS=qrows, D_P=d_p, BLOCK_N=block_n, SEG=ATTENTION_SEGMENT,
-        USE_DOT=use_dot, INPUT_PRECISION=ATTENTION_INPUT_PRECISION, FUSED=fused, num_warps=num_warps, **launch_kw(q),
+        USE_DOT=use_dot, INPUT_PRECISION=precision, FUSED=fused, num_warps=num_warps, **launch_kw(q),
     )
     if not fused:
         _attention_combine_kernel[(R, Hkv)](

@@ -593,6 +593,8 @@ def main_stage(args) -> None:
         ("attn fma", lambda: bench_runner(m, "triton_attention_fma", SLOTS, out, rows, bw, attn_dot=False)),
         ("qkrope", lambda: bench_runner(m, "triton_qk_rope_fold", SLOTS, out, rows, bw, fuse_qk_rope=True)),
         ("qkrope exact", lambda: _patched(tr, "FUSE_QK_ROPE", True, lambda: stage_exact(m, out, exact_rows))),
+        ("attn bf16", lambda: bench_runner(m, "triton_attention_bf16", SLOTS, out, rows, bw, attn_bf16=True)),
+        ("attn tf32x3", lambda: bench_runner(m, "triton_attention_tf32x3", SLOTS, out, rows, bw, attn_bf16=False)),
         ("addnorm", lambda: bench_runner(m, "triton_add_norm_fold", SLOTS, out, rows, bw, fuse_add_norm=True)),
         ("folds", lambda: bench_runner(m, "triton_folds", SLOTS, out, rows, bw, fuse_add_norm=True, fuse_qk_rope=True)),
         ("folds fma", lambda: bench_runner(m, "triton_folds_attention_fma", SLOTS, out, rows, bw, fuse_add_norm=True,

@@ -98,6 +98,8 @@ VARIANTS = {
     "prefetch": "prefetch",
     "attn_fma": {"attn_dot": False},
     "addnorm": {"fuse_add_norm": True},
+    "attn_bf16": {"attn_bf16": True},
+    "attn_tf32x3": {"attn_bf16": False},
     "folds": {"fuse_add_norm": True, "fuse_qk_rope": True, "attn_dot": False},
 }
 

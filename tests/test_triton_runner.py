@@ -285,3 +285,26 @@ def test_dense_head_is_close_and_invariant(tiny_model, dtype):
     assert torch.equal(o[0], runs["dense"][0][1])
     with pytest.raises(WorkbenchError, match="allowed mma, gemv, dense"):
         TritonRunner(m, 64, graphs=False, matmul="mma", head_matmul="cublas")
+
+
+def test_bf16_attention_products_are_invariant(tiny_model):
+    """attn_bf16: a bfloat16 engine's attention products as single bf16 MMAs. Close to the
+    tf32x3 products at bfloat16 tolerance; a slot batched with another bitwise the slot alone;
+    a float32 engine ignores it."""
+    m = tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW)
+    gen = torch.Generator().manual_seed(14)
+    a = torch.randint(0, m.config.vocab_size, (11,), generator=gen).tolist()
+    b = torch.randint(0, m.config.vocab_size, (6,), generator=gen).tolist()
+    outs = {}
+    for bf16 in (False, True):
+        r = TritonRunner(m, 256, graphs=False, attn_bf16=bf16)
+        assert r.attn_prec == ("bf16" if bf16 else None)
+        got = [r.run([Segment(0, "a", tuple(a[:10]), 0, True)], {0: 64})[0]]
+        got.append(r.run([Segment(0, "a", (a[10],), 10, True)], {0: 64})[0])
+        outs[bf16] = torch.stack(got)
+    torch.testing.assert_close(outs[True], outs[False], rtol=3e-2, atol=3e-2)
+    o = r.run([Segment(1, "b", tuple(b[:5]), 0, True), Segment(0, "a2", tuple(a[:10]), 0, True)], {0: 64, 1: 64})
+    assert torch.equal(o[0], outs[True][0])
+    o = r.run([Segment(0, "a2", (a[10],), 10, True), Segment(1, "b", (b[5],), 5, True)], {0: 64, 1: 64})
+    assert torch.equal(o[0], outs[True][1])
+    assert TritonRunner(tiny_model("gemma3", "float32", "Q8_0"), 64, graphs=False, attn_bf16=True).attn_prec is None

@@ -98,6 +98,11 @@ FUSE_QK_ROPE = False
 # two launches less per layer. Off by default until measured; like FUSE_QK_ROPE not bitwise the
 # separate kernel (the norms' sums run over [4, E] tiles), so one choice per runner.
 FUSE_ADD_NORM = False
+# A bfloat16 engine's attention products as single bf16 MMAs (q and the softmax weights rounded
+# to bfloat16, float32 accumulation) instead of tf32x3 (three MMAs per product): the precision
+# the engine's dtype already implies for K and V. One choice per runner; float32 engines keep
+# tf32x3.
+ATTN_BF16 = True
 # Programmatic dependent launch (kernels/pdl.py) where the GPU has it (sm_90+): each kernel's
 # launch and ramp-up overlap its predecessor's work. Ordering, hence every bit, is unchanged.
 PDL = True
@@ -131,7 +136,7 @@ class TritonRunner:
                  head_matmul: str | None = None, layer_forms: dict[str, str] | None = None,
                  fuse_combine: bool | None = None, pdl: bool | None = None, fuse_glu: bool | None = None,
                  fuse_qk_rope: bool | None = None, attn_dot: bool | None = None,
-                 fuse_add_norm: bool | None = None):
+                 fuse_add_norm: bool | None = None, attn_bf16: bool | None = None):
         from .kernels import pdl as _pdl
         from .kernels import qmatmul as qm
 
@@ -182,6 +187,8 @@ class TritonRunner:
         # (the interpreter's form; exact float32, run on the GPU too when attn_dot=False): one
         # form per runner. Not yet measured against each other on a GPU.
         self.attn_dot = self.use_dot if attn_dot is None else bool(attn_dot) and self.use_dot
+        bf16 = ATTN_BF16 if attn_bf16 is None else bool(attn_bf16)
+        self.attn_prec = "bf16" if bf16 and model.dtype == torch.bfloat16 else None  # None: the kernels' default
         # graphs="emulate": the graph path (buckets, padding, scratch slot, device-fed tokens)
         # replayed eagerly, so that the CPU tests cover it; True: CUDA graphs where CUDA is.
         graphs = GRAPHS if graphs is None else graphs
@@ -430,7 +437,8 @@ class TritonRunner:
             try:  # the module constant is read at launch; put it back for other callers
                 counters = self._attn_counters if R <= ATTN_COUNTER_ROWS else None
                 attn = attention_rows(q, kp, vp, seq, pos, wins if c.layer_window(li) else zeros,
-                                      c.attn_scale, max_pos=max_pos, use_dot=self.attn_dot, counters=counters)
+                                      c.attn_scale, max_pos=max_pos, use_dot=self.attn_dot, counters=counters,
+                                      precision=self.attn_prec)
             finally:
                 self._attn.ATTENTION_SEGMENT = seg_saved
             self.launches += 1 if counters is not None else 2

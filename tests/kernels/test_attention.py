@@ -155,3 +155,26 @@ def test_fused_combine_equals_two_launches(segment, device, monkeypatch):
         assert not counters.any()
     with pytest.raises(ValueError, match="counters must be int32"):
         attention_rows(q, k, v, row_seq, row_pos, row_win, 0.3, counters=counters[:4])
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_bf16_products_close_and_rows_invariant(use_dot, device, monkeypatch):
+    """precision="bf16" (a bfloat16 engine's attention): single bf16 products, close to the
+    float32 reference at bfloat16 tolerance, a row in a batch bitwise the row alone, several
+    segments per row. (The tl.dot form on a GPU only: the interpreter's tl.dot has no bfloat16.)"""
+    if use_dot and device.type != "cuda":
+        pytest.skip("bfloat16 tl.dot needs a GPU")
+    monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", 32)
+    q, k, v, lens, window = _decode_case(4, 4, 1, 64, 77, torch.bfloat16, device, seed=21)
+    q = q.float()
+    seq = torch.arange(4, device=device, dtype=torch.int32)
+    pos = (lens - 1).to(torch.int32)
+    win = window.to(torch.int32)
+    o = attention_rows(q, k, v, seq, pos, win, 0.125, use_dot=use_dot, precision="bf16")
+    torch.testing.assert_close(o, decode_attention_ref(q, k, v, lens, window, 0.125), **TOL[torch.bfloat16])
+    for b in (0, 3):
+        s = slice(b, b + 1)
+        one = attention_rows(q[s], k, v, seq[s], pos[s], win[s], 0.125, use_dot=use_dot, precision="bf16")
+        assert torch.equal(one, o[s]), f"row {b}"
+    with pytest.raises(ValueError, match="precision="):
+        attention_rows(q, k, v, seq, pos, win, 0.125, precision="fp8")
