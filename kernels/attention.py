@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .pdl import enter, launch_kw
-from .qmma import _round_bf16
+from .qmma import dot_acc
 
 # Keys per block, by padded head dim: keeps the product tiles near 16K floats. Fixed per model
 # shape, never per batch or chunk.
@@ -76,19 +76,6 @@ def _row_key_range(row_pos_ptr, row_win_ptr, r):
 
 
 @triton.jit
-def _bf16_dot(a, b, USE_DOT: tl.constexpr):
-    """a [P, Q] @ b [Q, R] with both operands rounded to bfloat16, products exact in float32,
-    float32 accumulation; under the interpreter the same products summed with tl.sum."""
-    ab = _round_bf16(a, not USE_DOT)
-    bb = _round_bf16(b, not USE_DOT)
-    if USE_DOT:
-        out = tl.dot(ab, bb)
-    else:
-        out = tl.sum(ab.to(tl.float32)[:, :, None] * bb.to(tl.float32)[None, :, :], axis=1)
-    return out
-
-
-@triton.jit
 def _attention_partial_kernel(
     q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
     stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
@@ -122,7 +109,7 @@ def _attention_partial_kernel(
         kvmask = jmask[:, None] & dmask[None, :]
         k = tl.load(k_base + j[:, None].to(tl.int64) * stride_kl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
         if INPUT_PRECISION == "bf16":
-            s = _bf16_dot(q, tl.trans(k), USE_DOT)  # [QROWS, BN]
+            s = dot_acc(tl.zeros([QROWS, BLOCK_N], dtype=tl.float32), q, tl.trans(k), "bf16", USE_DOT)
         elif USE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # [QROWS, BN]
         else:
@@ -134,7 +121,7 @@ def _attention_partial_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + j[:, None].to(tl.int64) * stride_vl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
         if INPUT_PRECISION == "bf16":
-            pv = _bf16_dot(p, v, USE_DOT)  # [QROWS, D]
+            pv = dot_acc(tl.zeros([QROWS, D_P], dtype=tl.float32), p, v, "bf16", USE_DOT)
         elif USE_DOT:
             pv = tl.dot(p, v, input_precision=INPUT_PRECISION)  # [QROWS, D]
         else:

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .pdl import enter, launch_kw
-from .qmma import QMMA_PRECISIONS, _round_bf16
+from .qmma import QMMA_PRECISIONS, dot_acc
 
 
 @dataclass(frozen=True)
@@ -62,18 +62,7 @@ def _dense_mma_kernel(
         kmask = k < K
         w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
-        if PREC == "bf16":
-            xb = _round_bf16(xt.to(tl.float32), not USE_DOT)
-            if USE_DOT:
-                acc = tl.dot(w, xb, acc)
-            else:  # bf16 x bf16 products are exact in float32: only the summation order differs
-                acc += tl.sum(w.to(tl.float32)[:, :, None] * xb.to(tl.float32)[None, :, :], axis=1)
-        else:
-            xf = xt.to(tl.float32)
-            if USE_DOT:
-                acc = tl.dot(w, xf, acc, input_precision="tf32x3")
-            else:
-                acc += tl.sum(w[:, :, None] * xf[None, :, :], axis=1)
+        acc = dot_acc(acc, w, xt, PREC, USE_DOT)
     tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc, mask=nmask[:, None] & mmask[None, :])
 
 

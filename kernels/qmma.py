@@ -129,8 +129,19 @@ def _plane_dot(acc, w, x_ptr, xoff, xmask, m, mmask, stride_xm,
     """acc[BN, BM] += W_plane[BN, GS] @ x^T[GS, BM], x^T gathered at K offsets ``xoff`` [GS]."""
     w = tl.reshape(w, [BLOCK_N, GS])
     xt = tl.load(x_ptr + m[None, :] * stride_xm + xoff[:, None], mask=xmask[:, None] & mmask[None, :], other=0.0)
+    return dot_acc(acc, w, xt, PREC, USE_DOT)
+
+
+@triton.jit
+def dot_acc(acc, w, xt, PREC: tl.constexpr, USE_DOT: tl.constexpr):
+    """acc[BN, BM] += w[BN, K] @ xt[K, BM] at precision PREC (the module docstring's): w float32
+    (rounded here for "bf16") or already bfloat16; tl.dot, or under the interpreter the same
+    products summed with tl.sum."""
     if PREC == "bf16":
-        wb = _round_bf16(w, not USE_DOT)
+        if w.dtype == tl.bfloat16:
+            wb = w
+        else:
+            wb = _round_bf16(w, not USE_DOT)
         xb = _round_bf16(xt.to(tl.float32), not USE_DOT)
         if USE_DOT:
             acc = tl.dot(wb, xb, acc)
