@@ -63,16 +63,19 @@ def test_qmatmul_dot_form_matches_reference(name, device, quant_rows):
     assert_close_dot(qmatmul(x, raw, name, N, K, use_dot=True), x, raw, name, N, K)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("name", ["Q8_0", "Q5_0"])
-def test_qmatmul_gguf_quantizer_bytes_and_strided_x(name, device):
-    """Bytes from gguf's own quantizer decode as gguf decodes them; x may be a column slice."""
+def test_gguf_quantizer_bytes_and_strided_x(name, packed, device):
+    """Bytes from gguf's own quantizer decode as gguf decodes them, raw or packed; x may be a
+    column slice."""
     N, K = 40, 96
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(N, K, generator=gen)
     raw = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType[name])).to(device)
     torch.testing.assert_close(dequant_ref(raw, name, K).cpu(), w, rtol=0, atol=0.25)  # quantization error
     x = torch.randn(3, K + 8, generator=gen).to(device)[:, 4 : 4 + K]
-    assert_close_dot(qmatmul(x, raw, name, N, K), x, raw, name, N, K)
+    y = qmatmul(x, pack_weights(raw, name, N, K)) if packed else qmatmul(x, raw, name, N, K)
+    assert_close_dot(y, x, raw, name, N, K)
 
 
 def test_qmatmul_rejects_bad_inputs(device, quant_rows):
@@ -155,16 +158,6 @@ def test_packed_decodes_gguf_weights_exactly(name, device, quant_rows):
         assert (y - ref).abs().max() <= 2.0**-21 * ref.abs().max()
     else:
         assert torch.equal(y, ref)
-
-
-@pytest.mark.parametrize("name", ["Q8_0", "Q5_0"])
-def test_packed_gguf_quantizer_bytes_and_strided_x(name, device):
-    N, K = 40, 96
-    gen = torch.Generator().manual_seed(3)
-    w = torch.randn(N, K, generator=gen)
-    raw = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType[name])).to(device)
-    x = torch.randn(3, K + 8, generator=gen).to(device)[:, 4 : 4 + K]
-    assert_close_dot(qmatmul(x, pack_weights(raw, name, N, K)), x, raw, name, N, K)
 
 
 def test_packed_bytes_and_bad_inputs(device, quant_rows):
