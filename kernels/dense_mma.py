@@ -7,8 +7,8 @@ by memory (an L2 prefetch of every tile changed nothing). Here the weights are t
 values that decode produces (``bf16(d * q)``, dequantized once at load: 335 MB instead of
 178), so a K step is a plain load that Triton pipelines (``num_stages``) straight into the MMA.
 
-* Operands swapped as in ``qmma``: a program owns BLOCK_N outputs x a fixed tile of BLOCK_M = 16
-  rows and computes ``y^T[BLOCK_N, 16] = W[BLOCK_N, K] @ x^T[K, 16]``.
+* Operands swapped as in ``qmma``: a program owns BLOCK_N outputs x a fixed tile of BLOCK_M rows
+  (16; ``DenseConfig.block_m``) and computes ``y^T[BLOCK_N, BM] = W[BLOCK_N, K] @ x^T[K, BM]``.
 * Precision as ``qmma``'s: "bf16" (x rounded to bfloat16, products exact in float32, float32
   accumulation; W bfloat16) or "tf32x3" (float32 W and x, three TF32 products).
 * Invariance: tiles, K steps and their order are fixed by the weight's shape, M is not
@@ -18,7 +18,7 @@ values that decode produces (``bf16(d * q)``, dequantized once at load: 335 MB i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -34,9 +34,12 @@ class DenseConfig:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    # rows per program (16 or 32), fixed per weight: 32 would read the head once for 17..32 rows
+    # instead of twice, at the price of a 32-wide MMA for 1..16 (bandwidth-bound: likely free).
+    # Not yet measured (docs/GPU_NOTES.md, session 5).
+    block_m: int = 16
 
 
-DENSE_BLOCK_M = 16
 DENSE_CONFIG = DenseConfig()
 DENSE_INTERPRETER_MIN_BLOCK_N = 128  # fewer, wider programs under the CPU interpreter
 
@@ -69,7 +72,7 @@ def _dense_mma_kernel(
 def dense_config(device: torch.device | str = "cuda") -> DenseConfig:
     cfg = DENSE_CONFIG
     if torch.device(device).type == "cpu":
-        cfg = DenseConfig(max(cfg.block_n, DENSE_INTERPRETER_MIN_BLOCK_N), cfg.block_k, cfg.num_warps, cfg.num_stages)
+        cfg = replace(cfg, block_n=max(cfg.block_n, DENSE_INTERPRETER_MIN_BLOCK_N))
     return cfg
 
 
@@ -95,10 +98,12 @@ def dense_mma(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16", out: torch.T
     if M == 0:
         return out
     cfg = config or dense_config(x.device)
-    grid = (triton.cdiv(M, DENSE_BLOCK_M) * triton.cdiv(N, cfg.block_n),)
+    if cfg.block_m not in (16, 32):
+        raise ValueError(f"bad dense config {cfg}: block_m must be 16 or 32")
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     _dense_mma_kernel[grid](
         x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=DENSE_BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, PREC=prec,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, PREC=prec,
         USE_DOT=x.is_cuda if use_dot is None else use_dot, num_warps=cfg.num_warps, **launch_kw(x),
     )
     return out

@@ -489,10 +489,11 @@ def stage_head_dense(m, out: Path, rows: list, bw: float) -> None:
     saved = dm.DENSE_CONFIG
     try:
         for cfg in (dm.DenseConfig(64, 128, 4, 3), dm.DenseConfig(128, 128, 4, 3), dm.DenseConfig(128, 64, 4, 4),
-                    dm.DenseConfig(64, 64, 4, 4), dm.DenseConfig(256, 64, 8, 3), dm.DenseConfig(128, 128, 8, 4)):
+                    dm.DenseConfig(64, 64, 4, 4), dm.DenseConfig(256, 64, 8, 3), dm.DenseConfig(128, 128, 8, 4),
+                    dm.DenseConfig(64, 128, 4, 3, block_m=32)):
             dm.DENSE_CONFIG = cfg
-            bench_runner(m, f"head dense n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}", SLOTS,
-                         out, rows, bw, matmul="mma", head_matmul="dense")
+            bench_runner(m, f"head dense n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+                         f" m{cfg.block_m}", SLOTS, out, rows, bw, matmul="mma", head_matmul="dense")
     finally:
         dm.DENSE_CONFIG = saved
 
@@ -541,6 +542,7 @@ def stage_torch_path(path: str, out: Path, rows: list, device: str = "cuda", slo
 def main_stage(args) -> None:
     import workbench.triton_runner as tr
     from workbench.kernels import attention as A
+    from workbench.kernels import dense_mma as dm
     from workbench.model import load_model
 
     FOLDS = {"FUSE_ADD_NORM": True, "FUSE_QK_ROPE": True}  # the two close (not bitwise) folds together
@@ -590,6 +592,10 @@ def main_stage(args) -> None:
         ("m32", lambda: stage_m32(m, out, rows, bw)),
         ("head prefetch", lambda: stage_head_prefetch(m, out, rows, bw)),
         ("head dense", lambda: stage_head_dense(m, out, rows, bw)),
+        ("head m32", lambda: _patched(dm, "DENSE_CONFIG", dm.DenseConfig(block_m=32),
+                                      lambda: bench_runner(m, "head dense m32", SLOTS, out, rows, bw))),
+        ("head m32 exact", lambda: _patched(dm, "DENSE_CONFIG", dm.DenseConfig(block_m=32),
+                                            lambda: stage_exact(m, out, exact_rows))),
         ("attn fma", lambda: bench_runner(m, "triton_attention_fma", SLOTS, out, rows, bw, attn_dot=False)),
         ("qkrope", lambda: bench_runner(m, "triton_qk_rope_fold", SLOTS, out, rows, bw, fuse_qk_rope=True)),
         ("qkrope exact", lambda: _patched(tr, "FUSE_QK_ROPE", True, lambda: stage_exact(m, out, exact_rows))),

@@ -95,6 +95,7 @@ VARIANTS = {
     "unfused_combine": {"fuse_combine": False},
     "m32": "m32",
     "packed_head": {"head_matmul": "mma"},
+    "dense_m32": "dense_m32",
     "prefetch": "prefetch",
     "attn_fma": {"attn_dot": False},
     "addnorm": {"fuse_add_norm": True},
@@ -107,16 +108,20 @@ VARIANTS = {
 def check(model, name: str, kw) -> float:
     from dataclasses import replace
 
-    from workbench.kernels import qmma
+    from workbench.kernels import dense_mma, qmma
     from workbench.kernels.sampling import argmax
 
     from workbench.scheduler import Segment
     from workbench.triton_runner import TritonRunner
 
     saved, saved_wide = dict(qmma.QMMA_CONFIGS), dict(qmma.QMMA_WIDE_CONFIGS)
+    saved_dense = dense_mma.DENSE_CONFIG
     if kw == "prefetch":  # the head's L2 prefetch (inline PTX: compiled for the GPU only)
         for k, cfg in qmma.QMMA_WIDE_CONFIGS.items():
             qmma.QMMA_WIDE_CONFIGS[k] = replace(cfg, prefetch=264)
+        kw = {}
+    if kw == "dense_m32":  # the dense head with 32-row tiles
+        dense_mma.DENSE_CONFIG = replace(saved_dense, block_m=32)
         kw = {}
     if kw == "m32":
         for table in (qmma.QMMA_CONFIGS, qmma.QMMA_WIDE_CONFIGS):
@@ -139,6 +144,7 @@ def check(model, name: str, kw) -> float:
         os.environ.pop("TRITON_INTERPRET", None)
         qmma.QMMA_CONFIGS.update(saved)
         qmma.QMMA_WIDE_CONFIGS.update(saved_wide)
+        dense_mma.DENSE_CONFIG = saved_dense
     return time.perf_counter() - t0
 
 

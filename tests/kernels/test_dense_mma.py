@@ -17,9 +17,11 @@ def test_dense_mma_matches_reference_and_rows_are_invariant(prec, device):
     torch.testing.assert_close(y.double(), dense_mma_ref(x, w, prec), rtol=1e-5, atol=1e-5)
     for i in (0, 7, 17):
         assert torch.equal(dense_mma(x[i : i + 1].clone(), w, prec), y[i : i + 1])
-    sub = dense_mma(x[3:8].clone(), w, prec, config=DenseConfig(block_n=128, block_k=64, num_stages=1))
-    assert torch.equal(sub, dense_mma(x[3:8].clone(), w, prec, config=DenseConfig(block_n=128, block_k=64,
-                                                                                   num_stages=1)))
+    wide = DenseConfig(block_n=128, block_k=64, num_stages=1, block_m=32)  # one 32-row tile for all 18 rows
+    y32 = dense_mma(x, w, prec, config=wide)
+    torch.testing.assert_close(y32.double(), dense_mma_ref(x, w, prec), rtol=1e-5, atol=1e-5)
+    for i in (0, 17):
+        assert torch.equal(dense_mma(x[i : i + 1].clone(), w, prec, config=wide), y32[i : i + 1])
 
 
 def test_dense_mma_rejects_bad_inputs(device):
@@ -31,6 +33,8 @@ def test_dense_mma_rejects_bad_inputs(device):
         dense_mma(x, w.float(), "bf16")
     with pytest.raises(ValueError, match="x must be"):
         dense_mma(torch.zeros(2, 31, device=device), w)
+    with pytest.raises(ValueError, match="block_m"):
+        dense_mma(x, w, config=DenseConfig(block_m=8))
     with pytest.raises(ValueError, match="out must be"):
         dense_mma(x, w, out=torch.zeros(2, 7, device=device))
     assert dense_mma(x[:0], w).shape == (0, 8)
