@@ -206,10 +206,10 @@ def _qmma_program(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if PREFETCH >= 0:
         t = tl.program_id(0) // tl.cdiv(M, BLOCK_M)
-        _prefetch_tile(t, N, qs_ptr, qs_row, d_ptr, d_row, BLOCK_N, d_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        DBYTES: tl.constexpr = d_ptr.dtype.element_ty.primitive_bitwidth // 8
+        _prefetch_tile(t, N, qs_ptr, qs_row, d_ptr, d_row, BLOCK_N, DBYTES)
         if PREFETCH > 0:
-            _prefetch_tile(t + PREFETCH, N, qs_ptr, qs_row, d_ptr, d_row, BLOCK_N,
-                           d_ptr.dtype.element_ty.primitive_bitwidth // 8)
+            _prefetch_tile(t + PREFETCH, N, qs_ptr, qs_row, d_ptr, d_row, BLOCK_N, DBYTES)
     # the first step's weights before waiting for x's producer (as in qmatmul's GEMV)
     w0, w1, w2, w3 = _step_planes(k_begin, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows, GW, QTYPE)
     enter(PDL)

@@ -383,7 +383,7 @@ def stage_pdl_sweep(m, out: Path, rows: list, bw: float) -> None:
     whose K slice is ONE step has all its weights decoded before the wait. End-to-end graph
     steps (1 and 16 slots) for layer tilings of both forms and for the per-format form choice;
     each candidate fixed per weight shape (never per M)."""
-    from workbench.kernels import qmatmul, qmma
+    from workbench.kernels import qmma
 
     C = qmma.MmaConfig
     mma_cands = {"n64k256w4": C(64, 256, 4), "n64k256w8": C(64, 256, 8), "n32k256w4": C(32, 256, 4),
@@ -395,10 +395,7 @@ def stage_pdl_sweep(m, out: Path, rows: list, bw: float) -> None:
             qmma.QMMA_CONFIGS["Q5_0"] = cfg
             bench_runner(m, f"pdl_sweep mma Q5_0 {label}", (1, 16), out, rows, bw)
         reset()
-        for label, (fmt, kw) in gemv_cands.items():
-            qmatmul.QGEMV_CONFIGS[fmt] = replace(base_gemv[fmt], **kw)
-            bench_runner(m, f"pdl_sweep gemv {label}", (1, 16), out, rows, bw)
-            reset()
+        _gemv_variants(m, "pdl_sweep gemv", gemv_cands, base_gemv, reset, out, rows, bw)
         bench_runner(m, "pdl_sweep forms all gemv, mma head", (1, 16), out, rows, bw, matmul="gemv",
                      head_matmul="mma", layer_forms={})
         bench_runner(m, "pdl_sweep forms all mma", (1, 16), out, rows, bw, matmul="mma")
@@ -409,9 +406,19 @@ def stage_pdl_sweep(m, out: Path, rows: list, bw: float) -> None:
             bench_runner(m, f"pdl_sweep forms all mma {label}", (1, 16), out, rows, bw, matmul="mma")
 
 
+def _gemv_variants(m, prefix: str, cands: dict, base_gemv: dict, reset, out: Path, rows: list, bw: float) -> None:
+    """One GEMV config change at a time ({label: (format, fields)}), each from the base tables."""
+    from workbench.kernels import qmatmul
+
+    for label, (fmt, kw) in cands.items():
+        qmatmul.QGEMV_CONFIGS[fmt] = replace(base_gemv[fmt], **kw)
+        bench_runner(m, f"{prefix} {label}", (1, 16), out, rows, bw)
+        reset()
+
+
 def stage_tile_sweep(m, out: Path, rows: list, bw: float) -> None:
     """Around the session-4 defaults (under PDL, GLU folded): one format's tiling at a time."""
-    from workbench.kernels import qmatmul, qmma
+    from workbench.kernels import qmma
 
     mma = {"Q5_0 n16k128w4": dict(block_n=16), "Q5_0 n16k128w2": dict(block_n=16, num_warps=2),
            "Q5_0 n32k128w2": dict(num_warps=2)}
@@ -423,10 +430,7 @@ def stage_tile_sweep(m, out: Path, rows: list, bw: float) -> None:
             qmma.QMMA_CONFIGS["Q5_0"] = replace(base_mma["Q5_0"], **kw)
             bench_runner(m, f"tile_sweep mma {label}", (1, 16), out, rows, bw)
             reset()
-        for label, (fmt, kw) in gemv.items():
-            qmatmul.QGEMV_CONFIGS[fmt] = replace(base_gemv[fmt], **kw)
-            bench_runner(m, f"tile_sweep gemv {label}", (1, 16), out, rows, bw)
-            reset()
+        _gemv_variants(m, "tile_sweep gemv", gemv, base_gemv, reset, out, rows, bw)
 
 
 def stage_form_sweep(m, out: Path, rows: list, bw: float) -> None:

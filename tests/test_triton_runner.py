@@ -308,3 +308,16 @@ def test_bf16_attention_products_are_invariant(tiny_model):
     o = r.run([Segment(0, "a2", (a[10],), 10, True), Segment(1, "b", (b[5],), 5, True)], {0: 64, 1: 64})
     assert torch.equal(o[0], outs[True][1])
     assert TritonRunner(tiny_model("gemma3", "float32", "Q8_0"), 64, graphs=False, attn_bf16=True).attn_prec is None
+
+
+def test_cublas_variant_shares_the_dense_head(tiny_model):
+    """dense="cublas_bf16" (the non-invariant comparison variant) reuses the dense head's bf16
+    tensor instead of a second copy, and its logits are close to the invariant runner's."""
+    m = tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW)
+    toks = (3, 9, 4, 17, 5)
+    ref = TritonRunner(m, 64, graphs=False).run([Segment(0, "a", toks, 0, True)], {0: 32})[0]
+    r = TritonRunner(m, 64, graphs=False, dense="cublas_bf16")
+    assert r.head.dense is r.head.parts[0][1].dense
+    assert r.batch_verdict(None)[0] is False  # not batch-invariant: never batched for exactness
+    got = r.run([Segment(0, "a", toks, 0, True)], {0: 32})[0]
+    torch.testing.assert_close(got.float(), ref.float(), rtol=5e-2, atol=5e-2)

@@ -75,8 +75,8 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
                         head_form: str, dense: str = "quant") -> DeviceWeights:
     """Every weight of ``model`` on ``device`` in the runner's layout. ``matmul``: the layers'
     form ("raw" keeps GGUF bytes, else packed planes), ``layer_forms``: per-format overrides,
-    ``head_form``: the head's ("dense": dequantized once, for ``kernels.dense_mma``). ``dense="cublas_bf16"`` also keeps bf16 copies for the
-    non-invariant comparison variant."""
+    ``head_form``: the head's ("dense": dequantized once, for ``kernels.dense_mma``).
+    ``dense="cublas_bf16"`` also keeps bf16 copies for the non-invariant comparison variant."""
     from .kernels import qmatmul as qm
     from .kernels.quant_tiles import FORMATS
 
@@ -181,9 +181,8 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
         if not packed:
             nbytes += head.raw.numel()
     head.splits = 1  # one K pass: the logits are written directly (a shape-only choice)
-    if packed and head_form == "dense":  # the values the packed decode would make, once: bf16(d * q)
-        head.dense = model.head.to(torch.bfloat16 if model.dtype == torch.bfloat16 else torch.float32).to(device)
-        head.dense = head.dense.contiguous()
+    if packed and head_form == "dense":  # the values the packed decode makes (bf16(d * q)), once
+        head.dense = model.head.to(device).contiguous()  # (the model's compute dtype: the products' precision)
         head.form = "dense"
         nbytes += head.dense.numel() * head.dense.element_size()
     elif packed:  # (tied: a packed copy beside the embedding's raw bytes)
@@ -192,6 +191,9 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
         nbytes += head.packed.nbytes
     if packed and not c.tied_output:
         head.raw = None
-    dense_head = model.head.to(torch.bfloat16).to(device) if dense != "quant" else None
+    dense_head = None
+    if dense != "quant":  # (the same bf16 tensor as the dense head's where there is one)
+        same = head.dense is not None and head.dense.dtype == torch.bfloat16
+        dense_head = head.dense if same else model.head.to(torch.bfloat16).to(device)
     return DeviceWeights(layers, emb, Proj([(0, head)], head.N, head.K, 1, dense_head), output_norm, nbytes,
                          nbytes - table_bytes)

@@ -84,18 +84,20 @@ ATTN_COUNTER_ROWS = 8192  # rows of a forward the fused form covers (more: the t
 # writes act(gate) * up: kernels/step_fused.glu_pair_epilogue): one launch less per layer,
 # bitwise the same result as the separate kernel.
 FUSE_GLU = True
-# column groups x row tiles a folded launch may count (GLU pairs, q|k|v heads; more: the separate kernel)
+# column groups x row tiles a folded launch may count (GLU pairs, q|k|v heads, add+norm tiles; more:
+# the separate kernel)
 EPILOGUE_COUNTERS = 1 << 16
 # QK-norm + rope + the KV write folded into the q|k|v product (its last program per head:
-# kernels/step_fused.heads_epilogue), tensor-core form only: one launch less per layer. Off by
-# default: tested under the interpreter, not yet measured on a GPU (docs/GPU_NOTES.md). Unlike
+# kernels/step_fused.heads_epilogue), tensor-core form only: one launch less per layer. Off:
+# slower on an H200 (session 5: 0.984 -> 1.071 ms at 16 slots, docs/GPU_NOTES.md). Unlike
 # the folds above its results are not bitwise the separate kernel's (same expressions, another
 # layout for the norm's sum), so it is one choice per runner, like a product's form.
 FUSE_QK_ROPE = False
 # The residual add + next norm (add_rmsnorm) folded into the attention-output and FFN-down
 # products (kernels/step_fused.add_norm_epilogue: the last program per column tile sums its
 # partials, the last of those per row tile does the rows' add + norms), tensor-core form only:
-# two launches less per layer. Off by default until measured; like FUSE_QK_ROPE not bitwise the
+# two launches less per layer. Off: slower on an H200 (session 5: 0.984 -> 1.302 ms at 16 slots;
+# a serial tail in one program costs more than a separate kernel). Like FUSE_QK_ROPE not bitwise the
 # separate kernel (the norms' sums run over [4, E] tiles), so one choice per runner.
 FUSE_ADD_NORM = False
 # A bfloat16 engine's attention products as single bf16 MMAs (q and the softmax weights rounded
@@ -185,7 +187,7 @@ class TritonRunner:
         self.use_dot = self.device.type == "cuda"
         # attention's two products: tl.dot (tf32x3 on tensor cores) or float32 multiply + tl.sum
         # (the interpreter's form; exact float32, run on the GPU too when attn_dot=False): one
-        # form per runner. Not yet measured against each other on a GPU.
+        # form per runner. The FMA form measured slower on an H200 (session 5).
         self.attn_dot = self.use_dot if attn_dot is None else bool(attn_dot) and self.use_dot
         bf16 = ATTN_BF16 if attn_bf16 is None else bool(attn_bf16)
         self.attn_prec = "bf16" if bf16 and model.dtype == torch.bfloat16 else None  # None: the kernels' default
