@@ -84,9 +84,25 @@ def _attention_partial_kernel(
     SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
 ):
     enter(PDL)
-    r = tl.program_id(0)
-    kvh = tl.program_id(1)
-    sg = tl.program_id(2)
+    attention_item(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+        stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
+        qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
+        GROUP, QROWS, D_P, BLOCK_N, SEG, USE_DOT, INPUT_PRECISION, FUSED)
+
+
+@triton.jit
+def attention_item(
+    r, kvh, sg,
+    q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+    stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
+    qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
+    GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
+):
+    """Program (r, kvh, sg) of ``_attention_partial_kernel``: the kernel's body, also an item of
+    the persistent step kernel (kernels/persistent.py)."""
     lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
     seg_lo = tl.maximum(lo, sg * SEG)
     seg_hi = tl.minimum(hi, (sg + 1) * SEG)  # empty segments run no block; the combine skips them
@@ -205,6 +221,7 @@ def attention_rows(
     use_dot: bool | None = None,
     counters: torch.Tensor | None = None,
     precision: str | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Attention of R query rows, each against its own sequence's cache.
 
@@ -217,6 +234,9 @@ def attention_rows(
     call leaves them zero): the last partial program of a row merges the row itself (one launch
     instead of two; bitwise the same result). ``precision``: the products' (ATTENTION_PRECISIONS;
     default ATTENTION_INPUT_PRECISION), one choice per caller, so rows stay invariant.
+    ``num_warps``: the partial kernel's (default: by tile size); a caller that runs these
+    programs inside kernels/persistent.py fixes it for all its launches (a reduction's order
+    follows the warps, so one value per caller).
     """
     precision = precision or ATTENTION_INPUT_PRECISION
     if precision not in ATTENTION_PRECISIONS:
@@ -255,7 +275,8 @@ def attention_rows(
     group = Hq // Hkv
     qrows = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
     d_p = max(16, triton.next_power_of_2(D))
-    block_n, num_warps = _attention_config(qrows, d_p)
+    block_n, warps = _attention_config(qrows, d_p)
+    num_warps = num_warps or warps
     num_seg = triton.cdiv(min(L_max, L_max if max_pos is None else max_pos + 1), ATTENTION_SEGMENT)
     ws_m = torch.empty((R, Hkv, num_seg, qrows), dtype=torch.float32, device=q.device)
     ws_l = torch.empty_like(ws_m)

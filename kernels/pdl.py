@@ -74,3 +74,44 @@ def enter(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+# -- ordering inside one launch (kernels/persistent.py) -------------------------------------------
+# A persistent step kernel runs the step's work items in one launch; an item waits for its
+# producers on a counter instead of a kernel boundary. WAIT: 0 none (a kernel of the chain),
+# 1 an acquire atomic (any target, the CPU interpreter included), 2 an acquire load (GPU).
+
+
+@triton.jit
+def _acquire_load(ptr):
+    # every thread reads and acquires for itself: its later loads see what the producer released
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def wait_count(ctr_ptr, need, WAIT: tl.constexpr):
+    """Spin until the int32 counter at ``ctr_ptr`` reaches ``need`` (acquire)."""
+    if WAIT == 2:
+        c = _acquire_load(ctr_ptr)
+        while c < need:
+            c = _acquire_load(ctr_ptr)
+    elif WAIT == 1:
+        c = tl.atomic_add(ctr_ptr, 0, sem="acquire")
+        while c < need:
+            c = tl.atomic_add(ctr_ptr, 0, sem="acquire")
+
+
+@triton.jit
+def enter_or_wait(PDL: tl.constexpr, WAIT: tl.constexpr, ctr_ptr, need):
+    """``enter`` for a kernel of the chain (WAIT 0), ``wait_count`` for a persistent item."""
+    enter(PDL)
+    if WAIT > 0:
+        wait_count(ctr_ptr, need, WAIT)
+
+
+@triton.jit
+def release_count(ctr_ptr):
+    """After an item's stores: +1 on its stage's counter (every thread's stores first)."""
+    tl.debug_barrier()
+    tl.atomic_add(ctr_ptr, 1, sem="release")

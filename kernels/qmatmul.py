@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from .pdl import enter, launch_kw
+from .pdl import enter, enter_or_wait, launch_kw
 from .quant_tiles import (
     QuantFormat,
     check_quant_rows,
@@ -398,16 +398,16 @@ def _row_store(yr, acc, n, N, row, M, LATE_REDUCE: tl.constexpr):
 
 
 @triton.jit
-def _packed_program(M, N, K, k_split, qs_ptr, qh_ptr, sc_ptr, d_ptr, qs_row, qh_row, sc_row, d_row,
+def _packed_program(pid, pid_k, M, N, K, k_split, qs_ptr, qh_ptr, sc_ptr, d_ptr, qs_row, qh_row, sc_row, d_row,
                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     """A packed-weight program's place: (row tile, its BLOCK_N outputs and their mask, its K
-    slice [k_begin, k_end), the row pointers [BN, 1, 1] of each plane). Row tiles of one N tile
-    are consecutive programs (L2 reuse of the weight tile)."""
-    pid = tl.program_id(0)
+    slice [k_begin, k_end), the row pointers [BN, 1, 1] of each plane) for the program
+    (pid, pid_k) of the launch grid. Row tiles of one N tile are consecutive programs (L2 reuse
+    of the weight tile)."""
     num_m_tiles = tl.cdiv(M, ROWS)
     pid_m = pid % num_m_tiles
     pid_n = pid // num_m_tiles
-    k_begin = tl.program_id(1) * k_split
+    k_begin = pid_k * k_split
     k_end = tl.minimum(K, k_begin + k_split)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n64 = n.to(tl.int64)[:, None, None]
@@ -423,9 +423,27 @@ def _qgemv_kernel(
     M_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     LATE_REDUCE: tl.constexpr, GLU: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
+    qgemv_item(tl.program_id(0), tl.program_id(1), count_ptr, 0,
+               x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr,
+               M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row, o_ptr, stride_o,
+               count_ptr, QTYPE, GW, S, NPLANE, PSTEP, M_TILE, BLOCK_N, BLOCK_K, NUM_STAGES, LATE_REDUCE, GLU, NSPLIT,
+               PDL, 0)
+
+
+@triton.jit
+def qgemv_item(
+    pid, pid_k, wait_ptr, wait_need,
+    x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr,
+    M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row, o_ptr, stride_o, count_ptr,
+    QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
+    M_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    LATE_REDUCE: tl.constexpr, GLU: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
+):
+    """Program (pid, pid_k) of ``_qgemv_kernel``'s grid; the kernel's body, also an item of the
+    persistent step kernel (``pdl.enter_or_wait``: WAIT > 0 waits on wait_ptr >= wait_need)."""
     G: tl.constexpr = BLOCK_K // GW
     pid_m, n, nmask, k_begin, k_end, qs_rows, qh_rows, sc_rows, d_rows = _packed_program(
-        M, N, K, k_split, qs_ptr, qh_ptr, sc_ptr, d_ptr, qs_row, qh_row, sc_row, d_row, M_TILE, BLOCK_N)
+        pid, pid_k, M, N, K, k_split, qs_ptr, qh_ptr, sc_ptr, d_ptr, qs_row, qh_row, sc_row, d_row, M_TILE, BLOCK_N)
     m0 = pid_m * M_TILE
     g = tl.arange(0, G)
     s = tl.arange(0, S)
@@ -445,7 +463,7 @@ def _qgemv_kernel(
     # the first step's weights are fetched and decoded BEFORE waiting for the kernel that writes
     # x (pdl.enter): no step writes weights, and with PDL this overlaps the producer's work
     w0, w1, w2, w3 = _step_planes(k_begin, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows, GW, QTYPE)
-    enter(PDL)
+    enter_or_wait(PDL, WAIT, wait_ptr, wait_need)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
         gg = k0 // GW + g  # global group index
         gval = k0 + g * GW < k_end
@@ -466,7 +484,7 @@ def _qgemv_kernel(
         if k0 + BLOCK_K < k_end:  # the next step's weights
             w0, w1, w2, w3 = _step_planes(k0 + BLOCK_K, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows,
                                           GW, QTYPE)
-    yr = y_ptr + tl.program_id(1) * stride_ys + m0 * stride_ym + n
+    yr = y_ptr + pid_k * stride_ys + m0 * stride_ym + n
     _row_store(yr, acc0, n, N, m0, M, LATE_REDUCE)
     if M_TILE > 1:
         _row_store(yr + stride_ym, acc1, n, N, m0 + 1, M, LATE_REDUCE)
@@ -480,7 +498,7 @@ def _qgemv_kernel(
         _row_store(yr + 7 * stride_ym, acc7, n, N, m0 + 7, M, LATE_REDUCE)
     if GLU > 0:  # a fused [gate | up] weight: the pair's last program writes act(gate) * up
         pairs = (N // 2) // BLOCK_N
-        pid_n = tl.program_id(0) // tl.cdiv(M, M_TILE)
+        pid_n = pid // tl.cdiv(M, M_TILE)
         m = m0 + tl.arange(0, M_TILE)
         glu_pair_epilogue(y_ptr, stride_ys, stride_ym, o_ptr, stride_o, count_ptr, pid_m * pairs + pid_n % pairs,
                           n, nmask, m, m < M, N // 2, NSPLIT, GLU - 1)

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import enter, launch_kw
+from .pdl import enter_or_wait, launch_kw
 from .qmatmul import (
     _GEMV_GEOMETRY,
     NORM_FOLD_MAX_N,
@@ -185,19 +185,22 @@ def _prefetch_tile(t, N, qs_ptr, qs_row, d_ptr, d_row, BLOCK_N: tl.constexpr, DB
 
 @triton.jit
 def _qmma_program(
+    pid, pid_k, wait_ptr, wait_need,
     x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
     qs_row, qh_row, sc_row, d_row,
     QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PREC: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    PREC: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr,
 ):
-    """A program's product over its K slice, stored as its split-K partial of y: its outputs x
-    its rows. Returns (pid_m, m, mmask, n, nmask) for the kernels' epilogues. PREFETCH >= 0
-    (``MmaConfig.prefetch``; GPU, unsplit): L2 prefetch of its tile and the one PREFETCH ahead."""
+    """Program (pid, pid_k)'s product over its K slice, stored as its split-K partial of y: its
+    outputs x its rows. Returns (pid_m, m, mmask, n, nmask) for the kernels' epilogues. PREFETCH
+    >= 0 (``MmaConfig.prefetch``; GPU, unsplit): L2 prefetch of its tile and the one PREFETCH
+    ahead. WAIT > 0 (an item of kernels/persistent.py): waits on wait_ptr >= wait_need where a
+    kernel of the chain waits for its predecessor (``pdl.enter_or_wait``)."""
     G: tl.constexpr = BLOCK_K // GW
     GS: tl.constexpr = G * S
     pid_m, n, nmask, k_begin, k_end, qs_rows, qh_rows, sc_rows, d_rows = _packed_program(
-        M, N, K, k_split, qs_ptr, qh_ptr, sc_ptr, d_ptr, qs_row, qh_row, sc_row, d_row, BLOCK_M, BLOCK_N)
+        pid, pid_k, M, N, K, k_split, qs_ptr, qh_ptr, sc_ptr, d_ptr, qs_row, qh_row, sc_row, d_row, BLOCK_M, BLOCK_N)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = m < M
     g = tl.arange(0, G)
@@ -205,14 +208,14 @@ def _qmma_program(
     s3 = s[None, None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if PREFETCH >= 0:
-        t = tl.program_id(0) // tl.cdiv(M, BLOCK_M)
+        t = pid // tl.cdiv(M, BLOCK_M)
         DBYTES: tl.constexpr = d_ptr.dtype.element_ty.primitive_bitwidth // 8
         _prefetch_tile(t, N, qs_ptr, qs_row, d_ptr, d_row, BLOCK_N, DBYTES)
         if PREFETCH > 0:
             _prefetch_tile(t + PREFETCH, N, qs_ptr, qs_row, d_ptr, d_row, BLOCK_N, DBYTES)
     # the first step's weights before waiting for x's producer (as in qmatmul's GEMV)
     w0, w1, w2, w3 = _step_planes(k_begin, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows, GW, QTYPE)
-    enter(PDL)
+    enter_or_wait(PDL, WAIT, wait_ptr, wait_need)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
         gg = k0 // GW + g  # global group index
         gval = k0 + g * GW < k_end
@@ -227,7 +230,7 @@ def _qmma_program(
         if k0 + BLOCK_K < k_end:  # the next step's weights
             w0, w1, w2, w3 = _step_planes(k0 + BLOCK_K, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows,
                                           GW, QTYPE)
-    yp = y_ptr + tl.program_id(1) * stride_ys + m[None, :] * stride_ym + n[:, None]
+    yp = y_ptr + pid_k * stride_ys + m[None, :] * stride_ym + n[:, None]
     tl.store(yp, acc, mask=nmask[:, None] & mmask[None, :])
     return pid_m, m, mmask, n, nmask
 
@@ -241,13 +244,33 @@ def _qmma_kernel(
     PREC: tl.constexpr, USE_DOT: tl.constexpr, GLU: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
+    qmma_item(tl.program_id(0), tl.program_id(1), count_ptr, 0,
+              x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr,
+              M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row, o_ptr, stride_o,
+              count_ptr, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC, USE_DOT, GLU,
+              NSPLIT, PDL, PREFETCH, 0)
+
+
+@triton.jit
+def qmma_item(
+    pid, pid_k, wait_ptr, wait_need,
+    x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr,
+    M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row, o_ptr, stride_o, count_ptr,
+    QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PREC: tl.constexpr, USE_DOT: tl.constexpr, GLU: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, WAIT: tl.constexpr,
+):
+    """Program (pid, pid_k) of ``_qmma_kernel``'s grid: the kernel's body, also an item of the
+    persistent step kernel (kernels/persistent.py)."""
     pid_m, m, mmask, n, nmask = _qmma_program(
+        pid, pid_k, wait_ptr, wait_need,
         x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
         qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC,
-        USE_DOT, PDL, PREFETCH)
+        USE_DOT, PDL, PREFETCH, WAIT)
     if GLU > 0:  # a fused [gate | up] weight: the pair's last program writes act(gate) * up
         pairs = (N // 2) // BLOCK_N
-        pid_n = tl.program_id(0) // tl.cdiv(M, BLOCK_M)
+        pid_n = pid // tl.cdiv(M, BLOCK_M)
         glu_pair_epilogue(y_ptr, stride_ys, stride_ym, o_ptr, stride_o, count_ptr, pid_m * pairs + pid_n % pairs,
                           n, nmask, m, mmask, N // 2, NSPLIT, GLU - 1)
 
@@ -264,9 +287,10 @@ def _qmma_heads_kernel(
 ):
     """``_qmma_kernel`` for (a member of) the q|k|v product with ``step_fused.heads_epilogue``."""
     pid_m, m, mmask, n, nmask = _qmma_program(
+        tl.program_id(0), tl.program_id(1), count_ptr, 0,
         x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
         qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC,
-        USE_DOT, PDL, -1)
+        USE_DOT, PDL, -1, 0)
     heads = N // D
     head = (tl.program_id(0) // tl.cdiv(M, BLOCK_M)) * BLOCK_N // D
     heads_epilogue(y_ptr, stride_ys, stride_ym, count_ptr, pid_m * heads + head, head, m, mmask, col0,
@@ -289,9 +313,10 @@ def _qmma_norm_kernel(
 ):
     """``_qmma_kernel`` with ``step_fused.add_norm_epilogue`` (residual r, next input h)."""
     pid_m, m, mmask, n, nmask = _qmma_program(
+        tl.program_id(0), tl.program_id(1), count_ptr, 0,
         x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
         qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC,
-        USE_DOT, PDL, -1)
+        USE_DOT, PDL, -1, 0)
     ntiles = tl.cdiv(N, BLOCK_N)
     pid_n = tl.program_id(0) // tl.cdiv(M, BLOCK_M)
     add_norm_epilogue(y_ptr, stride_ys, stride_ym, count_ptr, pid_m * ntiles + pid_n,

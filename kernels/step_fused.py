@@ -80,7 +80,17 @@ def _add_rmsnorm_kernel(
 ):
     """x += post_norm(sum of partials) (or the plain sum); h = rmsnorm(x) * wn."""
     enter(PDL)
-    r = tl.program_id(0)
+    add_rmsnorm_row(tl.program_id(0), x_ptr, p_ptr, wpost_ptr, wn_ptr, h_ptr, E, eps,
+                    stride_x, stride_ps, stride_pm, stride_h, NSPLIT, HAS_POST, BLOCK)
+
+
+@triton.jit
+def add_rmsnorm_row(
+    r, x_ptr, p_ptr, wpost_ptr, wn_ptr, h_ptr, E, eps,
+    stride_x, stride_ps, stride_pm, stride_h,
+    NSPLIT: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Row r of ``_add_rmsnorm_kernel`` (also an item of kernels/persistent.py)."""
     cols = tl.arange(0, BLOCK)
     mask = cols < E
     d = _sum_parts(p_ptr + r * stride_pm, cols, mask, stride_ps, NSPLIT, "")
@@ -99,8 +109,14 @@ def _glu_kernel(p_ptr, o_ptr, F, stride_ps, stride_pm, stride_o,
                 NSPLIT: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out = act(gate) * up from the partials of the fused [gate | up] product (``_glu_math``)."""
     enter(PDL)
-    r = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    glu_item(tl.program_id(0), tl.program_id(1), p_ptr, o_ptr, F, stride_ps, stride_pm, stride_o, NSPLIT, ACT, BLOCK)
+
+
+@triton.jit
+def glu_item(r, cb, p_ptr, o_ptr, F, stride_ps, stride_pm, stride_o,
+             NSPLIT: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (r, cb) of ``_glu_kernel`` (also an item of kernels/persistent.py)."""
+    offs = cb * BLOCK + tl.arange(0, BLOCK)
     mask = offs < F
     base = p_ptr + r * stride_pm
     g = _sum_parts(base, offs, mask, stride_ps, NSPLIT, "")
@@ -135,7 +151,20 @@ def _qk_rope_kv_kernel(
     """From the qkv partials of one row: q = rope(qnorm(q)) -> q_out; k = rope(knorm(k)) and v
     -> the row's KV slot (seq, pos). NEOX rope: pairs (i, i + D/2), angle = f32(pos) * inv_freq."""
     enter(PDL)
-    r = tl.program_id(0)
+    qk_rope_kv_row(tl.program_id(0), p_ptr, q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, eps,
+                   stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
+                   HQ, HKV, D, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM)
+
+
+@triton.jit
+def qk_rope_kv_row(
+    r, p_ptr, q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, eps,
+    stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    HQ_P: tl.constexpr, HKV_P: tl.constexpr, HALF_P: tl.constexpr,
+    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    """Row r of ``_qk_rope_kv_kernel`` (also an item of kernels/persistent.py)."""
     pos = tl.load(pos_ptr + r)
     seq = tl.load(seq_ptr + r).to(tl.int64)
     i = tl.arange(0, HALF_P)

@@ -71,7 +71,7 @@ def _install() -> None:
 
 def _gpu_options(modules) -> None:
     """The launch choices a GPU gets: PDL on, GPU tiles (no interpreter widening)."""
-    from workbench.kernels import dense_mma, pdl, qmatmul, qmma
+    from workbench.kernels import dense_mma, pdl, persistent, qmatmul, qmma
 
     def launch_kw(t):
         return {"PDL": True, "launch_pdl": True} if pdl.ENABLED else {"PDL": False}
@@ -83,6 +83,8 @@ def _gpu_options(modules) -> None:
     qmatmul.QGEMV_INTERPRETER_MIN_BLOCK_N = 0
     dense_mma.DENSE_INTERPRETER_MIN_BLOCK_N = 0
     qmma._native = lambda x: True  # inline PTX (the head's L2 prefetch) as on the GPU
+    persistent._native = lambda x: True  # the acquire-load waits (inline PTX)
+    persistent.launch_kw = launch_kw
 
 
 VARIANTS = {
@@ -102,6 +104,7 @@ VARIANTS = {
     "attn_bf16": {"attn_bf16": True},
     "attn_tf32x3": {"attn_bf16": False},
     "folds": {"fuse_add_norm": True, "fuse_qk_rope": True, "attn_dot": False},
+    "persistent": "persistent",
 }
 
 
@@ -111,6 +114,7 @@ def check(model, name: str, kw) -> float:
     from workbench.kernels import dense_mma, qmma
     from workbench.kernels.sampling import argmax
 
+    from workbench import triton_runner as tr
     from workbench.scheduler import Segment
     from workbench.triton_runner import TritonRunner
 
@@ -128,6 +132,9 @@ def check(model, name: str, kw) -> float:
             for k, cfg in table.items():
                 table[k] = replace(cfg, block_m=32)
         kw = {}
+    persistent = kw == "persistent"
+    if persistent:  # the decode forwards as one persistent launch (graphs: the runner's only user)
+        kw = {}
     t0 = time.perf_counter()
     try:
         os.environ["TRITON_INTERPRET"] = "1"  # (only for the runner's CPU-device check)
@@ -135,9 +142,12 @@ def check(model, name: str, kw) -> float:
         os.environ.pop("TRITON_INTERPRET", None)
         r.use_dot = True  # the GPU's product and attention forms
         r.attn_dot = kw.get("attn_dot", True)
+        if persistent:
+            r.persistent, r.uniform_warps = True, tr.PERSISTENT_WARPS
         V = model.config.vocab_size
         r.run([Segment(0, "a", tuple(range(5, 12)), 0, True)], {0: 256})  # a 7-row prefill chunk
         for rows in (1, 16, 32):  # decode-shaped forwards: one token per sequence (new ones)
+            r._persist_now = persistent
             r.run([Segment(s, f"{rows}-{s}", (5,), 0, True) for s in range(rows)], {s: 256 for s in range(rows)})
         argmax(torch.zeros(16, V), out=torch.empty(16, dtype=torch.int64))
     finally:

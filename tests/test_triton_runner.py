@@ -321,3 +321,63 @@ def test_cublas_variant_shares_the_dense_head(tiny_model):
     assert r.batch_verdict(None)[0] is False  # not batch-invariant: never batched for exactness
     got = r.run([Segment(0, "a", toks, 0, True)], {0: 32})[0]
     torch.testing.assert_close(got.float(), ref.float(), rtol=5e-2, atol=5e-2)
+
+
+def _decode_steps(r, a, b, steps=3):
+    """Prefill two slots, then greedy-free decode steps of both (teacher-forced tokens): logits."""
+    r.run([Segment(0, "a", tuple(a[:10]), 0, True), Segment(1, "b", tuple(b[:5]), 0, True)], {0: 64, 1: 64})
+    got = []
+    for i in range(steps):
+        o = r.run([Segment(0, "a", (a[10 + i],), 10 + i, True), Segment(1, "b", (b[5 + i],), 5 + i, True)],
+                  {0: 64, 1: 64})
+        got.append(torch.stack([o[0], o[1]]))
+    return torch.stack(got)
+
+
+@pytest.mark.parametrize("dtype,forms", [("float32", None), ("bfloat16", {"Q8_0": "gemv"})])
+def test_persistent_step_is_bitwise_the_chain(tiny_model, dtype, forms):
+    """The graphed decode step's layer loop as one persistent launch (kernels/persistent.py)
+    gives bitwise the logits of the chain of launches, in a few launches instead of ~8 per
+    layer; a slot batched with another is bitwise the slot alone."""
+    m = tiny_model("gemma3", dtype, "Q8_0", sliding_window=WINDOW)
+    graphs = True if torch.cuda.is_available() else "emulate"
+    gen = torch.Generator().manual_seed(21)
+    a = torch.randint(0, m.config.vocab_size, (14,), generator=gen).tolist()
+    b = torch.randint(0, m.config.vocab_size, (9,), generator=gen).tolist()
+    out, launches = {}, {}
+    for pers in (False, True):
+        r = TritonRunner(m, 256, graphs=graphs, persistent=pers, matmul="mma", layer_forms=forms)
+        if not pers:
+            r.uniform_warps = 4  # the persistent runner's warps (the same arithmetic on a GPU)
+        out[pers] = _decode_steps(r, a, b)
+        launches[pers] = r.launches
+        assert r.persistent == pers and r.persistent_off is None
+    assert torch.equal(out[True], out[False])
+    assert launches[True] < launches[False] - 5 * m.config.n_layers
+    solo = TritonRunner(m, 256, graphs=graphs, persistent=True, matmul="mma", layer_forms=forms)
+    solo.run([Segment(0, "a", tuple(a[:10]), 0, True)], {0: 64})
+    for i in range(3):
+        o = solo.run([Segment(0, "a", (a[10 + i],), 10 + i, True)], {0: 64})
+        assert torch.equal(o[0], out[True][i, 0])
+
+
+def test_persistent_step_falls_back_to_the_chain(tiny_model, monkeypatch):
+    """A loop with a launch the persistent kernel has no item for runs as the chain (nothing of
+    the recorded attempt ran: the logits are the chain's) and says why; so do the folds."""
+    from workbench.kernels import persistent as ps
+
+    m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
+    graphs = True if torch.cuda.is_available() else "emulate"
+    gen = torch.Generator().manual_seed(22)
+    a = torch.randint(0, m.config.vocab_size, (14,), generator=gen).tolist()
+    b = torch.randint(0, m.config.vocab_size, (9,), generator=gen).tolist()
+    r = TritonRunner(m, 256, graphs=graphs, persistent=False, matmul="mma")
+    r.uniform_warps = 4
+    want = _decode_steps(r, a, b)
+    monkeypatch.delitem(ps._JIT, "_add_rmsnorm_kernel")
+    r = TritonRunner(m, 256, graphs=graphs, persistent=True, matmul="mma")
+    got = _decode_steps(r, a, b)
+    assert not r.persistent and "_add_rmsnorm_kernel" in r.persistent_off
+    assert torch.equal(got, want)
+    assert not TritonRunner(m, 256, graphs=graphs, persistent=True, fuse_qk_rope=True).persistent
+    assert not TritonRunner(m, 256, graphs=False, persistent=True).persistent  # graphed steps only

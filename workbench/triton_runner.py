@@ -34,7 +34,7 @@ weights: the fastest NON-batch-invariant variant, for measuring what invariance 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -108,6 +108,16 @@ ATTN_BF16 = True
 # Programmatic dependent launch (kernels/pdl.py) where the GPU has it (sm_90+): each kernel's
 # launch and ramp-up overlap its predecessor's work. Ordering, hence every bit, is unchanged.
 PDL = True
+# The graphed decode step's layer loop as ONE persistent launch (kernels/persistent.py): the
+# launches are recorded, not run, and their programs become work items that wait on counters
+# instead of kernel boundaries; every item runs its kernel's body with the same constexprs, so
+# the results are bitwise the chain's. Needs one num_warps for every kernel of the loop: where it
+# is on, the runner's attention and FMA-GEMV launches take PERSISTENT_WARPS everywhere (prefill
+# and mixed steps too, so every path keeps the same arithmetic). Falls back to the chain where a
+# launch has no persistent item (the folds, the raw form, the cuBLAS variant).
+PERSISTENT = False
+PERSISTENT_WARPS = 4
+PERSISTENT_COUNTERS = 4096  # stages one launch may hold (Gemma 3 270M: ~160)
 
 
 @dataclass
@@ -116,6 +126,7 @@ class _Graph:
     bucket: int
     nseg: int
     launches: int
+    plan: object = None  # the persistent step's tables and the buffers they name (kept alive)
 
 
 class _Eager:
@@ -138,7 +149,8 @@ class TritonRunner:
                  head_matmul: str | None = None, layer_forms: dict[str, str] | None = None,
                  fuse_combine: bool | None = None, pdl: bool | None = None, fuse_glu: bool | None = None,
                  fuse_qk_rope: bool | None = None, attn_dot: bool | None = None,
-                 fuse_add_norm: bool | None = None, attn_bf16: bool | None = None):
+                 fuse_add_norm: bool | None = None, attn_bf16: bool | None = None,
+                 persistent: bool | None = None):
         from .kernels import pdl as _pdl
         from .kernels import qmatmul as qm
 
@@ -252,6 +264,15 @@ class TritonRunner:
         self.fuse_add_norm = (FUSE_ADD_NORM if fuse_add_norm is None else bool(fuse_add_norm)) and dense == "quant"
         self._norm_counters = torch.zeros(EPILOGUE_COUNTERS, dtype=torch.int32, device=self.device) \
             if self.fuse_add_norm else None
+        # the persistent step (graph path only; items need the packed forms and no heads/norm fold)
+        want = PERSISTENT if persistent is None else bool(persistent)
+        self.persistent = want and self.use_graphs and dense == "quant" and self.matmul != "raw" \
+            and not self.fuse_qk_rope and not self.fuse_add_norm
+        self.persistent_off: str | None = None  # why a recorded loop fell back to the chain
+        self.uniform_warps = PERSISTENT_WARPS if self.persistent else None
+        self._pctr: torch.Tensor | None = None
+        self._plan = None  # the persistent plan of the last graphed forward
+        self._persist_now = False  # set while a graph body runs
         self._zeros = torch.zeros(BUCKETS[-1], dtype=torch.int32, device=self.device)
         self._wins = torch.full((BUCKETS[-1],), max(c.sliding_window, 0), dtype=torch.int32, device=self.device)
         self.launches = 0  # kernel launches of the last forward (counted where they are issued)
@@ -384,7 +405,10 @@ class TritonRunner:
             self._qmma.launch_qmma(x, pw, y, splits, stride_ys, self.mma_prec, use_dot=self.use_dot, glu=glu,
                                    heads=heads, col0=col0, norm=norm)
         else:
-            self._qm.launch_qgemv(x, pw, y, splits, stride_ys, glu=glu)
+            cfg = self._qm.gemv_config(pw.fmt.name, pw.N, pw.K, self.device)
+            if self.uniform_warps:
+                cfg = replace(cfg, num_warps=self.uniform_warps)
+            self._qm.launch_qgemv(x, pw, y, splits, stride_ys, config=cfg, glu=glu)
         self.launches += 1
 
     def _project_add_norm(self, a, p: Proj, x, w_post, w_next, h) -> None:
@@ -404,13 +428,12 @@ class TritonRunner:
             return self._forward_body(ids, pos, seq, R, max_pos, sel, logits_out)
 
     def _forward_body(self, ids, pos, seq, R: int, max_pos: int, sel, logits_out):
-        from .kernels.attention import attention_rows
         from .kernels.embedding import embedding
         from .kernels.norm import rmsnorm
 
         c = self.cfg
         dev = self.device
-        E, Hq, D = c.n_embd, c.n_heads, c.head_dim
+        E = c.n_embd
         hdt = torch.bfloat16 if self.dense != "quant" else torch.float32
         x = torch.empty((R, E), dtype=torch.float32, device=dev)
         h = torch.empty((R, E), dtype=hdt, device=dev)
@@ -423,6 +446,49 @@ class TritonRunner:
         else:
             zeros = torch.zeros(R, dtype=torch.int32, device=dev)
             wins = torch.full((R,), max(c.sliding_window, 0), dtype=torch.int32, device=dev)
+        if self._persist_now:
+            self._layers_persistent(x, h, pos, seq, R, max_pos, zeros, wins)
+        else:
+            self._layers(x, h, pos, seq, R, max_pos, zeros, wins)
+        hs = h if sel is None else h.index_select(0, sel)
+        if logits_out is None:
+            logits_out = torch.empty((hs.shape[0], self.vocab), dtype=torch.float32, device=dev)
+        self._project(hs, self.head, out=logits_out)
+        return logits_out
+
+    def _layers_persistent(self, x, h, pos, seq, R: int, max_pos: int, zeros, wins) -> None:
+        """The layer loop recorded and run as one persistent launch (kernels/persistent.py); the
+        chain where a launch has no persistent item (remembered in ``persistent_off``)."""
+        from .kernels import persistent as ps
+
+        before = self.launches
+        try:
+            with ps.record() as rec:
+                self._layers(x, h, pos, seq, R, max_pos, zeros, wins)
+            plan = rec.plan(self.device)
+        except ps.Unsupported as e:
+            self.persistent, self.persistent_off = False, str(e)
+            self.launches = before
+            self._layers(x, h, pos, seq, R, max_pos, zeros, wins)
+            return
+        if self._pctr is None or self._pctr.numel() < plan.stages + 1:
+            if plan.stages + 1 > PERSISTENT_COUNTERS:
+                raise WorkbenchError(f"the persistent step holds {PERSISTENT_COUNTERS} stages, needs {plan.stages + 1}")
+            self._pctr = ps.counters(PERSISTENT_COUNTERS, self.device)
+        if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            plan.upload()  # (a capture uploads after it ends: _graph_for)
+        ps.launch(plan, self._pctr)
+        self._plan = plan
+        self.launches = before + 1
+
+    def _layers(self, x, h, pos, seq, R: int, max_pos: int, zeros, wins) -> None:
+        """Every layer: x (float32 [R, E], the residual) and h (the next input, normed) in place."""
+        from .kernels.attention import attention_rows
+
+        c = self.cfg
+        dev = self.device
+        Hq, D = c.n_heads, c.head_dim
+        hdt = h.dtype
         act = "gelu_tanh" if c.activation == "gelu_tanh" else "silu"
         for li, L in enumerate(self.layers):
             q = torch.empty((R, Hq, D), dtype=torch.float32, device=dev)
@@ -440,7 +506,7 @@ class TritonRunner:
                 counters = self._attn_counters if R <= ATTN_COUNTER_ROWS else None
                 attn = attention_rows(q, kp, vp, seq, pos, wins if c.layer_window(li) else zeros,
                                       c.attn_scale, max_pos=max_pos, use_dot=self.attn_dot, counters=counters,
-                                      precision=self.attn_prec)
+                                      precision=self.attn_prec, num_warps=self.uniform_warps)
             finally:
                 self._attn.ATTENTION_SEGMENT = seg_saved
             self.launches += 1 if counters is not None else 2
@@ -455,11 +521,6 @@ class TritonRunner:
                 self.launches += 1
             nxt = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.output_norm
             self._project_add_norm(g, L.down, x, L.post_ffw_norm, nxt, h)
-        hs = h if sel is None else h.index_select(0, sel)
-        if logits_out is None:
-            logits_out = torch.empty((hs.shape[0], self.vocab), dtype=torch.float32, device=dev)
-        self._project(hs, self.head, out=logits_out)
-        return logits_out
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def _begin(self, forward: Sequence[Segment], max_context: dict[int, int]) -> None:
@@ -608,7 +669,11 @@ class TritonRunner:
 
         self.launches = 0
         ids, pos, seq = self._g_in[0, :bucket], self._g_in[1, :bucket], self._g_in[2, :bucket]
-        self._forward(ids, pos, seq, bucket, max_pos, logits_out=self._g_logits[:bucket])
+        self._persist_now, self._plan = self.persistent, None
+        try:
+            self._forward(ids, pos, seq, bucket, max_pos, logits_out=self._g_logits[:bucket])
+        finally:
+            self._persist_now = False
         # greedy fast path: the next step's inputs, on the device (the engine overwrites them)
         with self._pdl.enabled(self.pdl):
             argmax(self._g_logits[:bucket], out=self._g_tok[:bucket])
@@ -643,8 +708,11 @@ class TritonRunner:
         with torch.cuda.graph(graph, pool=self._gpool if self.dense == "quant" else None):
             self._graph_body(bucket, nseg * seg - 1)
         torch.cuda.synchronize()
+        if self._plan is not None:  # the captured launch reads its tables when replayed
+            self._plan.upload()
+            torch.cuda.synchronize()
         self._g_in.copy_(saved)
-        g = self._graphs[key] = _Graph(graph, bucket, nseg, self.launches)
+        g = self._graphs[key] = _Graph(graph, bucket, nseg, self.launches, self._plan)
         return g
 
     def _fill_inputs(self, forward: Sequence[Segment], bucket: int) -> None:

@@ -1,0 +1,130 @@
+"""kernels/persistent.py: a recorded run of launches replayed as one persistent launch gives
+bitwise what the launches give; what it cannot take is refused before anything runs."""
+
+import pytest
+import torch
+
+from workbench.kernels import persistent as ps
+from workbench.kernels.qmatmul import pack_weights, qmatmul_ref
+from workbench.kernels.qmma import launch_qmma
+from workbench.kernels.step_fused import add_rmsnorm, glu_from_parts
+
+
+def _chain(x, pw, part, r, h, w_post, w_next, glu_out):
+    """A small step: product -> residual add + norm -> product -> GLU (four launches)."""
+    launch_qmma(x, pw, part, part.shape[0], part.stride(0), "tf32x3")
+    add_rmsnorm(r, part, w_post, w_next, h, 1e-6)
+    launch_qmma(h, pw, part, part.shape[0], part.stride(0), "tf32x3")
+    glu_from_parts(part, glu_out, "gelu_tanh")
+
+
+def _inputs(device, R=3, E=64):
+    from gguf import GGMLQuantizationType, quantize
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(E, E, generator=gen)
+    raw = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType.Q8_0)).to(device)
+    pw = pack_weights(raw, "Q8_0", E, E)
+    x = torch.randn(R, E, generator=gen).to(device)
+    r = torch.randn(R, E, generator=gen).to(device)
+    w_post = torch.randn(E, generator=gen).to(device)
+    w_next = torch.randn(E, generator=gen).to(device)
+    return pw, raw, x, r, w_post, w_next
+
+
+def _buffers(R, E, splits, device):
+    return (torch.full((splits, R, E), float("nan"), device=device), torch.full((R, E), float("nan"), device=device),
+            torch.full((R, E // 2), float("nan"), device=device))
+
+
+def test_persistent_launch_is_bitwise_the_chain(device):
+    R, E = 3, 64
+    pw, raw, x, r0, w_post, w_next = _inputs(device, R, E)
+    splits = 2  # a fixed split-K, as the runner's products take it
+    part, h, g = _buffers(R, E, splits, device)
+    r = r0.clone()
+    _chain(x, pw, part, r, h, w_post, w_next, g)
+    want = (r.clone(), h.clone(), g.clone(), part.clone())
+    assert torch.isfinite(g).all()
+    # first product against the reference (the chain is a real computation)
+    part2, _, _ = _buffers(R, E, splits, device)
+    launch_qmma(x, pw, part2, splits, part2.stride(0), "tf32x3")
+    torch.testing.assert_close(part2.sum(0), qmatmul_ref(x, raw, "Q8_0", E, E), rtol=1e-4, atol=1e-3)
+
+    part, h, g = _buffers(R, E, splits, device)
+    r = r0.clone()
+    with ps.record() as rec:
+        _chain(x, pw, part, r, h, w_post, w_next, g)
+    assert [ln.kernel for ln in rec.launches] == ["_qmma_kernel", "_add_rmsnorm_kernel", "_qmma_kernel",
+                                                 "_glu_kernel"]
+    assert torch.isnan(h).all() and torch.equal(r, r0)  # recorded, not run
+    plan = rec.plan(device)
+    assert plan.stages == 4 and len(plan.kinds) == 3  # the two products share one kind
+    assert plan.n_items == sum(a * b * c for a, b, c in (ln.grid for ln in rec.launches))
+    plan.upload()
+    ctr = ps.counters(plan.stages, device)
+    for programs in (1, 3):  # extra programs find no ticket and leave
+        part.fill_(float("nan"))
+        h.fill_(float("nan"))
+        g.fill_(float("nan"))
+        r.copy_(r0)
+        ps.launch(plan, ctr, programs=programs)
+        for got, w in zip((r, h, g, part), want):
+            assert torch.equal(got, w)
+        assert not ctr.any()  # the last program out leaves the counters zero for the next launch
+
+
+def test_items_follow_the_grid_numbering(device):
+    R, E = 3, 64
+    pw, _, x, r0, w_post, w_next = _inputs(device, R, E)
+    part, h, g = _buffers(R, E, 2, device)
+    with ps.record() as rec:
+        _chain(x, pw, part, r0.clone(), h, w_post, w_next, g)
+    items = rec.plan(device).items
+    first = items[items[:, 5] == 0]
+    g0, g1, g2 = rec.launches[0].grid
+    assert first.shape[0] == g0 * g1 * g2
+    assert first[:, 2].tolist()[: g0] == list(range(g0))  # x fastest, as the hardware numbers them
+    assert first[g0, 3] == 1
+    # stage s waits for all of stage s - 1's items; stage 0 for nothing
+    assert (first[:, 6] == 0).all()
+    second = items[items[:, 5] == 1]
+    assert (second[:, 6] == first.shape[0]).all()
+
+
+def test_unsupported_launches_are_refused_before_they_run(device):
+    from workbench.kernels.norm import rmsnorm
+
+    x = torch.randn(2, 16, device=device)
+    out = torch.full_like(x, float("nan"))
+    with pytest.raises(ps.Unsupported, match="_rmsnorm_kernel"):
+        with ps.record():
+            rmsnorm(x, torch.ones(16, device=device), 1e-6, out=out)
+    assert torch.isnan(out).all()
+    # the launches run normally again after the block
+    rmsnorm(x, torch.ones(16, device=device), 1e-6, out=out)
+    assert torch.isfinite(out).all()
+
+
+def test_one_num_warps_per_plan(device):
+    R, E = 3, 64
+    pw, _, x, r0, w_post, w_next = _inputs(device, R, E)
+    part, h, g = _buffers(R, E, 2, device)
+    with ps.record() as rec:
+        _chain(x, pw, part, r0.clone(), h, w_post, w_next, g)
+    rec.launches[1].num_warps = 8
+    with pytest.raises(ps.Unsupported, match="num_warps"):
+        rec.plan(device)
+    with pytest.raises(ps.Unsupported, match="no launches"):
+        ps.Record().plan(device)
+
+
+def test_counters_must_cover_the_stages(device):
+    R, E = 3, 64
+    pw, _, x, r0, w_post, w_next = _inputs(device, R, E)
+    part, h, g = _buffers(R, E, 2, device)
+    with ps.record() as rec:
+        _chain(x, pw, part, r0.clone(), h, w_post, w_next, g)
+    plan = rec.plan(device)
+    with pytest.raises(ValueError, match="at least 5"):
+        ps.launch(plan, ps.counters(2, device))
