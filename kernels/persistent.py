@@ -66,6 +66,10 @@ _JIT = {f.__name__: f for f in (_qmma_kernel, _qgemv_kernel, _attention_partial_
 MAX_ARGS = 32  # runtime arguments per launch (the attention kernel takes 25)
 NCONST = 15  # constexprs per kernel (the tensor-core product takes 15)
 KIND_WIDTH = 1 + NCONST + MAX_ARGS
+# Runtime arguments never hinted 16-divisible: they change with the row bucket (the products' M
+# is not specialized in the chain either; the rows' position / sequence vectors are read one
+# scalar at a time), and a hint is part of the compiled kernel: one compile serves every bucket.
+NO_HINT = frozenset({"M", "num_seg", "seq_ptr", "pos_ptr", "row_seq_ptr", "row_pos_ptr", "row_win_ptr"})
 ITEM_COLS = 8  # kind, argument row, pid0, pid1, pid2, stage, wait count, (spare)
 # pointer dtypes by code (an argument's type code: 0 int32, 1 int64, 2 float32, 10 + this index)
 _PTR_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int8, torch.int32, torch.int64,
@@ -83,6 +87,7 @@ class _Launch:
     args: list  # runtime arguments, in signature order (tensors kept alive here)
     consts: tuple  # constexprs in signature order
     num_warps: int
+    names: tuple = ()  # the runtime arguments' names
 
 
 @dataclass
@@ -118,10 +123,14 @@ def record():
             bound.apply_defaults()
             g = grid(bound.arguments) if callable(grid) else grid
             g = tuple(int(v) for v in g) + (1,) * (3 - len(g))
-            runtime, consts = [], []
+            runtime, consts, names = [], [], []
             for p in sig.parameters.values():
-                (consts if _is_constexpr(p) else runtime).append(bound.arguments[p.name])
-            rec.launches.append(_Launch(kernel.__name__, g, runtime, tuple(consts), num_warps))
+                if _is_constexpr(p):
+                    consts.append(bound.arguments[p.name])
+                else:
+                    runtime.append(bound.arguments[p.name])
+                    names.append(p.name)
+            rec.launches.append(_Launch(kernel.__name__, g, runtime, tuple(consts), num_warps, tuple(names)))
 
         return intercept
 
@@ -212,7 +221,9 @@ class Plan:
                 if not isinstance(c, (bool, int)):
                     raise Unsupported(f"{name} constexpr {c!r} (ints and bools only, one precision string)")
                 flat.append(c)
-            enc = [2 * codes[j] + all(_div16(rec.launches[i].args[j], codes[j]) for i in members)
+            names = rec.launches[members[0]].names
+            enc = [2 * codes[j] + (names[j] not in NO_HINT and all(_div16(rec.launches[i].args[j], codes[j])
+                                                                    for i in members))
                    for j in range(len(codes))]
             if len(flat) > NCONST:
                 raise Unsupported(f"{name} takes {len(flat)} constexprs (max {NCONST})")
@@ -416,7 +427,7 @@ def _item(
                 C0, C1, C2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_items", "n_stages"])
 def _persistent_kernel(items_ptr, args_ptr, ctr_ptr, n_items, n_stages,
                        KINDS: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr, APREC: tl.constexpr,
                        WAIT: tl.constexpr, PDL: tl.constexpr):

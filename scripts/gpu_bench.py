@@ -130,6 +130,43 @@ def stage_exact(m, out: Path, rows: list) -> None:
         torch.cuda.empty_cache()
 
 
+def stage_persistent_exact(m, out: Path, rows: list, slots: int = 16, steps: int = 8) -> None:
+    """The persistent step against the chain of launches (same warps), on the real model: 16
+    slots prefilled (prompts 3..700), then graphed decode steps; logits bitwise equal?"""
+    import torch
+
+    from workbench.scheduler import Segment
+    from workbench.triton_runner import PERSISTENT_WARPS, TritonRunner
+
+    V = m.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    lens = [600, 5, 37, 128, 300, 64, 17, 520, 200, 90, 3, 256, 700, 45, 11, 150][:slots]
+    prompts = [torch.randint(10, V, (n,), generator=g).tolist() for n in lens]
+    got, info = {}, {}
+    for pers in (False, True):
+        r = TritonRunner(m, 1024, persistent=pers)
+        r.uniform_warps = PERSISTENT_WARPS
+        toks = []
+        for sl, p in enumerate(prompts):
+            toks.append(int(r.run([Segment(sl, f"p{sl}", tuple(p), 0, True)], {sl: 1024})[sl].argmax()))
+        logits = []
+        for t in range(steps):
+            o = r.run([Segment(sl, f"p{sl}", (toks[sl],), lens[sl] + t, True) for sl in range(slots)],
+                      {sl: 1024 for sl in range(slots)})
+            logits.append(torch.stack([o[sl].float().cpu() for sl in range(slots)]))
+            toks = [int(o[sl].argmax()) for sl in range(slots)]
+        got[pers] = torch.stack(logits)
+        info[pers] = dict(launches=r.launches, persistent=r.persistent, off=r.persistent_off)
+        del r
+        torch.cuda.empty_cache()
+    row = dict(stage="persistent exact", check=f"persistent vs chain, {slots} slots x {steps} graphed steps",
+               logits_equal=bool(torch.equal(got[True], got[False])),
+               max_abs_diff=float((got[True] - got[False]).abs().max()), chain=info[False], persistent=info[True])
+    log("EXACT", row)
+    rows.append(row)
+    dump(out, "exact.json", rows)
+
+
 def stage_vs_torch(path: str, m, out: Path, rows: list) -> None:
     """Teacher-forced triton (bf16 KV, GGUF weights) vs the torch reference in float32 (CPU)."""
     import torch
@@ -169,7 +206,10 @@ def bench_runner(m, variant: str, slots_list, out: Path, rows: list, bw: float, 
     from workbench.scheduler import Segment
     from workbench.triton_runner import TritonRunner
 
+    setup = kw.pop("setup", None)
     r = TritonRunner(m, 1024, **kw)
+    if setup is not None:
+        setup(r)
     V = m.config.vocab_size
     wbytes = weight_bytes(r)
     elem = r._elem
@@ -212,7 +252,8 @@ def bench_runner(m, variant: str, slots_list, out: Path, rows: list, bw: float, 
             row = dict(stage="bench", variant=variant, slots=N, prompt=PROMPT, steps=steps, tok_s=N * steps / dt,
                        step_ms=1e3 * step_s, launches_per_step=r.launches, weight_bytes=wbytes, kv_bytes_step=kvb,
                        floor_weights_us=1e6 * floor_w, floor_weights_kv_us=1e6 * (wbytes + kvb) / bw,
-                       x_floor=step_s / floor_w, copy_bw_gbs=bw / 1e9)
+                       x_floor=step_s / floor_w, copy_bw_gbs=bw / 1e9,
+                       persistent=bool(getattr(r, "persistent", False)), persistent_off=getattr(r, "persistent_off", None))
             log("BENCH", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
             rows.append(row)
             dump(out, "bench.json", rows)
@@ -547,6 +588,7 @@ def main_stage(args) -> None:
     import workbench.triton_runner as tr
     from workbench.kernels import attention as A
     from workbench.kernels import dense_mma as dm
+    from workbench.kernels import persistent as ps
     from workbench.model import load_model
 
     FOLDS = {"FUSE_ADD_NORM": True, "FUSE_QK_ROPE": True}  # the two close (not bitwise) folds together
@@ -600,6 +642,14 @@ def main_stage(args) -> None:
                                       lambda: bench_runner(m, "head dense m32", SLOTS, out, rows, bw))),
         ("head m32 exact", lambda: _patched(dm, "DENSE_CONFIG", dm.DenseConfig(block_m=32),
                                             lambda: stage_exact(m, out, exact_rows))),
+        ("persistent exact", lambda: stage_persistent_exact(m, out, exact_rows)),
+        ("persistent", lambda: bench_runner(m, "triton_persistent", SLOTS, out, rows, bw, persistent=True)),
+        ("chain w4", lambda: bench_runner(m, "triton_chain_uniform_warps", SLOTS, out, rows, bw,
+                                          setup=lambda r: setattr(r, "uniform_warps", tr.PERSISTENT_WARPS))),
+        ("persistent p1", lambda: _patched(ps, "PROGRAMS_PER_SM", 1, lambda: bench_runner(
+            m, "triton_persistent_1_per_sm", SLOTS, out, rows, bw, persistent=True))),
+        ("persistent engine exact", lambda: _patched(tr, "PERSISTENT", True, lambda: stage_exact(m, out, exact_rows))),
+        ("persistent profile", lambda: _patched(tr, "PERSISTENT", True, lambda: stage_profile(m, out, prof_rows))),
         ("attn fma", lambda: bench_runner(m, "triton_attention_fma", SLOTS, out, rows, bw, attn_dot=False)),
         ("qkrope", lambda: bench_runner(m, "triton_qk_rope_fold", SLOTS, out, rows, bw, fuse_qk_rope=True)),
         ("qkrope exact", lambda: _patched(tr, "FUSE_QK_ROPE", True, lambda: stage_exact(m, out, exact_rows))),

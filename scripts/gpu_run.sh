@@ -28,7 +28,11 @@ export STAGES=${STAGES:-mma graphs,cublas bf16 graphs,gemv graphs,mma seg64,mma 
 timeout ${MAIN_S:-330} python3 scripts/gpu_bench.py main --model "$MODEL" --out "$OUT" 2>&1 | tee "$OUT/main.log"
 stamp workbench_bench
 # the project's own benchmark command, through Engine (greedy tokens from the device argmax)
-timeout ${WB_S:-120} python3 -m workbench bench --backend triton --model "$MODEL" --concurrency ${WB_C:-1,4,16,32} \
+# (WB_PERSISTENT=1: with the persistent step, before it is the default)
+timeout ${WB_S:-120} python3 -c "import sys, workbench.triton_runner as tr
+tr.PERSISTENT = tr.PERSISTENT or '${WB_PERSISTENT:-}' == '1'
+from workbench.cli import main
+sys.exit(main(sys.argv[1:]))" bench --backend triton --model "$MODEL" --concurrency ${WB_C:-1,4,16,32} \
     --prompt-len 128 --gen 128 --repeats 2 --data-dir /tmp/wbruns 2>&1 | tail -12
 (cd /tmp/wbruns && tar czf "$OUT/wbruns.tgz" .) 2>/dev/null
 stamp hf
