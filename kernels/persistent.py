@@ -320,47 +320,65 @@ def _programs(plan: Plan, ctr: torch.Tensor, kw: dict) -> int:
 
 
 @triton.jit
-def _ptr(v, CODE: tl.constexpr):
+def _ptr(v, CODE: tl.constexpr, DIV: tl.constexpr):
+    # (each branch hints its own result: a hint on the value a branch chain returns was lost
+    # under triton 3.6, and the tiles' loads were no longer vectorized)
     if CODE == 10:
-        return v.to(tl.pointer_type(tl.float32))
+        p = v.to(tl.pointer_type(tl.float32))
+        if DIV:
+            p = tl.multiple_of(p, 16)
     elif CODE == 11:
-        return v.to(tl.pointer_type(tl.bfloat16))
+        p = v.to(tl.pointer_type(tl.bfloat16))
+        if DIV:
+            p = tl.multiple_of(p, 16)
     elif CODE == 12:
-        return v.to(tl.pointer_type(tl.float16))
+        p = v.to(tl.pointer_type(tl.float16))
+        if DIV:
+            p = tl.multiple_of(p, 16)
     elif CODE == 13:
-        return v.to(tl.pointer_type(tl.uint8))
+        p = v.to(tl.pointer_type(tl.uint8))
+        if DIV:
+            p = tl.multiple_of(p, 16)
     elif CODE == 14:
-        return v.to(tl.pointer_type(tl.int8))
+        p = v.to(tl.pointer_type(tl.int8))
+        if DIV:
+            p = tl.multiple_of(p, 16)
     elif CODE == 15:
-        return v.to(tl.pointer_type(tl.int32))
+        p = v.to(tl.pointer_type(tl.int32))
+        if DIV:
+            p = tl.multiple_of(p, 16)
     elif CODE == 16:
-        return v.to(tl.pointer_type(tl.int64))
+        p = v.to(tl.pointer_type(tl.int64))
+        if DIV:
+            p = tl.multiple_of(p, 16)
     else:
-        return v.to(tl.pointer_type(tl.int16))
+        p = v.to(tl.pointer_type(tl.int16))
+        if DIV:
+            p = tl.multiple_of(p, 16)
+    return p
 
 
 @triton.jit
 def _a(a_ptr, J, E: tl.constexpr):
     """Runtime argument J of a launch, typed as the chain's kernel receives it; E: its encoding
-    (``_encode``: type code * 2 + 16-divisible)."""
-    CODE: tl.constexpr = E // 2
+    (type code * 2 + 16-divisible). The hint is what the chain's launch specializes on: without
+    it a tile's loads are not vectorized, and a reduction over them takes another layout (so
+    other bits). (Straight-line branches: an early return inside a constexpr branch lost the
+    hint under triton 3.6.)"""
     v = tl.load(a_ptr + J)
-    if CODE >= 10:
-        p = _ptr(v, CODE)
+    if E >= 20:  # a pointer
+        r = _ptr(v, E // 2, E % 2)
+    elif E >= 4:  # float32 (code 2)
+        r = v.to(tl.int32).to(tl.float32, bitcast=True)
+    elif E >= 2:  # int64 (code 1)
+        r = v
         if E % 2:
-            p = tl.multiple_of(p, 16)
-        return p
-    elif CODE == 2:
-        return v.to(tl.int32).to(tl.float32, bitcast=True)
-    elif CODE == 1:
-        if E % 2:
-            v = tl.multiple_of(v, 16)
-        return v
+            r = tl.multiple_of(r, 16)
     else:
-        w = v.to(tl.int32)
+        r = v.to(tl.int32)
         if E % 2:
-            w = tl.multiple_of(w, 16)
-        return w
+            r = tl.multiple_of(r, 16)
+    return r
 
 
 # Triton 3.6 passes no tuple (and no str or None) from a constexpr tuple to a function: a kind

@@ -128,3 +128,62 @@ def test_counters_must_cover_the_stages(device):
     plan = rec.plan(device)
     with pytest.raises(ValueError, match="at least 5"):
         ps.launch(plan, ps.counters(2, device))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "tf32x3"])
+def test_attention_stages_are_bitwise_the_chain(device, precision):
+    """q|k|v partials -> QK-norm + rope + KV write -> attention (combine folded in) -> a GEMV
+    product -> residual add + norm: the persistent launch is bitwise the chain, rows at
+    different positions (several attention segments each)."""
+    from workbench.kernels.attention import attention_rows
+    from dataclasses import replace
+
+    from workbench.kernels.qmatmul import gemv_config, launch_qgemv
+    from workbench.kernels.rope import rope_inv_freq
+    from workbench.kernels.step_fused import qk_rope_kv
+
+    gen = torch.Generator().manual_seed(9)
+    R, Hq, Hkv, D, L, E = 3, 4, 1, 32, 96, 64
+    splits = 2
+    part = torch.randn(splits, R, (Hq + 2 * Hkv) * D, generator=gen).to(device)
+    kp0 = torch.randn(R, L, Hkv, D, generator=gen).to(device)
+    vp0 = torch.randn(R, L, Hkv, D, generator=gen).to(device)
+    seq = torch.arange(R, dtype=torch.int32, device=device)
+    pos = torch.tensor([70, 5, 33], dtype=torch.int32, device=device)
+    win = torch.tensor([0, 0, 16], dtype=torch.int32, device=device)
+    qn, kn = torch.randn(D, generator=gen).to(device), torch.randn(D, generator=gen).to(device)
+    inv = rope_inv_freq(D, 10000.0, device)
+    pw, _, _, r0, w_post, w_next = _inputs(device, R, E)
+    from gguf import GGMLQuantizationType, quantize
+    wo = torch.randn(E, Hq * D, generator=gen)
+    pwo = pack_weights(torch.from_numpy(quantize(wo.numpy(), GGMLQuantizationType.Q8_0)).to(device), "Q8_0", E, Hq * D)
+    counters = torch.zeros(R * Hkv, dtype=torch.int32, device=device)
+    use_dot = torch.device(device).type == "cuda"
+    cfg = replace(gemv_config("Q8_0", E, Hq * D, device), num_warps=4)  # one num_warps per plan
+
+    def chain(q, kp, vp, o, y, r, h):
+        qk_rope_kv(part, q, kp, vp, seq, pos, qn, kn, inv, 1e-6)
+        attention_rows(q, kp, vp, seq, pos, win, 0.125, out=o, max_pos=L - 1, counters=counters,
+                       precision=precision if use_dot else None, num_warps=4)
+        launch_qgemv(o.view(R, Hq * D), pwo, y, splits, y.stride(0), config=cfg)
+        add_rmsnorm(r, y, w_post, w_next, h, 1e-6)
+
+    def fresh():
+        return (torch.full((R, Hq, D), float("nan"), device=device), kp0.clone(), vp0.clone(),
+                torch.full((R, Hq, D), float("nan"), device=device),
+                torch.full((splits, R, E), float("nan"), device=device), r0.clone(),
+                torch.full((R, E), float("nan"), device=device))
+
+    want = fresh()
+    chain(*want)
+    assert torch.isfinite(want[6]).all()
+    got = fresh()
+    with ps.record() as rec:
+        chain(*got)
+    assert [ln.kernel for ln in rec.launches] == ["_qk_rope_kv_kernel", "_attention_partial_kernel",
+                                                 "_qgemv_kernel", "_add_rmsnorm_kernel"]
+    plan = rec.plan(device)
+    plan.upload()
+    ps.launch(plan, ps.counters(plan.stages, device))
+    for name, a, b in zip(("q", "k", "v", "attn", "y", "x", "h"), got, want):
+        assert torch.equal(a, b), name
