@@ -91,15 +91,16 @@ def _acquire_load(ptr):
 
 @triton.jit
 def wait_count(ctr_ptr, need, WAIT: tl.constexpr):
-    """Spin until the int32 counter at ``ctr_ptr`` reaches ``need`` (acquire)."""
-    if WAIT == 2:
-        c = _acquire_load(ctr_ptr)
-        while c < need:
+    """Spin until the int32 counter at ``ctr_ptr`` reaches ``need`` (acquire); need 0: no wait."""
+    if need > 0:
+        if WAIT == 2:
             c = _acquire_load(ctr_ptr)
-    elif WAIT == 1:
-        c = tl.atomic_add(ctr_ptr, 0, sem="acquire")
-        while c < need:
+            while c < need:
+                c = _acquire_load(ctr_ptr)
+        elif WAIT == 1:
             c = tl.atomic_add(ctr_ptr, 0, sem="acquire")
+            while c < need:
+                c = tl.atomic_add(ctr_ptr, 0, sem="acquire")
 
 
 @triton.jit

@@ -276,6 +276,16 @@ def counters(stages: int, device) -> torch.Tensor:
 
 
 PROGRAMS_PER_SM: int | None = None  # None: as many as fit (registers, shared memory)
+# How programs get items on a GPU: "ticket" (a global counter, in item order: any residency) or
+# "static" (program p takes items p, p + P, ...: no counter round trip per item; needs every
+# program resident, so the grid is what fits). The CPU interpreter always takes tickets.
+ASSIGN = "ticket"
+# How a GPU item waits: "load" (every thread polls with an acquire load) or "atomic" (one thread
+# per program polls with an acquire atomic, the others wait at a barrier).
+POLL = "load"
+# A register cap for the persistent kernel (ptxas maxnreg; None: what the heaviest item takes,
+# ~255, so two programs per multiprocessor): more programs resident, at the price of spills.
+MAXNREG: int | None = None
 _GRID: dict = {}
 
 
@@ -283,10 +293,18 @@ def launch(plan: Plan, ctr: torch.Tensor, programs: int | None = None) -> None:
     """Run the plan's items in one launch. ``ctr``: ``counters(plan.stages)`` or more."""
     if ctr.numel() < plan.stages + 1 or ctr.dtype != torch.int32:
         raise ValueError(f"ctr must be int32 zeros, at least {plan.stages + 1} of them")
-    kw = dict(KINDS=plan.kinds, NK=len(plan.kinds), PREC=plan.prec[0], APREC=plan.prec[1], WAIT=2 if _native(plan.items_dev) else 1,
-              num_warps=plan.num_warps, **launch_kw(plan.items_dev))
-    if programs is None:
-        programs = _programs(plan, ctr, kw) if plan.items_dev.is_cuda else 1
+    if ASSIGN not in ("ticket", "static") or POLL not in ("load", "atomic"):
+        raise ValueError(f"ASSIGN={ASSIGN!r} / POLL={POLL!r}: allowed ticket, static / load, atomic")
+    native = _native(plan.items_dev)
+    static = ASSIGN == "static" and native
+    kw = dict(KINDS=plan.kinds, NK=len(plan.kinds), PREC=plan.prec[0], APREC=plan.prec[1],
+              WAIT=2 if native and POLL == "load" else 1, num_warps=plan.num_warps, **launch_kw(plan.items_dev))
+    if MAXNREG and native:
+        kw["maxnreg"] = int(MAXNREG)
+    if programs is None or static:  # (static: never more programs than can be resident at once)
+        fit = _programs(plan, ctr, dict(kw, STATIC=static)) if plan.items_dev.is_cuda else 1
+        programs = fit if programs is None else min(programs, fit)
+    kw["STATIC"] = static
     _persistent_kernel[(programs,)](plan.items_dev, plan.args_dev, ctr, plan.n_items, plan.stages, **kw)
 
 
@@ -299,7 +317,8 @@ def _programs(plan: Plan, ctr: torch.Tensor, kw: dict) -> int:
     """Programs for the grid: every multiprocessor full (the kernel's registers and shared
     memory say how many fit), or PROGRAMS_PER_SM each."""
     dev = plan.items_dev.device
-    key = (plan.kinds, plan.num_warps, dev.index, PROGRAMS_PER_SM)
+    key = (plan.kinds, plan.prec, kw["WAIT"], kw["STATIC"], kw.get("maxnreg"), plan.num_warps, dev.index,
+           PROGRAMS_PER_SM)
     if key not in _GRID:
         props = torch.cuda.get_device_properties(dev)
         per_sm = PROGRAMS_PER_SM
@@ -448,9 +467,14 @@ def _item(
 @triton.jit(do_not_specialize=["n_items", "n_stages"])
 def _persistent_kernel(items_ptr, args_ptr, ctr_ptr, n_items, n_stages,
                        KINDS: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr, APREC: tl.constexpr,
-                       WAIT: tl.constexpr, PDL: tl.constexpr):
+                       WAIT: tl.constexpr, STATIC: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)  # the launch's inputs (embedding, first norm) are done
-    t = tl.atomic_add(ctr_ptr, 1)
+    P = tl.num_programs(0)
+    if STATIC:  # program p takes items p, p + P, ... (every program resident: a GPU grid that fits)
+        t = tl.program_id(0)
+    else:  # tickets in item order (any residency; the interpreter's programs run one by one)
+        t = tl.atomic_add(ctr_ptr, 1)
+    seen = -1  # stages this program has seen complete: 0..seen (a later item of them waits for nothing)
     while t < n_items:
         it = items_ptr + t * 8
         kind = tl.load(it)
@@ -459,7 +483,7 @@ def _persistent_kernel(items_ptr, args_ptr, ctr_ptr, n_items, n_stages,
         p1 = tl.load(it + 3)
         p2 = tl.load(it + 4)
         stage = tl.load(it + 5)
-        need = tl.load(it + 6)
+        need = tl.where(stage - 1 <= seen, 0, tl.load(it + 6))
         wait_ptr = ctr_ptr + tl.maximum(stage, 1)  # stage s waits on counter s (stage s - 1's)
         for k in tl.static_range(NK):
             if kind == k:
@@ -474,8 +498,14 @@ def _persistent_kernel(items_ptr, args_ptr, ctr_ptr, n_items, n_stages,
                     KINDS[k][38], KINDS[k][39], KINDS[k][40], KINDS[k][41], KINDS[k][42], KINDS[k][43],
                     KINDS[k][44], KINDS[k][45], KINDS[k][46], KINDS[k][47],
                     PREC, APREC, WAIT)
+        seen = tl.maximum(seen, stage - 1)
         release_count(ctr_ptr + 1 + stage)
-        t = tl.atomic_add(ctr_ptr, 1)
-    if t == n_items + tl.num_programs(0) - 1:  # the last program out: every item is done
+        if STATIC:
+            t += P
+        else:
+            t = tl.atomic_add(ctr_ptr, 1)
+    if STATIC:
+        t = n_items + tl.atomic_add(ctr_ptr, 1)  # (counts the programs out)
+    if t == n_items + P - 1:  # the last program out: every item is done
         for i in range(0, n_stages + 1):
             tl.store(ctr_ptr + i, 0)

@@ -648,6 +648,18 @@ def main_stage(args) -> None:
                                           setup=lambda r: setattr(r, "uniform_warps", tr.PERSISTENT_WARPS))),
         ("persistent p1", lambda: _patched(ps, "PROGRAMS_PER_SM", 1, lambda: bench_runner(
             m, "triton_persistent_1_per_sm", SLOTS, out, rows, bw, persistent=True))),
+        ("persistent static", lambda: _patched(ps, "ASSIGN", "static", lambda: bench_runner(
+            m, "triton_persistent_static", SLOTS, out, rows, bw, persistent=True))),
+        ("persistent atomic", lambda: _patched(ps, "POLL", "atomic", lambda: bench_runner(
+            m, "triton_persistent_atomic_poll", SLOTS, out, rows, bw, persistent=True))),
+        ("persistent static atomic", lambda: _patched_all(ps, {"ASSIGN": "static", "POLL": "atomic"}, lambda: bench_runner(
+            m, "triton_persistent_static_atomic_poll", SLOTS, out, rows, bw, persistent=True))),
+        ("persistent static r168", lambda: _patched_all(ps, {"ASSIGN": "static", "MAXNREG": 168}, lambda: bench_runner(
+            m, "triton_persistent_static_maxnreg168", SLOTS, out, rows, bw, persistent=True))),
+        ("persistent r168", lambda: _patched(ps, "MAXNREG", 168, lambda: bench_runner(
+            m, "triton_persistent_maxnreg168", SLOTS, out, rows, bw, persistent=True))),
+        ("persistent static exact", lambda: _patched(ps, "ASSIGN", "static", lambda: stage_persistent_exact(
+            m, out, exact_rows))),
         ("persistent engine exact", lambda: _patched(tr, "PERSISTENT", True, lambda: stage_exact(m, out, exact_rows))),
         ("persistent profile", lambda: _patched(tr, "PERSISTENT", True, lambda: stage_profile(m, out, prof_rows))),
         ("attn fma", lambda: bench_runner(m, "triton_attention_fma", SLOTS, out, rows, bw, attn_dot=False)),

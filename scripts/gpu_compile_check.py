@@ -105,6 +105,8 @@ VARIANTS = {
     "attn_tf32x3": {"attn_bf16": False},
     "folds": {"fuse_add_norm": True, "fuse_qk_rope": True, "attn_dot": False},
     "persistent": "persistent",
+    "persistent_static": "persistent_static",
+    "persistent_atomic": "persistent_atomic",
 }
 
 
@@ -132,8 +134,13 @@ def check(model, name: str, kw) -> float:
             for k, cfg in table.items():
                 table[k] = replace(cfg, block_m=32)
         kw = {}
-    persistent = kw == "persistent"
+    from workbench.kernels import persistent as ps
+
+    persistent = isinstance(kw, str) and kw.startswith("persistent")
+    saved_mode = ps.ASSIGN, ps.POLL
     if persistent:  # the decode forwards as one persistent launch (graphs: the runner's only user)
+        ps.ASSIGN = "static" if kw == "persistent_static" else "ticket"
+        ps.POLL = "atomic" if kw == "persistent_atomic" else "load"
         kw = {}
     t0 = time.perf_counter()
     try:
@@ -155,6 +162,7 @@ def check(model, name: str, kw) -> float:
         qmma.QMMA_CONFIGS.update(saved)
         qmma.QMMA_WIDE_CONFIGS.update(saved_wide)
         dense_mma.DENSE_CONFIG = saved_dense
+        ps.ASSIGN, ps.POLL = saved_mode
     return time.perf_counter() - t0
 
 

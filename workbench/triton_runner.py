@@ -114,7 +114,9 @@ PDL = True
 # the results are bitwise the chain's. Needs one num_warps for every kernel of the loop: where it
 # is on, the runner's attention and FMA-GEMV launches take PERSISTENT_WARPS everywhere (prefill
 # and mixed steps too, so every path keeps the same arithmetic). Falls back to the chain where a
-# launch has no persistent item (the folds, the raw form, the cuBLAS variant).
+# launch has no persistent item (the folds, the raw form, the cuBLAS variant). Off: bitwise the
+# chain on an H200 but slower (session 6: 0.942 vs 0.689 ms at 1 slot, 1.094 vs 0.791 at 16;
+# docs/GPU_NOTES.md says why and what would change it).
 PERSISTENT = False
 PERSISTENT_WARPS = 4
 PERSISTENT_COUNTERS = 4096  # stages one launch may hold (Gemma 3 270M: ~160)
