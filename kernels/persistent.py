@@ -325,12 +325,17 @@ def _programs(plan: Plan, ctr: torch.Tensor, kw: dict) -> int:
         if per_sm is None:
             k = _persistent_kernel.warmup(plan.items_dev, plan.args_dev, ctr, plan.n_items, plan.stages,
                                           grid=(1,), **kw)
-            threads = 32 * plan.num_warps
-            regs = max(1, int(getattr(k, "n_regs", 0) or 0))
-            by_regs = 65536 // (regs * threads) if regs > 1 else 2048 // threads
+            k._init_handles()  # (loads the binary: its register count is known from then on)
+            regs = int(getattr(k, "n_regs", 0) or 0)
+            if regs <= 0:
+                raise RuntimeError("the persistent kernel's register count is unknown: cannot size its grid")
+            # registers go to warps in units of 256; a multiprocessor holds 65,536 and 2,048 threads
+            per_warp = -(-regs * 32 // 256) * 256
+            by_regs = props.regs_per_multiprocessor // (per_warp * plan.num_warps) \
+                if hasattr(props, "regs_per_multiprocessor") else 65536 // (per_warp * plan.num_warps)
             shared = int(k.metadata.shared or 0)
             by_smem = (props.shared_memory_per_multiprocessor // shared) if shared else by_regs
-            per_sm = max(1, min(by_regs, by_smem, 2048 // threads))
+            per_sm = max(1, min(by_regs, by_smem, 2048 // (32 * plan.num_warps)))
         _GRID[key] = per_sm * props.multi_processor_count
     return _GRID[key]
 
