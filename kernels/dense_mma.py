@@ -8,7 +8,7 @@ values that decode produces (``bf16(d * q)``, dequantized once at load: 335 MB i
 178), so a K step is a plain load that Triton pipelines (``num_stages``) straight into the MMA.
 
 * Operands swapped as in ``qmma``: a program owns BLOCK_N outputs x a fixed tile of BLOCK_M rows
-  (16; ``DenseConfig.block_m``) and computes ``y^T[BLOCK_N, BM] = W[BLOCK_N, K] @ x^T[K, BM]``.
+  (32; ``DenseConfig.block_m``) and computes ``y^T[BLOCK_N, BM] = W[BLOCK_N, K] @ x^T[K, BM]``.
 * Precision as ``qmma``'s: "bf16" (x rounded to bfloat16, products exact in float32, float32
   accumulation; W bfloat16) or "tf32x3" (float32 W and x, three TF32 products).
 * Invariance: tiles, K steps and their order are fixed by the weight's shape, M is not
@@ -34,10 +34,11 @@ class DenseConfig:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
-    # rows per program (16 or 32), fixed per weight: 32 would read the head once for 17..32 rows
-    # instead of twice, at the price of a 32-wide MMA for 1..16 (bandwidth-bound: likely free).
-    # Not yet measured (docs/GPU_NOTES.md, session 5).
-    block_m: int = 16
+    # rows per program (16 or 32), fixed per weight: 32 reads the head once for 17..32 rows
+    # instead of twice, at the price of a 32-wide MMA for 1..16. H200 (session 6, run 25):
+    # 32 slots 0.993 -> 0.974 ms, 1..16 slots +14 us (0.691 -> 0.705 at 1). Chosen for the
+    # 32-slot batch-invariance cost (10.2% -> 8.1% against cuBLAS bf16; docs/GPU_NOTES.md).
+    block_m: int = 32
 
 
 DENSE_CONFIG = DenseConfig()
