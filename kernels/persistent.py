@@ -13,7 +13,9 @@ Here the same launches run inside ONE launch:
   the count it waits for) and per launch its runtime arguments (pointers and scalars, int64).
   A *kind* is a kernel with one set of constexprs; the kinds are the persistent kernel's
   constexprs, so each item calls its kernel's body with the same constexprs the chain uses.
-* ``_persistent_kernel``: each program takes tickets from a global counter, in item order. An
+* ``_persistent_kernel``: each program walks items in item order: on a GPU program p takes
+  items p, p + P, ... (``ASSIGN = "static"``, the grid sized so that every program is resident),
+  or tickets from a global counter (``"ticket"``, and always under the CPU interpreter). An
   item of stage s first waits (acquire) until stage s - 1's counter reaches its item count,
   runs the body of its kernel (``qmma_item``, ``qgemv_item``, ``attention_item``,
   ``add_rmsnorm_row``, ``qk_rope_kv_row``, ``glu_item``) and adds one to stage s's counter
@@ -21,10 +23,14 @@ Here the same launches run inside ONE launch:
   it ended, as a kernel starts after its predecessor; products fetch their first weights before
   waiting, as they do before their PDL wait. The last program to leave zeroes the counters.
 
-Because tickets are taken in stage order, an item only ever waits for lower tickets, which
-running programs hold: no deadlock whatever the grid or residency. Under the CPU interpreter
-programs run one after another: program 0 takes every ticket in order and never waits, so the
-same code runs in the tests.
+An item only ever waits for lower items. With tickets, those are held by running programs: no
+deadlock whatever the grid or residency; under the interpreter programs run one after another,
+program 0 takes every ticket in order and never waits, so the same code runs in the tests. With
+static assignment every program is resident, and each walks its items in order: no deadlock
+either (by induction over the stages).
+
+Measured on an H200 (docs/GPU_NOTES.md, session 6): bitwise the chain, but slower (1.05 vs
+0.79 ms per 16-slot step at best), so the runner keeps it off.
 
 Same bodies, same constexprs, same num_warps (the caller makes the chain's kernels agree on one):
 every item computes what its program computes in the chain, so the step's results are bitwise
@@ -315,28 +321,28 @@ def _native(t: torch.Tensor) -> bool:
 
 
 def _programs(plan: Plan, ctr: torch.Tensor, kw: dict) -> int:
-    """Programs for the grid: every multiprocessor full (the kernel's registers and shared
-    memory say how many fit), or PROGRAMS_PER_SM each."""
+    """Programs for the grid: as many as can be resident at once (the loaded kernel's registers
+    and shared memory say how many fit on a multiprocessor), or PROGRAMS_PER_SM each, never more
+    than fit under static assignment (a program that never starts would hold items others wait
+    for)."""
     dev = plan.items_dev.device
     key = (plan.kinds, plan.prec, kw["WAIT"], kw["STATIC"], kw.get("maxnreg"), plan.num_warps, dev.index,
            PROGRAMS_PER_SM)
     if key not in _GRID:
         props = torch.cuda.get_device_properties(dev)
-        per_sm = PROGRAMS_PER_SM
-        if per_sm is None:
-            k = _persistent_kernel.warmup(plan.items_dev, plan.args_dev, ctr, plan.n_items, plan.stages,
-                                          grid=(1,), **kw)
-            k._init_handles()  # (loads the binary: its register count is known from then on)
-            regs = int(getattr(k, "n_regs", 0) or 0)
-            if regs <= 0:
-                raise RuntimeError("the persistent kernel's register count is unknown: cannot size its grid")
-            # registers go to warps in units of 256; a multiprocessor holds 65,536 and 2,048 threads
-            per_warp = -(-regs * 32 // 256) * 256
-            by_regs = props.regs_per_multiprocessor // (per_warp * plan.num_warps) \
-                if hasattr(props, "regs_per_multiprocessor") else 65536 // (per_warp * plan.num_warps)
-            shared = int(k.metadata.shared or 0)
-            by_smem = (props.shared_memory_per_multiprocessor // shared) if shared else by_regs
-            per_sm = max(1, min(by_regs, by_smem, 2048 // (32 * plan.num_warps)))
+        k = _persistent_kernel.warmup(plan.items_dev, plan.args_dev, ctr, plan.n_items, plan.stages,
+                                      grid=(1,), **kw)
+        k._init_handles()  # (loads the binary: its register count is known from then on)
+        regs = int(getattr(k, "n_regs", 0) or 0)
+        if regs <= 0:
+            raise RuntimeError("the persistent kernel's register count is unknown: cannot size its grid")
+        # registers go to warps in units of 256; a multiprocessor holds 65,536 and 2,048 threads
+        per_warp = -(-regs * 32 // 256) * 256
+        by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * plan.num_warps)
+        shared = int(k.metadata.shared or 0)
+        by_smem = (props.shared_memory_per_multiprocessor // shared) if shared else by_regs
+        fit = max(1, min(by_regs, by_smem, 2048 // (32 * plan.num_warps)))
+        per_sm = fit if PROGRAMS_PER_SM is None else min(PROGRAMS_PER_SM, fit) if kw["STATIC"] else PROGRAMS_PER_SM
         _GRID[key] = per_sm * props.multi_processor_count
     return _GRID[key]
 

@@ -29,6 +29,8 @@ Same interface as `runner.TorchRunner` (the engine picks it with EngineConfig(ba
 
 `dense="cublas_bf16"` swaps the quantized products for cuBLAS bf16 products on dequantized
 weights: the fastest NON-batch-invariant variant, for measuring what invariance costs.
+`persistent=True` runs a graphed step's layer loop as one persistent launch of the same programs
+(kernels/persistent.py): bitwise the chain, slower on an H200, off by default.
 """
 
 from __future__ import annotations
