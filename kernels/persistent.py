@@ -320,6 +320,18 @@ def _native(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
+def fit_per_sm(regs: int, shared: int, num_warps: int, regs_per_sm: int = 65536, shared_per_sm: int = 233472,
+               threads_per_sm: int = 2048) -> int:
+    """Programs of a kernel that fit on one multiprocessor at once: registers go to warps in
+    units of 256, shared memory per program, threads (at least one program)."""
+    if regs <= 0 or num_warps <= 0:
+        raise ValueError(f"regs={regs} and num_warps={num_warps} must be positive")
+    per_warp = -(-regs * 32 // 256) * 256
+    by_regs = regs_per_sm // (per_warp * num_warps)
+    by_smem = shared_per_sm // shared if shared else by_regs
+    return max(1, min(by_regs, by_smem, threads_per_sm // (32 * num_warps)))
+
+
 def _programs(plan: Plan, ctr: torch.Tensor, kw: dict) -> int:
     """Programs for the grid: as many as can be resident at once (the loaded kernel's registers
     and shared memory say how many fit on a multiprocessor), or PROGRAMS_PER_SM each, never more
@@ -336,12 +348,8 @@ def _programs(plan: Plan, ctr: torch.Tensor, kw: dict) -> int:
         regs = int(getattr(k, "n_regs", 0) or 0)
         if regs <= 0:
             raise RuntimeError("the persistent kernel's register count is unknown: cannot size its grid")
-        # registers go to warps in units of 256; a multiprocessor holds 65,536 and 2,048 threads
-        per_warp = -(-regs * 32 // 256) * 256
-        by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * plan.num_warps)
-        shared = int(k.metadata.shared or 0)
-        by_smem = (props.shared_memory_per_multiprocessor // shared) if shared else by_regs
-        fit = max(1, min(by_regs, by_smem, 2048 // (32 * plan.num_warps)))
+        fit = fit_per_sm(regs, int(k.metadata.shared or 0), plan.num_warps,
+                         getattr(props, "regs_per_multiprocessor", 65536), props.shared_memory_per_multiprocessor)
         per_sm = fit if PROGRAMS_PER_SM is None else min(PROGRAMS_PER_SM, fit) if kw["STATIC"] else PROGRAMS_PER_SM
         _GRID[key] = per_sm * props.multi_processor_count
     return _GRID[key]

@@ -187,3 +187,17 @@ def test_attention_stages_are_bitwise_the_chain(device, precision):
     ps.launch(plan, ps.counters(plan.stages, device))
     for name, a, b in zip(("q", "k", "v", "attn", "y", "x", "h"), got, want):
         assert torch.equal(a, b), name
+
+
+def test_grid_fits_the_multiprocessor():
+    """Static assignment needs every program resident: the grid per multiprocessor follows the
+    registers (in 256-register warp units), shared memory and threads (run 27 on an H200 hung
+    when the grid was sized without the register count)."""
+    assert ps.fit_per_sm(255, 41472, 4) == 2  # the persistent kernel on an H200: 2 x 32,768 registers
+    assert ps.fit_per_sm(168, 41472, 4) == 3
+    assert ps.fit_per_sm(144, 4096, 4) == 3
+    assert ps.fit_per_sm(32, 0, 4) == 16  # threads bound it
+    assert ps.fit_per_sm(32, 100_000, 4) == 2  # shared memory bounds it
+    assert ps.fit_per_sm(255, 0, 8) == 1
+    with pytest.raises(ValueError, match="regs"):
+        ps.fit_per_sm(0, 0, 4)
