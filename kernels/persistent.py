@@ -304,7 +304,8 @@ def launch(plan: Plan, ctr: torch.Tensor, programs: int | None = None) -> None:
         raise ValueError(f"ASSIGN={ASSIGN!r} / POLL={POLL!r}: allowed ticket, static / load, atomic")
     native = _native(plan.items_dev)
     static = ASSIGN == "static" and native
-    kw = dict(KINDS=plan.kinds, NK=len(plan.kinds), PREC=plan.prec[0], APREC=plan.prec[1],
+    kw = dict(KINDS=plan.kinds, NK=len(plan.kinds), PREC=plan.prec[0], APREC=plan.prec[1], COLS=ITEM_COLS,
+              NARGS=MAX_ARGS,
               WAIT=2 if native and POLL == "load" else 1, num_warps=plan.num_warps, **launch_kw(plan.items_dev))
     if MAXNREG and native:
         kw["maxnreg"] = int(MAXNREG)
@@ -487,7 +488,8 @@ def _item(
 @triton.jit(do_not_specialize=["n_items", "n_stages"])
 def _persistent_kernel(items_ptr, args_ptr, ctr_ptr, n_items, n_stages,
                        KINDS: tl.constexpr, NK: tl.constexpr, PREC: tl.constexpr, APREC: tl.constexpr,
-                       WAIT: tl.constexpr, STATIC: tl.constexpr, PDL: tl.constexpr):
+                       WAIT: tl.constexpr, STATIC: tl.constexpr, COLS: tl.constexpr, NARGS: tl.constexpr,
+                       PDL: tl.constexpr):
     enter(PDL)  # the launch's inputs (embedding, first norm) are done
     P = tl.num_programs(0)
     if STATIC:  # program p takes items p, p + P, ... (every program resident: a GPU grid that fits)
@@ -496,9 +498,9 @@ def _persistent_kernel(items_ptr, args_ptr, ctr_ptr, n_items, n_stages,
         t = tl.atomic_add(ctr_ptr, 1)
     seen = -1  # stages this program has seen complete: 0..seen (a later item of them waits for nothing)
     while t < n_items:
-        it = items_ptr + t * 8
+        it = items_ptr + t * COLS
         kind = tl.load(it)
-        a = args_ptr + tl.load(it + 1).to(tl.int64) * 32
+        a = args_ptr + tl.load(it + 1).to(tl.int64) * NARGS
         p0 = tl.load(it + 2)
         p1 = tl.load(it + 3)
         p2 = tl.load(it + 4)

@@ -74,12 +74,17 @@ def test_persistent_launch_is_bitwise_the_chain(device):
         assert not ctr.any()  # the last program out leaves the counters zero for the next launch
 
 
-def test_items_follow_the_grid_numbering(device):
-    R, E = 3, 64
+def _recorded_chain(device, R=3, E=64) -> ps.Record:
+    """The launches of ``_chain`` on fresh inputs, recorded (not run)."""
     pw, _, x, r0, w_post, w_next = _inputs(device, R, E)
     part, h, g = _buffers(R, E, 2, device)
     with ps.record() as rec:
         _chain(x, pw, part, r0.clone(), h, w_post, w_next, g)
+    return rec
+
+
+def test_items_follow_the_grid_numbering(device):
+    rec = _recorded_chain(device)
     items = rec.plan(device).items
     first = items[items[:, 5] == 0]
     g0, g1, g2 = rec.launches[0].grid
@@ -107,11 +112,7 @@ def test_unsupported_launches_are_refused_before_they_run(device):
 
 
 def test_one_num_warps_per_plan(device):
-    R, E = 3, 64
-    pw, _, x, r0, w_post, w_next = _inputs(device, R, E)
-    part, h, g = _buffers(R, E, 2, device)
-    with ps.record() as rec:
-        _chain(x, pw, part, r0.clone(), h, w_post, w_next, g)
+    rec = _recorded_chain(device)
     rec.launches[1].num_warps = 8
     with pytest.raises(ps.Unsupported, match="num_warps"):
         rec.plan(device)
@@ -120,12 +121,7 @@ def test_one_num_warps_per_plan(device):
 
 
 def test_counters_must_cover_the_stages(device):
-    R, E = 3, 64
-    pw, _, x, r0, w_post, w_next = _inputs(device, R, E)
-    part, h, g = _buffers(R, E, 2, device)
-    with ps.record() as rec:
-        _chain(x, pw, part, r0.clone(), h, w_post, w_next, g)
-    plan = rec.plan(device)
+    plan = _recorded_chain(device).plan(device)
     with pytest.raises(ValueError, match="at least 5"):
         ps.launch(plan, ps.counters(2, device))
 
