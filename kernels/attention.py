@@ -53,6 +53,11 @@ ATTENTION_SMALL_TILE = 8192  # QROWS * BLOCK_N * D_P up to this: 4 warps, above:
 ATTENTION_INPUT_PRECISION = "tf32x3"
 ATTENTION_PRECISIONS = ("tf32x3", "ieee", "bf16")
 _LOG2E = 1.4426950408889634
+# GPU only: before its PDL wait a partial program asks L2 for its segment's K and V lines
+# (``prefetch.global.L2``: no data comes back, so nothing of the result can change). Old
+# positions were written by earlier steps, and a line the producer writes after the prefetch is
+# read from L2, the point of coherence, anyway: the wait still orders every load.
+ATTENTION_PREFETCH = False
 
 
 def _attention_config(qrows: int, d_p: int) -> tuple[int, int]:
@@ -63,6 +68,22 @@ def _attention_config(qrows: int, d_p: int) -> tuple[int, int]:
     if ATTENTION_SEGMENT % block_n:
         raise ValueError(f"ATTENTION_SEGMENT={ATTENTION_SEGMENT} must be a multiple of BLOCK_N={block_n}")
     return block_n, (4 if qrows * block_n * d_p <= ATTENTION_SMALL_TILE else 8)
+
+
+@triton.jit
+def _prefetch_segment(base, j_lo, j_hi, stride_l, D, SEG: tl.constexpr, D_P: tl.constexpr):
+    """``prefetch.global.L2`` of the 128-byte lines of rows j_lo..j_hi - 1 (D elements each, at
+    stride_l) from base; lanes outside repeat row j_lo's first line (an empty range: nothing)."""
+    ELEM: tl.constexpr = base.dtype.element_ty.primitive_bitwidth // 8
+    PER: tl.constexpr = 128 // ELEM  # elements per line
+    LINES: tl.constexpr = max(1, D_P // PER)
+    j = j_lo + tl.arange(0, SEG)
+    c = tl.arange(0, LINES) * PER
+    ok = (j < j_hi)[:, None] & (c < D)[None, :]
+    off = tl.where(ok, j[:, None].to(tl.int64) * stride_l + c[None, :], j_lo.to(tl.int64) * stride_l)
+    if j_lo < j_hi:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [base + off],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -82,7 +103,16 @@ def _attention_partial_kernel(
     qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
     GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
     SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
+    if PREFETCH:  # (the row tables are written before the step's first kernel, never during it)
+        r, kvh, sg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
+        seq = tl.load(row_seq_ptr + r).to(tl.int64)
+        _prefetch_segment(k_ptr + seq * stride_ks + kvh * stride_kh, tl.maximum(lo, sg * SEG),
+                          tl.minimum(hi, (sg + 1) * SEG), stride_kl, D, SEG, D_P)
+        _prefetch_segment(v_ptr + seq * stride_vs + kvh * stride_vh, tl.maximum(lo, sg * SEG),
+                          tl.minimum(hi, (sg + 1) * SEG), stride_vl, D, SEG, D_P)
     enter(PDL)
     attention_item(
         tl.program_id(0), tl.program_id(1), tl.program_id(2),
@@ -201,6 +231,11 @@ def _attention_combine_kernel(
                  GROUP, QROWS, D_P, SEG, "")
 
 
+def _native(x: torch.Tensor) -> bool:
+    """Whether a launch on x compiles for a GPU (inline PTX; never under the interpreter)."""
+    return x.is_cuda
+
+
 def _check_float(name: str, t: torch.Tensor) -> None:
     if t.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"{name} must be float32 or bfloat16, got {t.dtype}")
@@ -290,7 +325,8 @@ def attention_rows(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         float(scale) * _LOG2E, D, Hkv, num_seg, counters if fused else ws_m, out, out.stride(0), out.stride(1),
         GROUP=group, QROWS=qrows, D_P=d_p, BLOCK_N=block_n, SEG=ATTENTION_SEGMENT,
-        USE_DOT=use_dot, INPUT_PRECISION=precision, FUSED=fused, num_warps=num_warps, **launch_kw(q),
+        USE_DOT=use_dot, INPUT_PRECISION=precision, FUSED=fused, num_warps=num_warps,
+        PREFETCH=ATTENTION_PREFETCH and _native(q), **launch_kw(q),
     )
     if not fused:
         _attention_combine_kernel[(R, Hkv)](

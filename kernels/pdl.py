@@ -15,8 +15,9 @@ transitive: a kernel waits for its predecessor, which could not finish before wa
 own. Kernels not launched with PDL (torch ops, cuBLAS) wait for their predecessors as usual, and
 kernels after them wait for them fully.
 
-On the CPU interpreter and on GPUs before sm_90 ``PDL`` is False: the branch is compiled out and
-launches carry no ``launch_pdl``. ``ENABLED`` switches it off everywhere (for A/B runs; the
+On the CPU interpreter and on GPUs before sm_90 ``PDL`` is 0: the branch is compiled out and
+launches carry no ``launch_pdl``. ``PDL`` is 0 (off), 1 (wait, then release) or 2 (release,
+then wait: ``EARLY``). ``ENABLED`` switches it off everywhere (for A/B runs; the
 runner's ``pdl=`` sets it around its launches with ``enabled``).
 """
 
@@ -30,6 +31,12 @@ import triton
 import triton.language as tl
 
 ENABLED = True
+# Release the next kernel before waiting (``enter``): its programs are dispatched as soon as every
+# program of this one has started, so several kernels ahead can fetch their weights during this
+# one (each still waits for its predecessor before touching anything a step writes, so every bit
+# is unchanged). False: wait, then release (the next kernel is dispatched once this one's
+# producer is done).
+EARLY = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,7 +61,7 @@ def launch_kw(t: torch.Tensor) -> dict:
     """Keyword arguments for a kernel launch on ``t``'s device: the kernel's ``PDL`` constexpr
     and, where active, the launch option."""
     on = active(t)
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    return {"PDL": 2 if EARLY else 1, "launch_pdl": True} if on else {"PDL": 0}
 
 
 @contextlib.contextmanager
@@ -70,8 +77,12 @@ def enabled(on: bool):
 
 @triton.jit
 def enter(PDL: tl.constexpr):
-    """First statement of a step kernel: wait for the producers, release the next kernel."""
-    if PDL:
+    """First statement of a step kernel: wait for the producers, release the next kernel (PDL
+    1), or release it first (PDL 2, ``EARLY``); PDL 0: nothing."""
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif PDL == 1:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 

@@ -71,10 +71,10 @@ def _install() -> None:
 
 def _gpu_options(modules) -> None:
     """The launch choices a GPU gets: PDL on, GPU tiles (no interpreter widening)."""
-    from workbench.kernels import dense_mma, pdl, persistent, qmatmul, qmma
+    from workbench.kernels import attention, dense_mma, pdl, persistent, qmatmul, qmma
 
     def launch_kw(t):
-        return {"PDL": True, "launch_pdl": True} if pdl.ENABLED else {"PDL": False}
+        return {"PDL": 2 if pdl.EARLY else 1, "launch_pdl": True} if pdl.ENABLED else {"PDL": 0}
 
     for mod in modules:
         if hasattr(mod, "launch_kw"):
@@ -83,6 +83,7 @@ def _gpu_options(modules) -> None:
     qmatmul.QGEMV_INTERPRETER_MIN_BLOCK_N = 0
     dense_mma.DENSE_INTERPRETER_MIN_BLOCK_N = 0
     qmma._native = lambda x: True  # inline PTX (the head's L2 prefetch) as on the GPU
+    attention._native = lambda x: True  # (attention's K/V prefetch)
     persistent._native = lambda x: True  # the acquire-load waits (inline PTX)
     persistent.launch_kw = launch_kw
 
@@ -107,7 +108,17 @@ VARIANTS = {
     "persistent": "persistent",
     "persistent_static": "persistent_static",
     "persistent_atomic": "persistent_atomic",
+    "early": "early",  # kernels/pdl.py EARLY: release the next kernel before the wait
+    "attn_prefetch": "attn_prefetch",  # attention.ATTENTION_PREFETCH: K/V lines to L2 before the wait
+    "q5k256": "q5k256",  # Q5_0 products in one 256-weight K step per program
+    "tuned": "tuned",  # the three above together
 }
+STEP_OPTIONS = {  # variant -> [(module, name, value)], set for the variant's forwards
+    "early": [("pdl", "EARLY", True)],
+    "attn_prefetch": [("attention", "ATTENTION_PREFETCH", True)],
+    "q5k256": [("qmma", "QMMA_CONFIGS", "q5k256")],
+}
+STEP_OPTIONS["tuned"] = [o for k in ("early", "attn_prefetch", "q5k256") for o in STEP_OPTIONS[k]]
 
 
 def check(model, name: str, kw) -> float:
@@ -134,8 +145,18 @@ def check(model, name: str, kw) -> float:
             for k, cfg in table.items():
                 table[k] = replace(cfg, block_m=32)
         kw = {}
+    from workbench.kernels import attention, pdl
     from workbench.kernels import persistent as ps
 
+    mods = {"pdl": pdl, "attention": attention, "qmma": qmma}
+    undo = []
+    for mod, attr, value in STEP_OPTIONS.get(kw, []) if isinstance(kw, str) else []:
+        undo.append((mods[mod], attr, getattr(mods[mod], attr)))
+        if value == "q5k256":
+            value = {**qmma.QMMA_CONFIGS, "Q5_0": replace(qmma.QMMA_CONFIGS["Q5_0"], block_k=256)}
+        setattr(mods[mod], attr, value)
+    if undo:
+        kw = {}
     persistent = isinstance(kw, str) and kw.startswith("persistent")
     saved_mode = ps.ASSIGN, ps.POLL
     if persistent:  # the decode forwards as one persistent launch (graphs: the runner's only user)
@@ -163,6 +184,8 @@ def check(model, name: str, kw) -> float:
         qmma.QMMA_WIDE_CONFIGS.update(saved_wide)
         dense_mma.DENSE_CONFIG = saved_dense
         ps.ASSIGN, ps.POLL = saved_mode
+        for mod, attr, value in undo:
+            setattr(mod, attr, value)
     return time.perf_counter() - t0
 
 

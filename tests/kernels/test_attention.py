@@ -178,3 +178,25 @@ def test_bf16_products_close_and_rows_invariant(use_dot, device, monkeypatch):
         assert torch.equal(one, o[s]), f"row {b}"
     with pytest.raises(ValueError, match="precision="):
         attention_rows(q, k, v, seq, pos, win, 0.125, precision="fp8")
+
+
+def test_kv_prefetch_changes_no_bit(device, monkeypatch):
+    """ATTENTION_PREFETCH (GPU: the segment's K/V lines asked of L2 before the PDL wait; the
+    interpreter compiles it out): bitwise the result without it, rows with windows, several
+    segments, GQA, bf16 caches."""
+    monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", 32)
+    gen = torch.Generator().manual_seed(9)
+    S, L, Hq, Hkv, D = 3, 100, 4, 2, 64
+    k = _randn(S, L, Hkv, D, dtype=torch.bfloat16, device=device, gen=gen)
+    v = _randn(S, L, Hkv, D, dtype=torch.bfloat16, device=device, gen=gen)
+    q = _randn(4, Hq, D, dtype=torch.bfloat16, device=device, gen=gen)
+    row_seq = torch.tensor([2, 0, 1, 2], device=device)
+    row_pos = torch.tensor([99, 0, 40, 63], device=device)
+    row_win = torch.tensor([0, 0, 16, 40], device=device)
+    counters = torch.zeros(8, dtype=torch.int32, device=device)
+    base = attention_rows(q, k, v, row_seq, row_pos, row_win, 0.125, counters=counters)
+    monkeypatch.setattr(attention_mod, "ATTENTION_PREFETCH", True)
+    got = attention_rows(q, k, v, row_seq, row_pos, row_win, 0.125, counters=counters)
+    assert torch.equal(got, base)
+    torch.testing.assert_close(got.float(), attention_mod.attention_rows_ref(q, k, v, row_seq, row_pos, row_win, 0.125)
+                               .float(), **TOL[torch.bfloat16])

@@ -117,17 +117,23 @@ def test_glu_folded_into_the_product_is_bitwise_the_separate_kernel(form, name, 
 
 
 def test_pdl_launch_options_follow_the_device_and_the_switch(device):
-    """kernels/pdl.py: PDL only where the GPU and triton have it (sm_90+); ENABLED off means none
-    anywhere; enabled() restores the switch."""
+    """kernels/pdl.py: PDL only where the GPU and triton have it (sm_90+): 1 (wait, then release)
+    or 2 with EARLY (release, then wait); ENABLED off means none anywhere; enabled() restores the
+    switch."""
     from workbench.kernels import pdl
 
     t = torch.zeros(1, device=device)
     on = device.type == "cuda" and pdl._supported(torch.cuda.current_device())
-    assert pdl.launch_kw(t) == ({"PDL": True, "launch_pdl": True} if on else {"PDL": False})
+    assert pdl.launch_kw(t) == ({"PDL": 1, "launch_pdl": True} if on else {"PDL": 0})
+    saved, pdl.EARLY = pdl.EARLY, True
+    try:
+        assert pdl.launch_kw(t) == ({"PDL": 2, "launch_pdl": True} if on else {"PDL": 0})
+    finally:
+        pdl.EARLY = saved
     with pdl.enabled(False):
-        assert pdl.launch_kw(t) == {"PDL": False}
+        assert pdl.launch_kw(t) == {"PDL": 0}
     assert pdl.ENABLED
-    assert pdl.launch_kw(torch.zeros(1)) == {"PDL": False}  # a CPU tensor never
+    assert pdl.launch_kw(torch.zeros(1)) == {"PDL": 0}  # a CPU tensor never
 
 
 @pytest.mark.parametrize("norm,members", [(True, 1), (False, 2)])
