@@ -47,9 +47,9 @@ DENSE_INTERPRETER_MIN_BLOCK_N = 128  # fewer, wider programs under the CPU inter
 
 @triton.jit(do_not_specialize=["M"])
 def _dense_mma_kernel(
-    x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    x_ptr, w_ptr, d_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_dn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PREC: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
+    PREC: tl.constexpr, USE_DOT: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -59,12 +59,21 @@ def _dense_mma_kernel(
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = m < M
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    d_rows = d_ptr + n.to(tl.int64)[:, None] * stride_dn
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     enter(PDL)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
-        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if Q8:  # Q8_0 planes: d * q in float32 (exact), rounded by dot_acc as the dense copy was
+            q = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
+            q = q.to(tl.int8, bitcast=True).to(tl.float32)
+            j = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            dd = tl.load(d_rows + j[None, :], mask=nmask[:, None] & (j * 32 < K)[None, :], other=0.0)
+            w = tl.reshape(tl.reshape(q, [BLOCK_N, BLOCK_K // 32, 32]) * dd.to(tl.float32)[:, :, None],
+                           [BLOCK_N, BLOCK_K])
+        else:
+            w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
         acc = dot_acc(acc, w, xt, PREC, USE_DOT)
     tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc, mask=nmask[:, None] & mmask[None, :])
@@ -99,14 +108,47 @@ def dense_mma(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16", out: torch.T
     if M == 0:
         return out
     cfg = config or dense_config(x.device)
-    if cfg.block_m not in (16, 32):
-        raise ValueError(f"bad dense config {cfg}: block_m must be 16 or 32")
+    _launch(x, w, None, out, cfg, prec, use_dot)
+    return out
+
+
+def _launch(x, w, d, out, cfg: DenseConfig, prec: str, use_dot: bool | None) -> None:
+    M, N, K = x.shape[0], out.shape[1], x.shape[1]
+    if cfg.block_m not in (16, 32) or (d is not None and cfg.block_k % 32):
+        raise ValueError(f"bad dense config {cfg}: block_m must be 16 or 32 (and block_k a multiple of 32 for Q8_0)")
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     _dense_mma_kernel[grid](
-        x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+        x, w, w if d is None else d, out, M, N, K, x.stride(0), w.stride(0), 0 if d is None else d.stride(0),
+        out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, PREC=prec,
-        USE_DOT=x.is_cuda if use_dot is None else use_dot, num_warps=cfg.num_warps, **launch_kw(x),
+        USE_DOT=x.is_cuda if use_dot is None else use_dot, Q8=d is not None, num_warps=cfg.num_warps, **launch_kw(x),
     )
+
+
+def q8_dense_mma(x: torch.Tensor, w, prec: str = "bf16", out: torch.Tensor | None = None,
+                 config: DenseConfig | None = None, use_dot: bool | None = None) -> torch.Tensor:
+    """``dense_mma`` of a Q8_0 weight read as its packed planes (``qmatmul.PackedWeight``: int8
+    quants [N, K], float16 scales [N, K/32]): each K step forms d * q in float32 (exact) and the
+    product rounds it as ``dense_mma`` rounds its operands, so the operands are the bf16(d * q)
+    of the dequantized copy at half its bytes (1.06 per weight instead of 2). Batch-invariant as
+    ``dense_mma``; its results are those of ``dense_mma`` on the dequantized copy under the
+    interpreter (same operands, same order); on a GPU the MMA takes its operand from registers
+    instead of memory, one fixed choice per weight either way."""
+    if prec not in QMMA_PRECISIONS:
+        raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(QMMA_PRECISIONS)}")
+    if getattr(w, "fmt", None) is None or w.fmt.name != "Q8_0":
+        raise ValueError("q8_dense_mma takes a Q8_0 PackedWeight (kernels.qmatmul.pack_weights)")
+    N, K = w.N, w.K
+    if x.dim() != 2 or x.shape[1] != K or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x must be float32/bfloat16 [M, {K}] with unit stride, got {x.dtype} {tuple(x.shape)}")
+    M = x.shape[0]
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.float32, device=x.device)
+    elif out.shape != (M, N) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out must be float32 [{M}, {N}] with unit stride")
+    if M == 0:
+        return out
+    _launch(x, w.qs, w.d, out, config or dense_config(x.device), prec, use_dot)
     return out
 
 

@@ -583,6 +583,20 @@ def stage_head_dense(m, out: Path, rows: list, bw: float) -> None:
         dm.DENSE_CONFIG = saved
 
 
+def stage_q8_head_sweep(m, out: Path, rows: list, bw: float) -> None:
+    """The head from its Q8_0 planes (``q8_dense_mma``) at a few tilings (1 / 16 / 32 slots)."""
+    from dataclasses import replace
+
+    import workbench.triton_runner as tr
+    from workbench.kernels import dense_mma as dm
+
+    base = dm.DENSE_CONFIG
+    for bn, bk, st, w in ((128, 128, 3, 4), (64, 128, 4, 4), (64, 256, 3, 4), (128, 128, 4, 8), (64, 64, 6, 4)):
+        cfg = replace(base, block_n=bn, block_k=bk, num_stages=st, num_warps=w)
+        _patched(tr, "HEAD_MATMUL", "q8dense", lambda cfg=cfg: _patched(dm, "DENSE_CONFIG", cfg, lambda: bench_runner(
+            m, f"triton_q8_head_n{bn}_k{bk}_s{st}_w{w}", (1, 16, 32), out, rows, bw)))
+
+
 def stage_torch_path(path: str, out: Path, rows: list, device: str = "cuda", slots=(1, 4, 16), gen: int = 32) -> None:
     """The torch reference path (workbench.model, TorchRunner) on the GPU, through Engine: the
     model's tensors moved to the device and torch's default device set, so its step-local
@@ -722,6 +736,10 @@ def main_stage(args) -> None:
         ("q5 n64 k256", lambda: _patched(QM, "QMMA_CONFIGS", q5(block_n=64, block_k=256), lambda: bench_runner(
             m, "triton_q5_n64_k256", SLOTS, out, rows, bw))),
         ("tuned", lambda: tuned(lambda: bench_runner(m, "triton_tuned", SLOTS, out, rows, bw))),
+        ("q8 head", lambda: _patched(tr, "HEAD_MATMUL", "q8dense", lambda: bench_runner(
+            m, "triton_q8_head", SLOTS, out, rows, bw))),
+        ("q8 head sweep", lambda: stage_q8_head_sweep(m, out, rows, bw)),
+        ("q8 head exact", lambda: _patched(tr, "HEAD_MATMUL", "q8dense", lambda: stage_exact(m, out, exact_rows))),
         ("early prefetch same bits", lambda: stage_same_bits(
             m, out, exact_rows, "PDL early + attention K/V prefetch", lambda fn: _patched(
                 pdl, "EARLY", True, lambda: _patched(A, "ATTENTION_PREFETCH", True, fn)))),

@@ -112,6 +112,7 @@ VARIANTS = {
     "attn_prefetch": "attn_prefetch",  # attention.ATTENTION_PREFETCH: K/V lines to L2 before the wait
     "q5k256": "q5k256",  # Q5_0 products in one 256-weight K step per program
     "tuned": "tuned",  # the three above together
+    "q8head": {"head_matmul": "q8dense"},  # the head's products from its Q8_0 planes
 }
 STEP_OPTIONS = {  # variant -> [(module, name, value)], set for the variant's forwards
     "early": [("pdl", "EARLY", True)],

@@ -261,30 +261,38 @@ def test_close_folds_are_invariant_and_save_launches(tiny_model, monkeypatch, op
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dense_head_is_close_and_invariant(tiny_model, dtype):
-    """head_matmul="dense": the head on its dequantized copy (kernels.dense_mma). Logits close to
-    the tensor-core head's on the packed blocks (same weight values, another K order), a slot
-    batched with others bitwise the slot alone, one launch for the head either way."""
+    """head_matmul="dense": the head on its dequantized copy (kernels.dense_mma); "q8dense": the
+    same products from the Q8_0 planes (kernels.dense_mma.q8_dense_mma, half the bytes). Logits
+    close to the tensor-core head's on the packed blocks (same weight values, another K order),
+    q8dense bitwise dense under the interpreter (same operands, same order), a slot batched with
+    others bitwise the slot alone, one launch for the head either way."""
     m = tiny_model("gemma3", dtype, "Q8_0", sliding_window=WINDOW)
     gen = torch.Generator().manual_seed(13)
     a = torch.randint(0, m.config.vocab_size, (11,), generator=gen).tolist()
     b = torch.randint(0, m.config.vocab_size, (5,), generator=gen).tolist()
     runs = {}
-    for head in ("mma", "dense"):
+    for head in ("mma", "dense", "q8dense"):
         r = TritonRunner(m, 256, graphs=False, matmul="mma", head_matmul=head)
         got = [r.run([Segment(0, "a", tuple(a[:10]), 0, True)], {0: 64})[0]]
         got.append(r.run([Segment(0, "a", (a[10],), 10, True)], {0: 64})[0])
         runs[head] = (torch.stack(got), r.launches, r)
     tol = 1e-4 if dtype == "float32" else 2e-2
     torch.testing.assert_close(runs["dense"][0], runs["mma"][0], rtol=tol, atol=tol)
-    assert runs["dense"][1] == runs["mma"][1]
-    r = runs["dense"][2]
-    assert r.head.parts[0][1].form == "dense" and r.head.parts[0][1].packed is None
-    o = r.run([Segment(1, "b", tuple(b[:4]), 0, True), Segment(0, "a2", tuple(a[:10]), 0, True)], {0: 64, 1: 64})
-    assert torch.equal(o[0], runs["dense"][0][0])
-    o = r.run([Segment(0, "a2", (a[10],), 10, True), Segment(1, "b", (b[4],), 4, True)], {0: 64, 1: 64})
-    assert torch.equal(o[0], runs["dense"][0][1])
-    with pytest.raises(WorkbenchError, match="allowed mma, gemv, dense"):
+    assert runs["dense"][1] == runs["mma"][1] == runs["q8dense"][1]
+    assert torch.equal(runs["q8dense"][0], runs["dense"][0])
+    assert runs["dense"][2].head.parts[0][1].form == "dense" and runs["dense"][2].head.parts[0][1].packed is None
+    assert runs["q8dense"][2].head.parts[0][1].form == "q8dense" and runs["q8dense"][2].head.parts[0][1].dense is None
+    for head in ("dense", "q8dense"):
+        r = runs[head][2]
+        o = r.run([Segment(1, "b", tuple(b[:4]), 0, True), Segment(0, "a2", tuple(a[:10]), 0, True)], {0: 64, 1: 64})
+        assert torch.equal(o[0], runs[head][0][0])
+        o = r.run([Segment(0, "a2", (a[10],), 10, True), Segment(1, "b", (b[4],), 4, True)], {0: 64, 1: 64})
+        assert torch.equal(o[0], runs[head][0][1])
+    with pytest.raises(WorkbenchError, match="allowed mma, gemv, dense, q8dense"):
         TritonRunner(m, 64, graphs=False, matmul="mma", head_matmul="cublas")
+    m5 = tiny_model("gemma3", dtype, "Q5_0", sliding_window=WINDOW)
+    with pytest.raises(WorkbenchError, match="reads a Q8_0 head; this head is Q5_0"):
+        TritonRunner(m5, 64, graphs=False, matmul="mma", head_matmul="q8dense")
 
 
 def test_bf16_attention_products_are_invariant(tiny_model):

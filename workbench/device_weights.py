@@ -75,7 +75,8 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
                         head_form: str, dense: str = "quant") -> DeviceWeights:
     """Every weight of ``model`` on ``device`` in the runner's layout. ``matmul``: the layers'
     form ("raw" keeps GGUF bytes, else packed planes), ``layer_forms``: per-format overrides,
-    ``head_form``: the head's ("dense": dequantized once, for ``kernels.dense_mma``).
+    ``head_form``: the head's ("dense": dequantized once, for ``kernels.dense_mma``; "q8dense": a
+    Q8_0 head's packed planes for ``kernels.dense_mma.q8_dense_mma``).
     ``dense="cublas_bf16"`` also keeps bf16 copies for the non-invariant comparison variant."""
     from .kernels import qmatmul as qm
     from .kernels.quant_tiles import FORMATS
@@ -185,6 +186,9 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
         head.dense = model.head.to(device).contiguous()  # (the model's compute dtype: the products' precision)
         head.form = "dense"
         nbytes += head.dense.numel() * head.dense.element_size()
+    elif packed and head_form == "q8dense" and head.fmt.name != "Q8_0":
+        raise WorkbenchError(f"head_matmul='q8dense' reads a Q8_0 head; this head is {head.fmt.name}: "
+                             f"allowed dense, mma, gemv")
     elif packed:  # (tied: a packed copy beside the embedding's raw bytes)
         head.packed = qm.pack_weights(head.raw, head.fmt.name, head.N, head.K)
         head.form = head_form

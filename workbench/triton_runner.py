@@ -183,7 +183,7 @@ class TritonRunner:
         # raw GGUF bytes or packed planes is one choice for all weights; the packed forms mix
         allowed = ("raw",) if self.matmul == "raw" else ("mma", "gemv")
         # the head may also take a dequantized copy on tensor cores (kernels.dense_mma)
-        head_allowed = allowed if self.matmul == "raw" else (*allowed, "dense")
+        head_allowed = allowed if self.matmul == "raw" else (*allowed, "dense", "q8dense")
         for what, form, ok in [("head_matmul", self.head_matmul, head_allowed),
                                *(("layer_forms", f, allowed) for f in self.layer_forms.values())]:
             if form not in ok:
@@ -385,6 +385,10 @@ class TritonRunner:
         for off, w in p.parts:
             if w.form == "dense":  # (the head) the dequantized weight on tensor cores
                 self._dense.dense_mma(x, w.dense, self.mma_prec, out=part[0, :, off:], use_dot=self.use_dot)
+                self.launches += 1
+                continue
+            if w.form == "q8dense":  # (a Q8_0 head) dense_mma's products from the packed planes
+                self._dense.q8_dense_mma(x, w.packed, self.mma_prec, out=part[0, :, off:], use_dot=self.use_dot)
                 self.launches += 1
                 continue
             if w.packed is not None:

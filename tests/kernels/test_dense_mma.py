@@ -38,3 +38,35 @@ def test_dense_mma_rejects_bad_inputs(device):
     with pytest.raises(ValueError, match="out must be"):
         dense_mma(x, w, out=torch.zeros(2, 7, device=device))
     assert dense_mma(x[:0], w).shape == (0, 8)
+
+
+@pytest.mark.parametrize("prec", ["bf16", "tf32x3"])
+def test_q8_dense_mma_reads_the_packed_planes(prec, device, quant_rows):
+    """q8_dense_mma: the Q8_0 packed planes (int8 quants, f16 scales) with d * q formed per K
+    step: the dequantized copy's operands at half its bytes. Under the interpreter bitwise
+    ``dense_mma`` on that copy (same operands, same order); anywhere close to the float64
+    reference and rows bitwise invariant; non-Q8_0 weights refused."""
+    from workbench.kernels.qmatmul import pack_weights
+    from workbench.kernels.quant_tiles import FORMATS, dequant_ref
+
+    from workbench.kernels.dense_mma import q8_dense_mma
+
+    fmt = FORMATS["Q8_0"]
+    N, K = 200, 160  # a partial N tile and a partial K step
+    raw = quant_rows(fmt, N, K, 5, "cpu")
+    pw = pack_weights(raw.to(device), "Q8_0", N, K)
+    wf = dequant_ref(raw, "Q8_0", K).reshape(N, K)
+    w = wf.to(torch.bfloat16 if prec == "bf16" else torch.float32).to(device)
+    x = torch.randn(18, K, generator=torch.Generator().manual_seed(6)).to(device)
+    cfg = DenseConfig(block_n=64, block_k=64, num_stages=2, block_m=32)
+    y = q8_dense_mma(x, pw, prec, config=cfg)
+    torch.testing.assert_close(y.double(), dense_mma_ref(x, w, prec), rtol=1e-5, atol=1e-5)
+    if device.type == "cpu":
+        assert torch.equal(y, dense_mma(x, w, prec, config=cfg))
+    for i in (0, 9, 17):
+        assert torch.equal(q8_dense_mma(x[i : i + 1].clone(), pw, prec, config=cfg), y[i : i + 1])
+    q5 = pack_weights(quant_rows(FORMATS["Q5_0"], 8, 64, 1, device), "Q5_0", 8, 64)
+    with pytest.raises(ValueError, match="Q8_0 PackedWeight"):
+        q8_dense_mma(x[:, :64], q5)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q8_dense_mma(x, pw, config=DenseConfig(block_k=16))
