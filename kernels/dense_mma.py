@@ -39,9 +39,15 @@ class DenseConfig:
     # 32 slots 0.993 -> 0.974 ms, 1..16 slots +14 us (0.691 -> 0.705 at 1). Chosen for the
     # 32-slot batch-invariance cost (10.2% -> 8.1% against cuBLAS bf16; docs/GPU_NOTES.md).
     block_m: int = 32
+    # > 0: the streaming form (``_dense_stream_kernel``): this many programs per multiprocessor,
+    # each walking tiles p, p + P, ... in one flattened, pipelined loop, so the next tile's
+    # weights arrive during this tile's last steps and store (a tile's arithmetic is the same
+    # whichever program runs it). 0: one program per tile.
+    programs_per_sm: int = 0
 
 
 DENSE_CONFIG = DenseConfig()
+STREAM_INTERPRETER_PROGRAMS = 3  # the streaming form's grid under the CPU interpreter
 DENSE_INTERPRETER_MIN_BLOCK_N = 128  # fewer, wider programs under the CPU interpreter
 
 
@@ -77,6 +83,44 @@ def _dense_mma_kernel(
         xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
         acc = dot_acc(acc, w, xt, PREC, USE_DOT)
     tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc, mask=nmask[:, None] & mmask[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _dense_stream_kernel(
+    x_ptr, w_ptr, d_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_dn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PREC: tl.constexpr, USE_DOT: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr,
+):
+    """``_dense_mma_kernel``'s tiles (same products, same K order), program p taking tiles p,
+    p + P, ... in one flattened loop that Triton pipelines across tile boundaries."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    tiles = num_m * tl.cdiv(N, BLOCK_N)
+    enter(PDL)
+    for t in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True, num_stages=NUM_STAGES):
+        pid_m = t % num_m
+        n = (t // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < N
+        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = m < M
+        w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+        d_rows = d_ptr + n.to(tl.int64)[:, None] * stride_dn
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            if Q8:
+                q = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
+                q = q.to(tl.int8, bitcast=True).to(tl.float32)
+                j = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+                dd = tl.load(d_rows + j[None, :], mask=nmask[:, None] & (j * 32 < K)[None, :], other=0.0)
+                w = tl.reshape(tl.reshape(q, [BLOCK_N, BLOCK_K // 32, 32]) * dd.to(tl.float32)[:, :, None],
+                               [BLOCK_N, BLOCK_K])
+            else:
+                w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=kmask[:, None] & mmask[None, :],
+                         other=0.0)
+            acc = dot_acc(acc, w, xt, PREC, USE_DOT)
+        tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc, mask=nmask[:, None] & mmask[None, :])
 
 
 def dense_config(device: torch.device | str = "cuda") -> DenseConfig:
@@ -116,8 +160,15 @@ def _launch(x, w, d, out, cfg: DenseConfig, prec: str, use_dot: bool | None) -> 
     M, N, K = x.shape[0], out.shape[1], x.shape[1]
     if cfg.block_m not in (16, 32) or (d is not None and cfg.block_k % 32):
         raise ValueError(f"bad dense config {cfg}: block_m must be 16 or 32 (and block_k a multiple of 32 for Q8_0)")
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
-    _dense_mma_kernel[grid](
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    kernel = _dense_mma_kernel
+    if cfg.programs_per_sm > 0:
+        kernel = _dense_stream_kernel
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda \
+            else STREAM_INTERPRETER_PROGRAMS
+        tiles = min(tiles, sms * cfg.programs_per_sm)
+    grid = (tiles,)
+    kernel[grid](
         x, w, w if d is None else d, out, M, N, K, x.stride(0), w.stride(0), 0 if d is None else d.stride(0),
         out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, PREC=prec,

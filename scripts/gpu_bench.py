@@ -597,6 +597,33 @@ def stage_q8_head_sweep(m, out: Path, rows: list, bw: float) -> None:
             m, f"triton_q8_head_n{bn}_k{bk}_s{st}_w{w}", (1, 16, 32), out, rows, bw)))
 
 
+def stage_head_stream(m, out: Path, rows: list, exact_rows: list, bw: float) -> None:
+    """The head in the streaming form (``DenseConfig.programs_per_sm``), from its Q8_0 planes
+    and from the dequantized copy, at a few tilings (1 / 16 / 32 slots); then the exactness
+    stage with the fastest at 16 slots."""
+    from dataclasses import replace
+
+    import workbench.triton_runner as tr
+    from workbench.kernels import dense_mma as dm
+
+    base = dm.DENSE_CONFIG
+    best = None
+    for head, bn, bk, st, p in (("q8dense", 64, 128, 3, 2), ("q8dense", 64, 128, 4, 3), ("q8dense", 128, 128, 3, 2),
+                                ("q8dense", 128, 64, 4, 2), ("q8dense", 64, 256, 3, 2), ("q8dense", 64, 64, 6, 3),
+                                ("dense", 64, 128, 3, 2), ("dense", 128, 64, 4, 1)):
+        cfg = replace(base, block_n=bn, block_k=bk, num_stages=st, programs_per_sm=p)
+        variant = f"triton_{head}_stream_n{bn}_k{bk}_s{st}_p{p}"
+        _patched(tr, "HEAD_MATMUL", head, lambda cfg=cfg, variant=variant: _patched(
+            dm, "DENSE_CONFIG", cfg, lambda: bench_runner(m, variant, (1, 16, 32), out, rows, bw)))
+        ms = [r["step_ms"] for r in rows if r.get("variant") == variant and r.get("slots") == 16 and "step_ms" in r]
+        if ms and (best is None or ms[0] < best[0]):
+            best = (ms[0], head, cfg, variant)
+    if best is not None:
+        log(f"head stream: fastest at 16 slots {best[3]} ({best[0]:.3f} ms); exactness with it")
+        _patched(tr, "HEAD_MATMUL", best[1], lambda: _patched(dm, "DENSE_CONFIG", best[2], lambda: stage_exact(
+            m, out, exact_rows)))
+
+
 def stage_torch_path(path: str, out: Path, rows: list, device: str = "cuda", slots=(1, 4, 16), gen: int = 32) -> None:
     """The torch reference path (workbench.model, TorchRunner) on the GPU, through Engine: the
     model's tensors moved to the device and torch's default device set, so its step-local
@@ -739,6 +766,7 @@ def main_stage(args) -> None:
         ("q8 head", lambda: _patched(tr, "HEAD_MATMUL", "q8dense", lambda: bench_runner(
             m, "triton_q8_head", SLOTS, out, rows, bw))),
         ("q8 head sweep", lambda: stage_q8_head_sweep(m, out, rows, bw)),
+        ("head stream", lambda: stage_head_stream(m, out, rows, exact_rows, bw)),
         ("q8 head exact", lambda: _patched(tr, "HEAD_MATMUL", "q8dense", lambda: stage_exact(m, out, exact_rows))),
         ("early prefetch same bits", lambda: stage_same_bits(
             m, out, exact_rows, "PDL early + attention K/V prefetch", lambda fn: _patched(

@@ -113,6 +113,8 @@ VARIANTS = {
     "q5k256": "q5k256",  # Q5_0 products in one 256-weight K step per program
     "tuned": "tuned",  # the three above together
     "q8head": {"head_matmul": "q8dense"},  # the head's products from its Q8_0 planes
+    "q8stream": "q8stream",  # the same, streaming form (DenseConfig.programs_per_sm)
+    "densestream": "densestream",  # the dequantized head, streaming form
 }
 STEP_OPTIONS = {  # variant -> [(module, name, value)], set for the variant's forwards
     "early": [("pdl", "EARLY", True)],
@@ -141,6 +143,9 @@ def check(model, name: str, kw) -> float:
     if kw == "dense_m32":  # the dense head with 32-row tiles
         dense_mma.DENSE_CONFIG = replace(saved_dense, block_m=32)
         kw = {}
+    if kw in ("q8stream", "densestream"):
+        dense_mma.DENSE_CONFIG = replace(saved_dense, block_n=128, programs_per_sm=2)
+        kw = {"head_matmul": "q8dense"} if kw == "q8stream" else {}
     if kw == "m32":
         for table in (qmma.QMMA_CONFIGS, qmma.QMMA_WIDE_CONFIGS):
             for k, cfg in table.items():

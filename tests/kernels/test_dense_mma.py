@@ -65,6 +65,16 @@ def test_q8_dense_mma_reads_the_packed_planes(prec, device, quant_rows):
         assert torch.equal(y, dense_mma(x, w, prec, config=cfg))
     for i in (0, 9, 17):
         assert torch.equal(q8_dense_mma(x[i : i + 1].clone(), pw, prec, config=cfg), y[i : i + 1])
+    # the streaming form (a few programs walking every tile): the same tiles' arithmetic
+    stream = DenseConfig(block_n=64, block_k=64, num_stages=2, block_m=16, programs_per_sm=1)
+    ys = q8_dense_mma(x, pw, prec, config=stream)
+    torch.testing.assert_close(ys.double(), dense_mma_ref(x, w, prec), rtol=1e-5, atol=1e-5)
+    if device.type == "cpu":
+        assert torch.equal(ys, q8_dense_mma(x, pw, prec, config=DenseConfig(block_n=64, block_k=64, block_m=16)))
+    for i in (0, 17):
+        assert torch.equal(q8_dense_mma(x[i : i + 1].clone(), pw, prec, config=stream), ys[i : i + 1])
+        assert torch.equal(dense_mma(x[i : i + 1].clone(), w, prec, config=stream),
+                           dense_mma(x, w, prec, config=stream)[i : i + 1])
     q5 = pack_weights(quant_rows(FORMATS["Q5_0"], 8, 64, 1, device), "Q5_0", 8, 64)
     with pytest.raises(ValueError, match="Q8_0 PackedWeight"):
         q8_dense_mma(x[:, :64], q5)
