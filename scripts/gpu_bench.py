@@ -873,9 +873,11 @@ def load_rows(d: Path) -> list[dict]:
         if f.name == "fingerprint.json":
             continue
         try:
-            rows += json.loads(f.read_text())
+            obj = json.loads(f.read_text())
         except Exception:  # noqa: BLE001
-            pass
+            continue
+        if isinstance(obj, list):  # (a run's row files; other JSON, e.g. gpu_sync_bench's, stays raw)
+            rows += obj
     return rows + llamacpp_rows(d / "llamacpp.jsonl")
 
 
