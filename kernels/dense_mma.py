@@ -52,6 +52,23 @@ STREAM_INTERPRETER_PROGRAMS = 3  # the streaming form's grid under the CPU inter
 DENSE_INTERPRETER_MIN_BLOCK_N = 128  # fewer, wider programs under the CPU interpreter
 
 
+@triton.jit
+def _w_tile(w_rows, d_rows, k0, K, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, Q8: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at K offset k0: the dense weight as stored, or (Q8) the
+    Q8_0 planes' d * q in float32 (exact; ``dot_acc`` rounds it as the dense copy was rounded)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    mask = nmask[:, None] & (k < K)[None, :]
+    if Q8:
+        q = tl.load(w_rows + k[None, :], mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        j = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        dd = tl.load(d_rows + j[None, :], mask=nmask[:, None] & (j * 32 < K)[None, :], other=0.0)
+        w = tl.reshape(tl.reshape(q, [BLOCK_N, BLOCK_K // 32, 32]) * dd.to(tl.float32)[:, :, None],
+                       [BLOCK_N, BLOCK_K])
+    else:
+        w = tl.load(w_rows + k[None, :], mask=mask, other=0.0)
+    return w
+
+
 @triton.jit(do_not_specialize=["M"])
 def _dense_mma_kernel(
     x_ptr, w_ptr, d_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_dn, stride_ym,
@@ -72,15 +89,7 @@ def _dense_mma_kernel(
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
-        if Q8:  # Q8_0 planes: d * q in float32 (exact), rounded by dot_acc as the dense copy was
-            q = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
-            q = q.to(tl.int8, bitcast=True).to(tl.float32)
-            j = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            dd = tl.load(d_rows + j[None, :], mask=nmask[:, None] & (j * 32 < K)[None, :], other=0.0)
-            w = tl.reshape(tl.reshape(q, [BLOCK_N, BLOCK_K // 32, 32]) * dd.to(tl.float32)[:, :, None],
-                           [BLOCK_N, BLOCK_K])
-        else:
-            w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        w = _w_tile(w_rows, d_rows, k0, K, nmask, BLOCK_N, BLOCK_K, Q8)
         xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
         acc = dot_acc(acc, w, xt, PREC, USE_DOT)
     tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc, mask=nmask[:, None] & mmask[None, :])
@@ -109,15 +118,7 @@ def _dense_stream_kernel(
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
-            if Q8:
-                q = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
-                q = q.to(tl.int8, bitcast=True).to(tl.float32)
-                j = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-                dd = tl.load(d_rows + j[None, :], mask=nmask[:, None] & (j * 32 < K)[None, :], other=0.0)
-                w = tl.reshape(tl.reshape(q, [BLOCK_N, BLOCK_K // 32, 32]) * dd.to(tl.float32)[:, :, None],
-                               [BLOCK_N, BLOCK_K])
-            else:
-                w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            w = _w_tile(w_rows, d_rows, k0, K, nmask, BLOCK_N, BLOCK_K, Q8)
             xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=kmask[:, None] & mmask[None, :],
                          other=0.0)
             acc = dot_acc(acc, w, xt, PREC, USE_DOT)
