@@ -57,6 +57,7 @@ from .qmatmul import (
     num_k_splits,
     packed_geometry,
     packed_launch_args,
+    qgemv_item,
     sum_splits,
 )
 from .step_fused import add_norm_epilogue, glu_pair_epilogue, heads_epilogue
@@ -323,6 +324,67 @@ def _qmma_norm_kernel(
                       tl.cdiv(M, BLOCK_M) * ntiles + pid_m, ntiles, pid_m * BLOCK_M, M, n, nmask,
                       r_ptr, stride_r, h_ptr, stride_h, wpost_ptr, wn_ptr, N, eps,
                       NSPLIT, HAS_POST, BLOCK_M, BLOCK_E, ROWS)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mma_gemv_pair_kernel(
+    x_ptr, qs_a, qh_a, sc_a, d_a, y_a, M, N_a, K, k_split, stride_xm, stride_ym, stride_ys,
+    qs_row_a, qh_row_a, sc_row_a, d_row_a,
+    qs_b, qh_b, sc_b, d_b, y_b, N_b, qs_row_b, qh_row_b, sc_row_b, d_row_b, programs_a,
+    QTYPE_A: tl.constexpr, GW_A: tl.constexpr, S_A: tl.constexpr, NPLANE_A: tl.constexpr, PSTEP_A: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N_A: tl.constexpr, BLOCK_K_A: tl.constexpr, NUM_STAGES_A: tl.constexpr,
+    PREC: tl.constexpr, USE_DOT: tl.constexpr,
+    QTYPE_B: tl.constexpr, GW_B: tl.constexpr, S_B: tl.constexpr, NPLANE_B: tl.constexpr, PSTEP_B: tl.constexpr,
+    M_TILE: tl.constexpr, BLOCK_N_B: tl.constexpr, BLOCK_K_B: tl.constexpr, NUM_STAGES_B: tl.constexpr,
+    LATE_REDUCE: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr,
+):
+    """Two products of one x in one launch: programs [0, programs_a) are ``_qmma_kernel``'s for
+    weight A, the rest ``_qgemv_kernel``'s for weight B, each running its kernel's body with its
+    constexprs (one kernel boundary fewer where a fused q|k|v mixes formats)."""
+    pid = tl.program_id(0)
+    if pid < programs_a:
+        qmma_item(pid, tl.program_id(1), y_a, 0, x_ptr, qs_a, qh_a, sc_a, d_a, y_a,
+                  M, N_a, K, k_split, stride_xm, stride_ym, stride_ys, qs_row_a, qh_row_a, sc_row_a, d_row_a, y_a, 0,
+                  y_a, QTYPE_A, GW_A, S_A, NPLANE_A, PSTEP_A, BLOCK_M, BLOCK_N_A, BLOCK_K_A, NUM_STAGES_A, PREC,
+                  USE_DOT, 0, NSPLIT, PDL, -1, 0)
+    else:
+        qgemv_item(pid - programs_a, tl.program_id(1), y_b, 0, x_ptr, qs_b, qh_b, sc_b, d_b, y_b,
+                   M, N_b, K, k_split, stride_xm, stride_ym, stride_ys, qs_row_b, qh_row_b, sc_row_b, d_row_b, y_b, 0,
+                   y_b, QTYPE_B, GW_B, S_B, NPLANE_B, PSTEP_B, M_TILE, BLOCK_N_B, BLOCK_K_B, NUM_STAGES_B, LATE_REDUCE,
+                   0, NSPLIT, PDL, 0)
+
+
+def launch_mma_gemv_pair(x: torch.Tensor, wa: PackedWeight, ya: torch.Tensor, wb: PackedWeight, yb: torch.Tensor,
+                         splits: int, stride_ys: int, prec: str = "bf16", use_dot: bool | None = None,
+                         gemv_config=None) -> None:
+    """``launch_qmma(x, wa, ya, ...)`` and ``qmatmul.launch_qgemv(x, wb, yb, ...)`` as one launch
+    (``_mma_gemv_pair_kernel``) at the tensor-core config's warps: the same K split for both
+    (one shape-only split: same K), ya and yb the same partial buffer's column ranges (one row
+    and split stride). The GEMV runs at those warps, so its bits are those of ``launch_qgemv``
+    with ``num_warps`` set so: one fixed choice per runner."""
+    from .qmatmul import gemv_config as _gemv_config
+
+    if prec not in QMMA_PRECISIONS:
+        raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(QMMA_PRECISIONS)}")
+    if wa.K != wb.K or ya.stride(-2) != yb.stride(-2) or num_k_splits(wa.N, wa.K) != splits \
+            or num_k_splits(wb.N, wb.K) != splits:
+        raise ValueError("a pair needs one K, one K split and one partial buffer")
+    ca = mma_config(wa.fmt.name, wa.N, wa.K, x.device)
+    cb = gemv_config or _gemv_config(wb.fmt.name, wb.N, wb.K, x.device)
+    M = x.shape[0]
+    programs_a = triton.cdiv(M, ca.block_m) * triton.cdiv(wa.N, ca.block_n)
+    programs_b = triton.cdiv(M, cb.m_tile) * triton.cdiv(wb.N, cb.block_n)
+    la, lb = packed_launch_args(x, wa, ya, splits, stride_ys), packed_launch_args(x, wb, yb, splits, stride_ys)
+    ga, gb = packed_geometry(wa), packed_geometry(wb)
+    _mma_gemv_pair_kernel[(programs_a + programs_b, splits)](
+        *la, *lb[1:6], wb.N, *lb[13:], programs_a,
+        QTYPE_A=ga["QTYPE"], GW_A=ga["GW"], S_A=ga["S"], NPLANE_A=ga["NPLANE"], PSTEP_A=ga["PSTEP"],
+        BLOCK_M=ca.block_m, BLOCK_N_A=ca.block_n, BLOCK_K_A=ca.block_k, NUM_STAGES_A=ca.num_stages, PREC=prec,
+        USE_DOT=x.is_cuda if use_dot is None else use_dot,
+        QTYPE_B=gb["QTYPE"], GW_B=gb["GW"], S_B=gb["S"], NPLANE_B=gb["NPLANE"], PSTEP_B=gb["PSTEP"],
+        M_TILE=cb.m_tile, BLOCK_N_B=cb.block_n, BLOCK_K_B=cb.block_k, NUM_STAGES_B=cb.num_stages,
+        LATE_REDUCE=cb.late_reduce, NSPLIT=splits, num_warps=ca.num_warps, **launch_kw(x),
+    )
 
 
 def _native(x: torch.Tensor) -> bool:

@@ -303,6 +303,12 @@ def add_norm_epilogue(part_ptr, stride_ps, stride_pm, count_ptr, tile_idx, row_i
             tl.store(count_ptr + row_idx, 0)
 
 
+# Warps of the per-row kernels (a row's norms reduce over its E or D values; the reduction order
+# follows the warps, so one value per caller). None: 4 up to 1024 values, else 8.
+ADD_NORM_WARPS: int | None = None
+QK_ROPE_WARPS = 4
+
+
 def _check_part(part: torch.Tensor, n: int) -> None:
     if part.dim() != 3 or part.dtype not in (torch.float32, torch.bfloat16) or part.shape[2] < n or part.stride(2) != 1:
         raise ValueError(f"part must be float32/bfloat16 [splits, R, >= {n}] with unit stride, got {part.dtype} {tuple(part.shape)}")
@@ -318,7 +324,8 @@ def add_rmsnorm(x: torch.Tensor, part: torch.Tensor, w_post: torch.Tensor | None
     _add_rmsnorm_kernel[(R,)](
         x, part, w_post if w_post is not None else w_next, w_next, h, E, float(eps),
         x.stride(0), part.stride(0), part.stride(1), h.stride(0),
-        NSPLIT=part.shape[0], HAS_POST=w_post is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8, **launch_kw(part),
+        NSPLIT=part.shape[0], HAS_POST=w_post is not None, BLOCK=block,
+        num_warps=ADD_NORM_WARPS or (4 if block <= 1024 else 8), **launch_kw(part),
     )
 
 
@@ -372,7 +379,7 @@ def qk_rope_kv(part: torch.Tensor, q_out: torch.Tensor, k_pool: torch.Tensor, v_
         inv_freq, float(eps), part.stride(0), part.stride(1), q_out.stride(0), k_pool.stride(0), k_pool.stride(1),
         HQ=Hq, HKV=Hkv, D=D, HALF=half, HQ_P=max(2, triton.next_power_of_2(Hq)),
         HKV_P=max(2, triton.next_power_of_2(Hkv)), HALF_P=max(2, triton.next_power_of_2(half)),
-        NSPLIT=part.shape[0], HAS_NORM=has_norm, num_warps=4, **launch_kw(part),
+        NSPLIT=part.shape[0], HAS_NORM=has_norm, num_warps=QK_ROPE_WARPS, **launch_kw(part),
     )
 
 

@@ -624,6 +624,43 @@ def stage_head_stream(m, out: Path, rows: list, exact_rows: list, bw: float) -> 
             m, out, exact_rows)))
 
 
+def stage_s7_sweep(m, out: Path, rows: list, bw: float, slots=(1, 16)) -> None:
+    """Session 7's small options one at a time against the defaults (1 and 16 slots): the mixed
+    q|k|v as one launch, the per-row kernels' warps, attention at 4 warps, product tilings."""
+    from dataclasses import replace
+
+    from workbench.kernels import attention as A
+    from workbench.kernels import qmma as QM
+    from workbench.kernels import step_fused as SF
+
+    def mma(fmt, **kw):
+        return QM, "QMMA_CONFIGS", {**QM.QMMA_CONFIGS, fmt: replace(QM.QMMA_CONFIGS[fmt], **kw)}
+
+    variants = [
+        ("pair", None, {"pair_launch": True}),
+        ("norm w1", (SF, "ADD_NORM_WARPS", 1), {}), ("norm w2", (SF, "ADD_NORM_WARPS", 2), {}),
+        ("norm w8", (SF, "ADD_NORM_WARPS", 8), {}),
+        ("rope w1", (SF, "QK_ROPE_WARPS", 1), {}), ("rope w2", (SF, "QK_ROPE_WARPS", 2), {}),
+        ("attn w4", (A, "ATTENTION_SMALL_TILE", 1 << 30), {}),
+        ("Q4_K n32", mma("Q4_K", block_n=32), {}), ("Q4_K n128", mma("Q4_K", block_n=128), {}),
+        ("Q4_K w8", mma("Q4_K", num_warps=8), {}),
+        ("Q6_K n32", mma("Q6_K", block_n=32), {}), ("Q6_K n128", mma("Q6_K", block_n=128), {}),
+        ("Q6_K w8", mma("Q6_K", num_warps=8), {}),
+        ("Q5_0 n16", mma("Q5_0", block_n=16), {}), ("Q5_0 n64", mma("Q5_0", block_n=64), {}),
+        ("Q5_0 w8", mma("Q5_0", num_warps=8), {}),
+    ]
+    for label, patch, kw in variants:
+        name = "s7 " + label
+
+        def go(kw=kw, name=name):
+            bench_runner(m, name, slots, out, rows, bw, **kw)
+
+        if patch is None:
+            go()
+        else:
+            _patched(patch[0], patch[1], patch[2], go)
+
+
 def stage_torch_path(path: str, out: Path, rows: list, device: str = "cuda", slots=(1, 4, 16), gen: int = 32) -> None:
     """The torch reference path (workbench.model, TorchRunner) on the GPU, through Engine: the
     model's tensors moved to the device and torch's default device set, so its step-local
@@ -768,6 +805,8 @@ def main_stage(args) -> None:
         ("q8 head sweep", lambda: stage_q8_head_sweep(m, out, rows, bw)),
         ("head stream", lambda: stage_head_stream(m, out, rows, exact_rows, bw)),
         ("q8 head exact", lambda: _patched(tr, "HEAD_MATMUL", "q8dense", lambda: stage_exact(m, out, exact_rows))),
+        ("s7 sweep", lambda: stage_s7_sweep(m, out, rows, bw)),
+        ("pair exact", lambda: _patched(tr, "PAIR_LAUNCH", True, lambda: stage_exact(m, out, exact_rows))),
         ("early prefetch same bits", lambda: stage_same_bits(
             m, out, exact_rows, "PDL early + attention K/V prefetch", lambda fn: _patched(
                 pdl, "EARLY", True, lambda: _patched(A, "ATTENTION_PREFETCH", True, fn)))),

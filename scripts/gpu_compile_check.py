@@ -112,7 +112,8 @@ VARIANTS = {
     "attn_prefetch": "attn_prefetch",  # attention.ATTENTION_PREFETCH: K/V lines to L2 before the wait
     "q5k256": "q5k256",  # Q5_0 products in one 256-weight K step per program
     "tuned": "tuned",  # the three above together
-    "q8head": {"head_matmul": "q8dense"},  # the head's products from its Q8_0 planes
+    "q8head": {"head_matmul": "q8dense"},
+    "pair": {"pair_launch": True},  # the mixed-format q|k|v as one launch  # the head's products from its Q8_0 planes
     "q8stream": "q8stream",  # the same, streaming form (DenseConfig.programs_per_sm)
     "densestream": "densestream",  # the dequantized head, streaming form
 }

@@ -389,3 +389,28 @@ def test_persistent_step_falls_back_to_the_chain(tiny_model, monkeypatch):
     assert torch.equal(got, want)
     assert not TritonRunner(m, 256, graphs=graphs, persistent=True, fuse_qk_rope=True).persistent
     assert not TritonRunner(m, 256, graphs=False, persistent=True).persistent  # graphed steps only
+
+
+def test_pair_launch_fuses_a_mixed_format_qkv(tiny_model):
+    """pair_launch: a q|k|v whose V has another format (Q5_0 q|k on tensor cores, Q8_0 V on the
+    GEMV, as in Gemma 3 270M) goes as one launch per layer: one launch fewer per layer, a slot
+    batched with another bitwise the slot alone, and (interpreter) bitwise the two launches."""
+    m = tiny_model("gemma3", "bfloat16", "Q5_0", sliding_window=WINDOW, tensor_types=(("attn_v.weight", "Q8_0"),))
+    gen = torch.Generator().manual_seed(21)
+    a = torch.randint(0, m.config.vocab_size, (9,), generator=gen).tolist()
+    b = torch.randint(0, m.config.vocab_size, (6,), generator=gen).tolist()
+    runs = {}
+    for pair in (False, True):
+        r = TritonRunner(m, 256, graphs=False, pair_launch=pair)
+        assert [w.form for _, w in r.layers[0].qkv.parts] == ["mma", "gemv"]
+        got = [r.run([Segment(0, "a", tuple(a[:8]), 0, True)], {0: 64})[0]]
+        got.append(r.run([Segment(0, "a", (a[8],), 8, True)], {0: 64})[0])
+        runs[pair] = (torch.stack(got), r.launches, r)
+    assert runs[False][1] - runs[True][1] == m.config.n_layers
+    if runs[True][0].device.type == "cpu":
+        assert torch.equal(runs[True][0], runs[False][0])
+    r = runs[True][2]
+    o = r.run([Segment(1, "b", tuple(b[:5]), 0, True), Segment(0, "a2", tuple(a[:8]), 0, True)], {0: 64, 1: 64})
+    assert torch.equal(o[0], runs[True][0][0])
+    o = r.run([Segment(0, "a2", (a[8],), 8, True), Segment(1, "b", (b[5],), 5, True)], {0: 64, 1: 64})
+    assert torch.equal(o[0], runs[True][0][1])

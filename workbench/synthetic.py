@@ -32,6 +32,9 @@ class SyntheticSpec:
     sliding_window: int = 64  # gemma3 only
     weight_type: str = "Q8_0"  # "F32" | "F16" | "Q8_0" | "Q5_0" | "Q4_0"
     seed: int = 0
+    # per-tensor overrides of weight_type, as (name suffix, type) pairs: (("attn_v.weight", "Q8_0"),)
+    # makes every V projection Q8_0 (as quantizers mix formats, Gemma 3 270M's q4_k_m file among them)
+    tensor_types: tuple[tuple[str, str], ...] = ()
 
 
 def _vocab() -> tuple[list[str], list[float], list[int]]:
@@ -87,10 +90,11 @@ def write_random_gguf(path: str | Path, spec: SyntheticSpec = SyntheticSpec()) -
     w.add_add_bos_token(True)
     w.add_add_space_prefix(True)
 
-    qtype = gguf.GGMLQuantizationType[spec.weight_type]
+    qtype0 = gguf.GGMLQuantizationType[spec.weight_type]
 
     def add(name: str, shape: tuple[int, ...], scale: float, quantize: bool = True, offset: float = 0.0):
         data = (rng.standard_normal(shape) * scale + offset).astype(np.float32)
+        qtype = next((gguf.GGMLQuantizationType[t] for sfx, t in spec.tensor_types if name.endswith(sfx)), qtype0)
         if not quantize or qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, data)
         elif qtype == gguf.GGMLQuantizationType.F16:

@@ -110,6 +110,12 @@ ATTN_BF16 = True
 # Programmatic dependent launch (kernels/pdl.py) where the GPU has it (sm_90+): each kernel's
 # launch and ramp-up overlap its predecessor's work. Ordering, hence every bit, is unchanged.
 PDL = True
+# A fused q|k|v whose members take two forms (Gemma 3 270M: Q5_0 q|k on tensor cores, its Q8_0 V
+# on the FMA GEMV, 9 of 18 layers) as ONE launch (kernels/qmma.launch_mma_gemv_pair: each
+# program runs its own kernel's body; the GEMV at the tensor-core config's warps): one kernel
+# boundary fewer per such layer. One choice per runner (every path takes it), so rows stay
+# invariant; the GEMV's bits are those of its 4-warp form.
+PAIR_LAUNCH = False
 # The graphed decode step's layer loop as ONE persistent launch (kernels/persistent.py): the
 # launches are recorded, not run, and their programs become work items that wait on counters
 # instead of kernel boundaries; every item runs its kernel's body with the same constexprs, so
@@ -154,7 +160,7 @@ class TritonRunner:
                  fuse_combine: bool | None = None, pdl: bool | None = None, fuse_glu: bool | None = None,
                  fuse_qk_rope: bool | None = None, attn_dot: bool | None = None,
                  fuse_add_norm: bool | None = None, attn_bf16: bool | None = None,
-                 persistent: bool | None = None):
+                 persistent: bool | None = None, pair_launch: bool | None = None):
         from .kernels import pdl as _pdl
         from .kernels import qmatmul as qm
 
@@ -261,6 +267,7 @@ class TritonRunner:
         self._attn_counters = torch.zeros(ATTN_COUNTER_ROWS * c.n_kv_heads, dtype=torch.int32,
                                           device=self.device) if fuse else None
         self.fuse_glu = (FUSE_GLU if fuse_glu is None else bool(fuse_glu)) and dense == "quant"
+        self.pair_launch = (PAIR_LAUNCH if pair_launch is None else bool(pair_launch)) and dense == "quant"
         self._glu_counters = torch.zeros(EPILOGUE_COUNTERS, dtype=torch.int32, device=self.device) if self.fuse_glu else None
         self.fuse_qk_rope = (FUSE_QK_ROPE if fuse_qk_rope is None else bool(fuse_qk_rope)) and dense == "quant"
         self._heads_counters = torch.zeros(EPILOGUE_COUNTERS, dtype=torch.int32, device=self.device) \
@@ -362,6 +369,14 @@ class TritonRunner:
         need = self._qm.norm_counters(M, w.N, cfg.block_n, cfg.block_m)
         return need is not None and need <= self._norm_counters.numel()
 
+    def _pair(self, p: Proj) -> bool:
+        """Whether this product's two members (tensor-core, then GEMV) go as one launch."""
+        if not self.pair_launch or p.dense is not None or len(p.parts) != 2:
+            return False
+        (_, a), (_, b) = p.parts
+        return a.form == "mma" and b.form == "gemv" and a.packed is not None and b.packed is not None \
+            and a.splits == b.splits == p.splits and a.K == b.K
+
     def _project(self, x: torch.Tensor, p: Proj, out: torch.Tensor | None = None, glu=None,
                  heads=None, norm=None) -> torch.Tensor:
         """Partials [splits, M, N] of x @ W^T (float32; bf16 [1, M, N] for the dense variant).
@@ -382,6 +397,12 @@ class TritonRunner:
         part = torch.empty((p.splits, M, p.N), dtype=torch.float32, device=self.device) if out is None \
             else out.unsqueeze(0)
         qm = self._qm
+        if self._pair(p) and glu is None and heads is None and norm is None and out is None:
+            (oa, wa), (ob, wb) = p.parts
+            self._qmma.launch_mma_gemv_pair(x, wa.packed, part[:, :, oa:], wb.packed, part[:, :, ob:], p.splits,
+                                            part.stride(0), self.mma_prec, use_dot=self.use_dot)
+            self.launches += 1
+            return part
         for off, w in p.parts:
             if w.form == "dense":  # (the head) the dequantized weight on tensor cores
                 self._dense.dense_mma(x, w.dense, self.mma_prec, out=part[0, :, off:], use_dot=self.use_dot)

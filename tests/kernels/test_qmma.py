@@ -112,3 +112,33 @@ def test_qmma_rejects_bad_inputs(device, quant_rows):
         qmma(x.half(), pw)
     with pytest.raises(ValueError, match="bad qmma config"):
         qmma(x, pw, config=MmaConfig(block_n=16, block_k=96))
+
+
+@pytest.mark.parametrize("m", [1, 17])
+def test_mma_gemv_pair_is_the_two_launches(m, device, quant_rows):
+    """launch_mma_gemv_pair: a Q5_0 weight on tensor cores and a Q8_0 weight on the FMA GEMV of
+    one x in ONE launch, writing their column ranges of one partial buffer: bitwise the two
+    separate launches (the GEMV at the tensor-core config's warps); bad pairs refused."""
+    from dataclasses import replace
+
+    from workbench.kernels.qmatmul import gemv_config, launch_qgemv, num_k_splits
+    from workbench.kernels.qmma import launch_mma_gemv_pair, launch_qmma, mma_config
+
+    K, Na, Nb = 640, 96, 32
+    wa = pack_weights(quant_rows(FORMATS["Q5_0"], Na, K, 1, device), "Q5_0", Na, K)
+    wb = pack_weights(quant_rows(FORMATS["Q8_0"], Nb, K, 2, device), "Q8_0", Nb, K)
+    x = _x(m, K, torch.float32, device, seed=3)
+    splits = num_k_splits(Na + Nb, K)
+    part = torch.full((splits, m, Na + Nb), float("nan"), device=device)
+    launch_mma_gemv_pair(x, wa, part[:, :, :Na], wb, part[:, :, Na:], splits, part.stride(0), "bf16")
+    ref = torch.full_like(part, float("nan"))
+    launch_qmma(x, wa, ref[:, :, :Na], splits, ref.stride(0), "bf16")
+    warps = mma_config("Q5_0", Na, K, device).num_warps
+    launch_qgemv(x, wb, ref[:, :, Na:], splits, ref.stride(0),
+                 config=replace(gemv_config("Q8_0", Nb, K, device), num_warps=warps))
+    assert not part.isnan().any()
+    assert torch.equal(part, ref)
+    with pytest.raises(ValueError, match="one K"):
+        launch_mma_gemv_pair(x, wa, part[:, :, :Na], pack_weights(quant_rows(FORMATS["Q8_0"], Nb, 320, 2, device),
+                                                                   "Q8_0", Nb, 320), part[:, :, Na:], splits,
+                             part.stride(0))
