@@ -304,8 +304,10 @@ def add_norm_epilogue(part_ptr, stride_ps, stride_pm, count_ptr, tile_idx, row_i
 
 
 # Warps of the per-row kernels (a row's norms reduce over its E or D values; the reduction order
-# follows the warps, so one value per caller). None: 4 up to 1024 values, else 8.
-ADD_NORM_WARPS: int | None = None
+# follows the warps, so one value per caller; a call's num_warps= overrides). add_rmsnorm: 8
+# (H200, session 7, run 36: 0.693 / 0.791 ms -> 0.664 / 0.767 at 1 / 16 slots against 4 warps;
+# 1 and 2 warps slower); qk_rope_kv: 4 (1, 2: within the spread).
+ADD_NORM_WARPS = 8
 QK_ROPE_WARPS = 4
 
 
@@ -315,9 +317,10 @@ def _check_part(part: torch.Tensor, n: int) -> None:
 
 
 def add_rmsnorm(x: torch.Tensor, part: torch.Tensor, w_post: torch.Tensor | None, w_next: torch.Tensor,
-                h: torch.Tensor, eps: float) -> None:
+                h: torch.Tensor, eps: float, num_warps: int | None = None) -> None:
     """In place: x[r] += rmsnorm(sum_s part[s, r]) * w_post (w_post None: the plain sum), then
-    h[r] = rmsnorm(x[r]) * w_next. x float32 [R, E]; h [R, E] float32/bfloat16."""
+    h[r] = rmsnorm(x[r]) * w_next. x float32 [R, E]; h [R, E] float32/bfloat16. ``num_warps``:
+    default ADD_NORM_WARPS (one value per caller: the norms' sums follow it)."""
     R, E = x.shape
     _check_part(part, E)
     block = triton.next_power_of_2(E)
@@ -325,7 +328,7 @@ def add_rmsnorm(x: torch.Tensor, part: torch.Tensor, w_post: torch.Tensor | None
         x, part, w_post if w_post is not None else w_next, w_next, h, E, float(eps),
         x.stride(0), part.stride(0), part.stride(1), h.stride(0),
         NSPLIT=part.shape[0], HAS_POST=w_post is not None, BLOCK=block,
-        num_warps=ADD_NORM_WARPS or (4 if block <= 1024 else 8), **launch_kw(part),
+        num_warps=num_warps or ADD_NORM_WARPS, **launch_kw(part),
     )
 
 
@@ -363,7 +366,7 @@ def glu_from_parts_ref(part: torch.Tensor, F: int, act: str = "gelu_tanh") -> to
 
 def qk_rope_kv(part: torch.Tensor, q_out: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                seq: torch.Tensor, pos: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-               inv_freq: torch.Tensor, eps: float) -> None:
+               inv_freq: torch.Tensor, eps: float, num_warps: int | None = None) -> None:
     """From part [splits, R, (Hq + 2 Hkv) D] (q | k | v): q_out [R, Hq, D] = rope(qnorm(q));
     k_pool[seq, pos] = rope(knorm(k)), v_pool[seq, pos] = v. Pools [S, L, Hkv, D]; NEOX rope
     (pairs i, i + D/2) at angle f32(pos) * inv_freq [D/2]; norms None: no QK-norm."""
@@ -379,7 +382,7 @@ def qk_rope_kv(part: torch.Tensor, q_out: torch.Tensor, k_pool: torch.Tensor, v_
         inv_freq, float(eps), part.stride(0), part.stride(1), q_out.stride(0), k_pool.stride(0), k_pool.stride(1),
         HQ=Hq, HKV=Hkv, D=D, HALF=half, HQ_P=max(2, triton.next_power_of_2(Hq)),
         HKV_P=max(2, triton.next_power_of_2(Hkv)), HALF_P=max(2, triton.next_power_of_2(half)),
-        NSPLIT=part.shape[0], HAS_NORM=has_norm, num_warps=QK_ROPE_WARPS, **launch_kw(part),
+        NSPLIT=part.shape[0], HAS_NORM=has_norm, num_warps=num_warps or QK_ROPE_WARPS, **launch_kw(part),
     )
 
 

@@ -114,8 +114,13 @@ PDL = True
 # on the FMA GEMV, 9 of 18 layers) as ONE launch (kernels/qmma.launch_mma_gemv_pair: each
 # program runs its own kernel's body; the GEMV at the tensor-core config's warps): one kernel
 # boundary fewer per such layer. One choice per runner (every path takes it), so rows stay
-# invariant; the GEMV's bits are those of its 4-warp form.
-PAIR_LAUNCH = False
+# invariant; the GEMV's bits are those of its 4-warp form. H200 (session 7, run 36): 0.693 /
+# 0.791 ms -> 0.675 / 0.772 at 1 / 16 slots, exact.
+PAIR_LAUNCH = True
+# Warps of the attention partial kernel, one value per runner (prefill and decode alike). H200
+# (session 7, run 36): 4 instead of the kernel's tile-size default (8 for Gemma's 16-row x 256
+# tiles) took 0.693 / 0.791 ms to 0.679 / 0.780 at 1 / 16 slots.
+ATTN_WARPS = 4
 # The graphed decode step's layer loop as ONE persistent launch (kernels/persistent.py): the
 # launches are recorded, not run, and their programs become work items that wait on counters
 # instead of kernel boundaries; every item runs its kernel's body with the same constexprs, so
@@ -281,6 +286,8 @@ class TritonRunner:
             and not self.fuse_qk_rope and not self.fuse_add_norm
         self.persistent_off: str | None = None  # why a recorded loop fell back to the chain
         self.uniform_warps = PERSISTENT_WARPS if self.persistent else None
+        if self.persistent:  # (the persistent items are the chain's kernels; the pair has none)
+            self.pair_launch = False
         self._pctr: torch.Tensor | None = None
         self._plan = None  # the persistent plan of the last graphed forward
         self._persist_now = False  # set while a graph body runs
@@ -448,7 +455,7 @@ class TritonRunner:
                                                            self._norm_counters))
             return
         part = self._project(a, p)
-        self._fused.add_rmsnorm(x, part, w_post, w_next, h, self.cfg.rms_eps)
+        self._fused.add_rmsnorm(x, part, w_post, w_next, h, self.cfg.rms_eps, num_warps=self.uniform_warps)
         self.launches += 1
 
     def _forward(self, ids, pos, seq, R: int, max_pos: int, sel=None, logits_out=None):
@@ -528,14 +535,15 @@ class TritonRunner:
                                                                      c.rms_eps, self._heads_counters))
             else:
                 part = self._project(h, L.qkv)
-                self._fused.qk_rope_kv(part, q, kp, vp, seq, pos, L.q_norm, L.k_norm, inv, c.rms_eps)
+                self._fused.qk_rope_kv(part, q, kp, vp, seq, pos, L.q_norm, L.k_norm, inv, c.rms_eps,
+                                       num_warps=self.uniform_warps)
                 self.launches += 1
             seg_saved, self._attn.ATTENTION_SEGMENT = self._attn.ATTENTION_SEGMENT, self.attn_segment
             try:  # the module constant is read at launch; put it back for other callers
                 counters = self._attn_counters if R <= ATTN_COUNTER_ROWS else None
                 attn = attention_rows(q, kp, vp, seq, pos, wins if c.layer_window(li) else zeros,
                                       c.attn_scale, max_pos=max_pos, use_dot=self.attn_dot, counters=counters,
-                                      precision=self.attn_prec, num_warps=self.uniform_warps)
+                                      precision=self.attn_prec, num_warps=self.uniform_warps or ATTN_WARPS)
             finally:
                 self._attn.ATTENTION_SEGMENT = seg_saved
             self.launches += 1 if counters is not None else 2

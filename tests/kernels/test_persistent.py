@@ -13,7 +13,7 @@ from workbench.kernels.step_fused import add_rmsnorm, glu_from_parts
 def _chain(x, pw, part, r, h, w_post, w_next, glu_out):
     """A small step: product -> residual add + norm -> product -> GLU (four launches)."""
     launch_qmma(x, pw, part, part.shape[0], part.stride(0), "tf32x3")
-    add_rmsnorm(r, part, w_post, w_next, h, 1e-6)
+    add_rmsnorm(r, part, w_post, w_next, h, 1e-6, num_warps=4)
     launch_qmma(h, pw, part, part.shape[0], part.stride(0), "tf32x3")
     glu_from_parts(part, glu_out, "gelu_tanh")
 
@@ -162,7 +162,7 @@ def test_attention_stages_are_bitwise_the_chain(device, precision):
         attention_rows(q, kp, vp, seq, pos, win, 0.125, out=o, max_pos=L - 1, counters=counters,
                        precision=precision if use_dot else None, num_warps=4)
         launch_qgemv(o.view(R, Hq * D), pwo, y, splits, y.stride(0), config=cfg)
-        add_rmsnorm(r, y, w_post, w_next, h, 1e-6)
+        add_rmsnorm(r, y, w_post, w_next, h, 1e-6, num_warps=4)
 
     def fresh():
         return (torch.full((R, Hq, D), float("nan"), device=device), kp0.clone(), vp0.clone(),
