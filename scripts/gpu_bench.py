@@ -715,6 +715,8 @@ def main_stage(args) -> None:
     from workbench.kernels import pdl
     from workbench.kernels import qmma as QM
 
+    from workbench.kernels import step_fused as SFm
+
     def q5(**kw):  # QMMA_CONFIGS with Q5_0's tiling changed
         return {**QM.QMMA_CONFIGS, "Q5_0": replace(QM.QMMA_CONFIGS["Q5_0"], **kw)}
 
@@ -806,6 +808,10 @@ def main_stage(args) -> None:
         ("head stream", lambda: stage_head_stream(m, out, rows, exact_rows, bw)),
         ("q8 head exact", lambda: _patched(tr, "HEAD_MATMUL", "q8dense", lambda: stage_exact(m, out, exact_rows))),
         ("s7 sweep", lambda: stage_s7_sweep(m, out, rows, bw)),
+        ("s7 more", lambda: [_patched(mod, name, v, lambda label=label: bench_runner(
+            m, f"s7 {label}", (1, 16), out, rows, bw)) for label, mod, name, v in (
+            ("norm w16", SFm, "ADD_NORM_WARPS", 16), ("rope w8", SFm, "QK_ROPE_WARPS", 8),
+            ("rope w1", SFm, "QK_ROPE_WARPS", 1), ("attn w8", tr, "ATTN_WARPS", 8))]),
         ("pair exact", lambda: _patched(tr, "PAIR_LAUNCH", True, lambda: stage_exact(m, out, exact_rows))),
         ("early prefetch same bits", lambda: stage_same_bits(
             m, out, exact_rows, "PDL early + attention K/V prefetch", lambda fn: _patched(
