@@ -144,17 +144,23 @@ def dense_mma(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16", out: torch.T
         raise ValueError(f"w must be {want} [N, K] with unit stride along K for prec={prec!r}, "
                          f"got {w.dtype} {tuple(w.shape)}")
     N, K = w.shape
+    out = _x_out(x, N, K, out)
+    if x.shape[0] == 0:
+        return out
+    cfg = config or dense_config(x.device)
+    _launch(x, w, None, out, cfg, prec, use_dot)
+    return out
+
+
+def _x_out(x: torch.Tensor, N: int, K: int, out: torch.Tensor | None) -> torch.Tensor:
+    """x checked (float32/bfloat16 [M, K], unit stride); out checked, or a new float32 [M, N]."""
     if x.dim() != 2 or x.shape[1] != K or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"x must be float32/bfloat16 [M, {K}] with unit stride, got {x.dtype} {tuple(x.shape)}")
     M = x.shape[0]
     if out is None:
-        out = torch.empty((M, N), dtype=torch.float32, device=x.device)
-    elif out.shape != (M, N) or out.dtype != torch.float32 or out.stride(1) != 1:
+        return torch.empty((M, N), dtype=torch.float32, device=x.device)
+    if out.shape != (M, N) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [{M}, {N}] with unit stride")
-    if M == 0:
-        return out
-    cfg = config or dense_config(x.device)
-    _launch(x, w, None, out, cfg, prec, use_dot)
     return out
 
 
@@ -192,14 +198,8 @@ def q8_dense_mma(x: torch.Tensor, w, prec: str = "bf16", out: torch.Tensor | Non
     if getattr(w, "fmt", None) is None or w.fmt.name != "Q8_0":
         raise ValueError("q8_dense_mma takes a Q8_0 PackedWeight (kernels.qmatmul.pack_weights)")
     N, K = w.N, w.K
-    if x.dim() != 2 or x.shape[1] != K or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"x must be float32/bfloat16 [M, {K}] with unit stride, got {x.dtype} {tuple(x.shape)}")
-    M = x.shape[0]
-    if out is None:
-        out = torch.empty((M, N), dtype=torch.float32, device=x.device)
-    elif out.shape != (M, N) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError(f"out must be float32 [{M}, {N}] with unit stride")
-    if M == 0:
+    out = _x_out(x, N, K, out)
+    if x.shape[0] == 0:
         return out
     _launch(x, w.qs, w.d, out, config or dense_config(x.device), prec, use_dot)
     return out

@@ -135,30 +135,11 @@ def stage_persistent_exact(m, out: Path, rows: list, slots: int = 16, steps: int
     slots prefilled (prompts 3..700), then graphed decode steps; logits bitwise equal?"""
     import torch
 
-    from workbench.scheduler import Segment
-    from workbench.triton_runner import PERSISTENT_WARPS, TritonRunner
+    from workbench.triton_runner import PERSISTENT_WARPS
 
-    V = m.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    lens = [600, 5, 37, 128, 300, 64, 17, 520, 200, 90, 3, 256, 700, 45, 11, 150][:slots]
-    prompts = [torch.randint(10, V, (n,), generator=g).tolist() for n in lens]
     got, info = {}, {}
     for pers in (False, True):
-        r = TritonRunner(m, 1024, persistent=pers)
-        r.uniform_warps = PERSISTENT_WARPS
-        toks = []
-        for sl, p in enumerate(prompts):
-            toks.append(int(r.run([Segment(sl, f"p{sl}", tuple(p), 0, True)], {sl: 1024})[sl].argmax()))
-        logits = []
-        for t in range(steps):
-            o = r.run([Segment(sl, f"p{sl}", (toks[sl],), lens[sl] + t, True) for sl in range(slots)],
-                      {sl: 1024 for sl in range(slots)})
-            logits.append(torch.stack([o[sl].float().cpu() for sl in range(slots)]))
-            toks = [int(o[sl].argmax()) for sl in range(slots)]
-        got[pers] = torch.stack(logits)
-        info[pers] = dict(launches=r.launches, persistent=r.persistent, off=r.persistent_off)
-        del r
-        torch.cuda.empty_cache()
+        got[pers], info[pers] = _graphed_logits(m, slots, steps, persistent=pers, uniform_warps=PERSISTENT_WARPS)
     row = dict(stage="persistent exact", check=f"persistent vs chain, {slots} slots x {steps} graphed steps",
                logits_equal=bool(torch.equal(got[True], got[False])),
                max_abs_diff=float((got[True] - got[False]).abs().max()), chain=info[False], persistent=info[True])
@@ -167,8 +148,10 @@ def stage_persistent_exact(m, out: Path, rows: list, slots: int = 16, steps: int
     dump(out, "exact.json", rows)
 
 
-def _graphed_logits(m, slots: int = 16, steps: int = 8):
-    """Logits [steps, slots, vocab] of graphed decode steps after prefilling prompts 3..700."""
+def _graphed_logits(m, slots: int = 16, steps: int = 8, uniform_warps: int | None = None, **kw):
+    """Logits [steps, slots, vocab] of graphed decode steps after prefilling prompts 3..700
+    (a TritonRunner(**kw)), and the runner's launches / persistent state; ``uniform_warps``
+    set on the runner where given."""
     import torch
 
     from workbench.scheduler import Segment
@@ -178,7 +161,9 @@ def _graphed_logits(m, slots: int = 16, steps: int = 8):
     g = torch.Generator().manual_seed(0)
     lens = [600, 5, 37, 128, 300, 64, 17, 520, 200, 90, 3, 256, 700, 45, 11, 150][:slots]
     prompts = [torch.randint(10, V, (n,), generator=g).tolist() for n in lens]
-    r = TritonRunner(m, 1024)
+    r = TritonRunner(m, 1024, **kw)
+    if uniform_warps:
+        r.uniform_warps = uniform_warps
     toks = [int(r.run([Segment(sl, f"p{sl}", tuple(p), 0, True)], {sl: 1024})[sl].argmax())
             for sl, p in enumerate(prompts)]
     logits = []
@@ -187,9 +172,10 @@ def _graphed_logits(m, slots: int = 16, steps: int = 8):
                   {sl: 1024 for sl in range(slots)})
         logits.append(torch.stack([o[sl].float().cpu() for sl in range(slots)]))
         toks = [int(o[sl].argmax()) for sl in range(slots)]
+    info = dict(launches=r.launches, persistent=r.persistent, off=r.persistent_off)
     del r
     torch.cuda.empty_cache()
-    return torch.stack(logits)
+    return torch.stack(logits), info
 
 
 def stage_same_bits(m, out: Path, rows: list, label: str, patched) -> None:
@@ -197,8 +183,8 @@ def stage_same_bits(m, out: Path, rows: list, label: str, patched) -> None:
     against ``patched(fn)``'s, 16 slots x 8 graphed steps, bitwise equal?"""
     import torch
 
-    base = _graphed_logits(m)
-    got = patched(lambda: _graphed_logits(m))
+    base = _graphed_logits(m)[0]
+    got = patched(lambda: _graphed_logits(m)[0])
     row = dict(stage="same bits", check=f"{label} vs defaults, 16 slots x 8 graphed steps",
                logits_equal=bool(torch.equal(base, got)), max_abs_diff=float((base - got).abs().max()))
     log("EXACT", row)
