@@ -38,8 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
+from dataclasses import dataclass
+
 from .pdl import enter, launch_kw
 from .qmma import dot_acc
+from .step_fused import _check_part, qk_rope_kv_row
 
 # Keys per block, by padded head dim: keeps the product tiles near 16K floats. Fixed per model
 # shape, never per batch or chunk.
@@ -121,6 +124,51 @@ def _attention_partial_kernel(
         stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
         qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
         GROUP, QROWS, D_P, BLOCK_N, SEG, USE_DOT, INPUT_PRECISION, FUSED)
+
+
+@triton.jit
+def _attention_rope_kernel(
+    q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+    stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
+    qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
+    p_ptr, qn_ptr, kn_ptr, inv_ptr, eps, stride_ps, stride_pm,
+    GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, HQ_P: tl.constexpr,
+    HKV_P: tl.constexpr, HALF_P: tl.constexpr, NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    """``_attention_partial_kernel`` with ``step_fused.qk_rope_kv`` as every program's prologue:
+    the program first runs row r's ``qk_rope_kv_row`` (the separate kernel's body: q into q_ptr,
+    K/V into the pools at the row's position), then, after a barrier, its attention program,
+    which reads them back. Every program of a row writes the same bytes, and a row's keys are
+    read only by its own programs, so this holds where each row's slot has exactly one row in
+    the launch (decode). One kernel boundary fewer per layer."""
+    r = tl.program_id(0)
+    enter(PDL)
+    qk_rope_kv_row(r, p_ptr, q_ptr, k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, qn_ptr, kn_ptr, inv_ptr, eps,
+                   stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
+                   HQ, HKV, HD, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM)
+    tl.debug_barrier()  # this program's q, K, V stores before its loads of them
+    attention_item(
+        r, tl.program_id(1), tl.program_id(2),
+        q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+        stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
+        qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
+        GROUP, QROWS, D_P, BLOCK_N, SEG, USE_DOT, INPUT_PRECISION, FUSED)
+
+
+@dataclass(frozen=True)
+class RopePrologue:
+    """``attention_rows(rope=)``: run ``step_fused.qk_rope_kv(part, q, k_cache, v_cache, row_seq,
+    row_pos, q_norm, k_norm, inv_freq, eps)`` inside the attention launch (each program's
+    prologue) instead of as a kernel before it. Only where each row's slot has one row in the
+    launch; same function, same warps as the separate kernel."""
+
+    part: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    inv_freq: torch.Tensor
+    eps: float
 
 
 @triton.jit
@@ -258,6 +306,7 @@ def attention_rows(
     counters: torch.Tensor | None = None,
     precision: str | None = None,
     num_warps: int | None = None,
+    rope: RopePrologue | None = None,
 ) -> torch.Tensor:
     """Attention of R query rows, each against its own sequence's cache.
 
@@ -272,7 +321,10 @@ def attention_rows(
     default ATTENTION_INPUT_PRECISION), one choice per caller, so rows stay invariant.
     ``num_warps``: the partial kernel's (default: by tile size); a caller that runs these
     programs inside kernels/persistent.py fixes it for all its launches (a reduction's order
-    follows the warps, so one value per caller).
+    follows the warps, so one value per caller). ``rope`` (a RopePrologue; the fused combine
+    only): q is first written from the q|k|v partials, and K/V at the rows' positions, by
+    QK-norm + rope inside this launch (``_attention_rope_kernel``); each row's slot must have
+    exactly one row here (a decode step).
     """
     precision = precision or ATTENTION_INPUT_PRECISION
     if precision not in ATTENTION_PRECISIONS:
@@ -320,14 +372,17 @@ def attention_rows(
     fused = counters is not None
     if fused and (counters.dtype != torch.int32 or counters.numel() < R * Hkv or counters.device != q.device):
         raise ValueError(f"counters must be int32 zeros, at least {R * Hkv} of them, on {q.device}")
+    common = (q, k_cache, v_cache, ws_m, ws_l, ws_acc, row_seq, row_pos, row_window,
+              q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+              float(scale) * _LOG2E, D, Hkv, num_seg, counters if fused else ws_m, out, out.stride(0), out.stride(1))
+    consts = dict(GROUP=group, QROWS=qrows, D_P=d_p, BLOCK_N=block_n, SEG=ATTENTION_SEGMENT, USE_DOT=use_dot,
+                  INPUT_PRECISION=precision, FUSED=fused, num_warps=num_warps)
+    if rope is not None:
+        _launch_rope(common, consts, rope, q, k_cache, v_cache)
+        return out
     _attention_partial_kernel[(R, Hkv, num_seg)](
-        q, k_cache, v_cache, ws_m, ws_l, ws_acc, row_seq, row_pos, row_window,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        float(scale) * _LOG2E, D, Hkv, num_seg, counters if fused else ws_m, out, out.stride(0), out.stride(1),
-        GROUP=group, QROWS=qrows, D_P=d_p, BLOCK_N=block_n, SEG=ATTENTION_SEGMENT,
-        USE_DOT=use_dot, INPUT_PRECISION=precision, FUSED=fused, num_warps=num_warps,
-        PREFETCH=ATTENTION_PREFETCH and _native(q), **launch_kw(q),
+        *common, **consts, PREFETCH=ATTENTION_PREFETCH and _native(q), **launch_kw(q),
     )
     if not fused:
         _attention_combine_kernel[(R, Hkv)](
@@ -335,6 +390,25 @@ def attention_rows(
             GROUP=group, QROWS=qrows, D_P=d_p, SEG=ATTENTION_SEGMENT, num_warps=4, **launch_kw(q),
         )
     return out
+
+
+def _launch_rope(common: tuple, consts: dict, rope: RopePrologue, q, k_cache, v_cache) -> None:
+    R, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    _check_part(rope.part, (Hq + 2 * Hkv) * D)
+    if not consts["FUSED"] or q.dtype != torch.float32 or not q.is_contiguous() or D % 2 \
+            or not k_cache.is_contiguous() or not v_cache.is_contiguous() or (rope.q_norm is None) != (rope.k_norm is None):
+        raise ValueError("the rope prologue needs the fused combine (counters), a contiguous float32 q [R, Hq, D] "
+                         "(D even), contiguous caches and both QK-norm weights or neither")
+    has_norm = rope.q_norm is not None
+    half = D // 2
+    _attention_rope_kernel[(R, Hkv, common[20])](
+        *common, rope.part, rope.q_norm if has_norm else rope.inv_freq, rope.k_norm if has_norm else rope.inv_freq,
+        rope.inv_freq, float(rope.eps), rope.part.stride(0), rope.part.stride(1),
+        **consts, HQ=Hq, HKV=Hkv, HD=D, HALF=half, HQ_P=max(2, triton.next_power_of_2(Hq)),
+        HKV_P=max(2, triton.next_power_of_2(Hkv)), HALF_P=max(2, triton.next_power_of_2(half)),
+        NSPLIT=rope.part.shape[0], HAS_NORM=has_norm, **launch_kw(q),
+    )
 
 
 def decode_attention(

@@ -798,6 +798,11 @@ def main_stage(args) -> None:
             m, f"s7 {label}", (1, 16), out, rows, bw)) for label, mod, name, v in (
             ("norm w16", SFm, "ADD_NORM_WARPS", 16), ("rope w8", SFm, "QK_ROPE_WARPS", 8),
             ("rope w1", SFm, "QK_ROPE_WARPS", 1), ("attn w8", tr, "ATTN_WARPS", 8))]),
+        ("rope attn", lambda: bench_runner(m, "triton_rope_in_attention", SLOTS, out, rows, bw,
+                                           rope_in_attention=True)),
+        ("rope attn same bits", lambda: stage_same_bits(m, out, exact_rows, "QK-norm/rope/KV in attention",
+                                                        lambda fn: _patched(tr, "ROPE_IN_ATTENTION", True, fn))),
+        ("rope attn exact", lambda: _patched(tr, "ROPE_IN_ATTENTION", True, lambda: stage_exact(m, out, exact_rows))),
         ("pair exact", lambda: _patched(tr, "PAIR_LAUNCH", True, lambda: stage_exact(m, out, exact_rows))),
         ("early prefetch same bits", lambda: stage_same_bits(
             m, out, exact_rows, "PDL early + attention K/V prefetch", lambda fn: _patched(

@@ -113,7 +113,8 @@ VARIANTS = {
     "q5k256": "q5k256",  # Q5_0 products in one 256-weight K step per program
     "tuned": "tuned",  # the three above together
     "q8head": {"head_matmul": "q8dense"},
-    "pair": {"pair_launch": True},  # the mixed-format q|k|v as one launch  # the head's products from its Q8_0 planes
+    "pair": {"pair_launch": True},  # the mixed-format q|k|v as one launch
+    "rope_attn": {"rope_in_attention": True},  # QK-norm/rope/KV as the attention programs' prologue  # the head's products from its Q8_0 planes
     "q8stream": "q8stream",  # the same, streaming form (DenseConfig.programs_per_sm)
     "densestream": "densestream",  # the dequantized head, streaming form
 }
@@ -183,6 +184,7 @@ def check(model, name: str, kw) -> float:
         r.run([Segment(0, "a", tuple(range(5, 12)), 0, True)], {0: 256})  # a 7-row prefill chunk
         for rows in (1, 16, 32):  # decode-shaped forwards: one token per sequence (new ones)
             r._persist_now = persistent
+            r._decode_graph = r.rope_in_attention  # (the form graphed decode steps take)
             r.run([Segment(s, f"{rows}-{s}", (5,), 0, True) for s in range(rows)], {s: 256 for s in range(rows)})
         argmax(torch.zeros(16, V), out=torch.empty(16, dtype=torch.int64))
     finally:

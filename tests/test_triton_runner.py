@@ -414,3 +414,42 @@ def test_pair_launch_fuses_a_mixed_format_qkv(tiny_model):
     assert torch.equal(o[0], runs[True][0][0])
     o = r.run([Segment(0, "a2", (a[8],), 8, True), Segment(1, "b", (b[5],), 5, True)], {0: 64, 1: 64})
     assert torch.equal(o[0], runs[True][0][1])
+
+
+def test_rope_in_attention_is_bitwise_the_separate_kernel(tiny_model, monkeypatch):
+    """rope_in_attention: in graphed decode steps QK-norm + rope + the KV write run inside the
+    attention launch (one launch fewer per layer); prefill and mixed steps keep the separate
+    kernel, so the two forms must agree bitwise: decode logits equal with it on and off, and
+    through Engine (chunked prefill mixed with decode rows) batched equals solo, tokens and logits."""
+    import workbench.triton_runner as tr
+
+    graphs = True if torch.cuda.is_available() else "emulate"
+    m = tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW)
+    gen = torch.Generator().manual_seed(31)
+    prompts = [torch.randint(4, m.config.vocab_size, (n,), generator=gen).tolist() for n in (6, 11, 3)]
+    got = {}
+    for on in (False, True):
+        r = TritonRunner(m, 256, graphs=graphs, rope_in_attention=on)
+        toks = [int(r.run([Segment(sl, sl, tuple(p), 0, True)], {sl: 64})[sl].argmax()) for sl, p in enumerate(prompts)]
+        steps = []
+        for i in range(3):
+            o = r.run([Segment(sl, sl, (toks[sl],), len(p) + i, True) for sl, p in enumerate(prompts)],
+                      {sl: 64 for sl in range(3)})
+            steps.append(torch.stack([o[sl] for sl in range(3)]))
+            toks = [int(o[sl].argmax()) for sl in range(3)]
+        got[on] = (torch.stack(steps), r.launches)
+    assert torch.equal(got[True][0], got[False][0])
+    assert got[False][1] - got[True][1] == m.config.n_layers
+    monkeypatch.setattr(tr, "ROPE_IN_ATTENTION", True)
+    monkeypatch.setattr(tr, "GRAPHS", graphs)
+    kw = dict(max_tokens=5, ignore_eos=True)
+    cfg = EngineConfig(backend="triton", dtype="bfloat16", max_concurrency=3, chunk_size=4, max_context=64,
+                       memory_budget_bytes=1 << 30)
+    eng = Engine(m, cfg, keep_logits=True)
+    assert eng.runner.rope_in_attention
+    batched = eng.generate(prompts, **kw)
+    solo_eng = Engine(m, EngineConfig(backend="triton", dtype="bfloat16", max_concurrency=1, max_context=64,
+                                      memory_budget_bytes=1 << 30), keep_logits=True)
+    for p, b in zip(prompts, batched):
+        s = solo_eng.generate([p], **kw)[0]
+        assert s.token_ids == b.token_ids and torch.equal(s.logits, b.logits)

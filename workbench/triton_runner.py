@@ -117,6 +117,13 @@ PDL = True
 # invariant; the GEMV's bits are those of its 4-warp form. H200 (session 7, run 36): 0.693 /
 # 0.791 ms -> 0.675 / 0.772 at 1 / 16 slots, exact.
 PAIR_LAUNCH = True
+# QK-norm + rope + the KV write inside the attention launch (every program's prologue runs the
+# separate kernel's body, kernels/attention._attention_rope_kernel) in graphed decode steps, where
+# each row's slot has one row: one launch fewer per layer. Prefill and mixed steps keep the
+# separate kernel (a chunk's rows read each other's keys), so the two forms must give the same
+# bits: same function, same warps (the separate kernel then takes attention's). Off until
+# measured on the GPU (gpu_bench stages "rope attn", "rope attn same bits", "rope attn exact").
+ROPE_IN_ATTENTION = False
 # Warps of the attention partial kernel, one value per runner (prefill and decode alike). H200
 # (session 7, run 36): 4 instead of the kernel's tile-size default (8 for Gemma's 16-row x 256
 # tiles) took 0.693 / 0.791 ms to 0.679 / 0.780 at 1 / 16 slots.
@@ -165,7 +172,8 @@ class TritonRunner:
                  fuse_combine: bool | None = None, pdl: bool | None = None, fuse_glu: bool | None = None,
                  fuse_qk_rope: bool | None = None, attn_dot: bool | None = None,
                  fuse_add_norm: bool | None = None, attn_bf16: bool | None = None,
-                 persistent: bool | None = None, pair_launch: bool | None = None):
+                 persistent: bool | None = None, pair_launch: bool | None = None,
+                 rope_in_attention: bool | None = None):
         from .kernels import pdl as _pdl
         from .kernels import qmatmul as qm
 
@@ -286,8 +294,11 @@ class TritonRunner:
             and not self.fuse_qk_rope and not self.fuse_add_norm
         self.persistent_off: str | None = None  # why a recorded loop fell back to the chain
         self.uniform_warps = PERSISTENT_WARPS if self.persistent else None
-        if self.persistent:  # (the persistent items are the chain's kernels; the pair has none)
-            self.pair_launch = False
+        want = ROPE_IN_ATTENTION if rope_in_attention is None else bool(rope_in_attention)
+        self.rope_in_attention = want and fuse and not self.fuse_qk_rope
+        if self.persistent:  # (the persistent items are the chain's kernels; the pair and rope forms have none)
+            self.pair_launch = self.rope_in_attention = False
+        self._decode_graph = False  # set while a graph body (decode rows, one per slot) runs
         self._pctr: torch.Tensor | None = None
         self._plan = None  # the persistent plan of the last graphed forward
         self._persist_now = False  # set while a graph body runs
@@ -526,24 +537,28 @@ class TritonRunner:
         Hq, D = c.n_heads, c.head_dim
         hdt = h.dtype
         act = "gelu_tanh" if c.activation == "gelu_tanh" else "silu"
+        attn_warps = self.uniform_warps or ATTN_WARPS
         for li, L in enumerate(self.layers):
             q = torch.empty((R, Hq, D), dtype=torch.float32, device=dev)
             kp, vp = self.k_pool[li], self.v_pool[li]
             inv = self._inv_freq[c.layer_rope_base(li)]
+            rope = None
             if self._heads_fold(L.qkv, R):
                 self._project(h, L.qkv, heads=self._qm.HeadsEpilogue(q, kp, vp, seq, pos, L.q_norm, L.k_norm, inv,
                                                                      c.rms_eps, self._heads_counters))
+            elif self.rope_in_attention and self._decode_graph and R <= ATTN_COUNTER_ROWS:
+                rope = self._attn.RopePrologue(self._project(h, L.qkv), L.q_norm, L.k_norm, inv, c.rms_eps)
             else:
                 part = self._project(h, L.qkv)
                 self._fused.qk_rope_kv(part, q, kp, vp, seq, pos, L.q_norm, L.k_norm, inv, c.rms_eps,
-                                       num_warps=self.uniform_warps)
+                                       num_warps=self.uniform_warps or (attn_warps if self.rope_in_attention else None))
                 self.launches += 1
             seg_saved, self._attn.ATTENTION_SEGMENT = self._attn.ATTENTION_SEGMENT, self.attn_segment
             try:  # the module constant is read at launch; put it back for other callers
                 counters = self._attn_counters if R <= ATTN_COUNTER_ROWS else None
                 attn = attention_rows(q, kp, vp, seq, pos, wins if c.layer_window(li) else zeros,
                                       c.attn_scale, max_pos=max_pos, use_dot=self.attn_dot, counters=counters,
-                                      precision=self.attn_prec, num_warps=self.uniform_warps or ATTN_WARPS)
+                                      precision=self.attn_prec, num_warps=attn_warps, rope=rope)
             finally:
                 self._attn.ATTENTION_SEGMENT = seg_saved
             self.launches += 1 if counters is not None else 2
@@ -706,11 +721,11 @@ class TritonRunner:
 
         self.launches = 0
         ids, pos, seq = self._g_in[0, :bucket], self._g_in[1, :bucket], self._g_in[2, :bucket]
-        self._persist_now, self._plan = self.persistent, None
+        self._persist_now, self._plan, self._decode_graph = self.persistent, None, True
         try:
             self._forward(ids, pos, seq, bucket, max_pos, logits_out=self._g_logits[:bucket])
         finally:
-            self._persist_now = False
+            self._persist_now = self._decode_graph = False
         # greedy fast path: the next step's inputs, on the device (the engine overwrites them)
         with self._pdl.enabled(self.pdl):
             argmax(self._g_logits[:bucket], out=self._g_tok[:bucket])

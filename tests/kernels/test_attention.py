@@ -200,3 +200,43 @@ def test_kv_prefetch_changes_no_bit(device, monkeypatch):
     assert torch.equal(got, base)
     torch.testing.assert_close(got.float(), attention_mod.attention_rows_ref(q, k, v, row_seq, row_pos, row_win, 0.125)
                                .float(), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_rope_prologue_is_the_separate_kernel(norm, device, monkeypatch):
+    """attention_rows(rope=): QK-norm + rope + the KV write as every attention program's
+    prologue (one launch) instead of step_fused.qk_rope_kv before it: q, the pools and the
+    output bitwise the two-launch form's, rows of distinct slots at several segments; refused
+    without the fused combine."""
+    from workbench.kernels.attention import RopePrologue
+    from workbench.kernels.step_fused import qk_rope_kv
+
+    monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", 32)
+    gen = torch.Generator().manual_seed(12)
+    R, Hq, Hkv, D, S, L, splits = 3, 4, 2, 32, 4, 96, 2
+    part = torch.randn(splits, R, (Hq + 2 * Hkv) * D, generator=gen).to(device)
+    kp = _randn(S, L, Hkv, D, dtype=torch.bfloat16, device=device, gen=gen)
+    vp = _randn(S, L, Hkv, D, dtype=torch.bfloat16, device=device, gen=gen)
+    seq = torch.tensor([3, 0, 1], dtype=torch.int32, device=device)
+    pos = torch.tensor([70, 0, 33], dtype=torch.int32, device=device)
+    win = torch.tensor([0, 0, 16], dtype=torch.int32, device=device)
+    inv = (1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))).to(device)
+    qn = torch.randn(D, generator=gen).to(device) if norm else None
+    kn = torch.randn(D, generator=gen).to(device) if norm else None
+    counters = torch.zeros(16, dtype=torch.int32, device=device)
+    got = {}
+    for fused in (False, True):
+        q = torch.full((R, Hq, D), float("nan"), device=device)
+        k, v = kp.clone(), vp.clone()
+        if fused:
+            o = attention_rows(q, k, v, seq, pos, win, 0.2, counters=counters, precision="bf16",
+                               rope=RopePrologue(part, qn, kn, inv, 1e-6))
+        else:
+            qk_rope_kv(part, q, k, v, seq, pos, qn, kn, inv, 1e-6)
+            o = attention_rows(q, k, v, seq, pos, win, 0.2, counters=counters, precision="bf16")
+        got[fused] = (q, k, v, o)
+    for a, b in zip(got[True], got[False]):
+        assert torch.equal(a, b)
+    assert not counters.any()
+    with pytest.raises(ValueError, match="rope prologue needs the fused combine"):
+        attention_rows(got[True][0], kp, vp, seq, pos, win, 0.2, rope=RopePrologue(part, qn, kn, inv, 1e-6))
