@@ -69,29 +69,41 @@ def _w_tile(w_rows, d_rows, k0, K, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.con
     return w
 
 
+@triton.jit
+def _tile(t, M, N, w_ptr, d_ptr, stride_wn, stride_dn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tile t's outputs n (and mask), rows m (and mask), and its weight (and scale) row pointers."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    n = (t // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = (t % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    d_rows = d_ptr + n.to(tl.int64)[:, None] * stride_dn
+    return n, n < N, m, m < M, w_rows, d_rows
+
+
+@triton.jit
+def _k_step(acc, k0, K, x_ptr, stride_xm, m, mmask, w_rows, d_rows, nmask,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, USE_DOT: tl.constexpr,
+            Q8: tl.constexpr):
+    """acc += the K step at k0 of the tile's product (the weight tile, x^T, one dot_acc)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    w = _w_tile(w_rows, d_rows, k0, K, nmask, BLOCK_N, BLOCK_K, Q8)
+    xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=(k < K)[:, None] & mmask[None, :], other=0.0)
+    return dot_acc(acc, w, xt, PREC, USE_DOT)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _dense_mma_kernel(
     x_ptr, w_ptr, d_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_dn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     PREC: tl.constexpr, USE_DOT: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_m
-    n = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mmask = m < M
-    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-    d_rows = d_ptr + n.to(tl.int64)[:, None] * stride_dn
+    n, nmask, m, mmask, w_rows, d_rows = _tile(tl.program_id(0), M, N, w_ptr, d_ptr, stride_wn, stride_dn,
+                                               BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     enter(PDL)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < K
-        w = _w_tile(w_rows, d_rows, k0, K, nmask, BLOCK_N, BLOCK_K, Q8)
-        xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
-        acc = dot_acc(acc, w, xt, PREC, USE_DOT)
+        acc = _k_step(acc, k0, K, x_ptr, stride_xm, m, mmask, w_rows, d_rows, nmask, BLOCK_N, BLOCK_K, PREC,
+                      USE_DOT, Q8)
     tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc, mask=nmask[:, None] & mmask[None, :])
 
 
@@ -103,25 +115,14 @@ def _dense_stream_kernel(
 ):
     """``_dense_mma_kernel``'s tiles (same products, same K order), program p taking tiles p,
     p + P, ... in one flattened loop that Triton pipelines across tile boundaries."""
-    num_m = tl.cdiv(M, BLOCK_M)
-    tiles = num_m * tl.cdiv(N, BLOCK_N)
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     enter(PDL)
     for t in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True, num_stages=NUM_STAGES):
-        pid_m = t % num_m
-        n = (t // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = n < N
-        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        mmask = m < M
-        w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-        d_rows = d_ptr + n.to(tl.int64)[:, None] * stride_dn
+        n, nmask, m, mmask, w_rows, d_rows = _tile(t, M, N, w_ptr, d_ptr, stride_wn, stride_dn, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            kmask = k < K
-            w = _w_tile(w_rows, d_rows, k0, K, nmask, BLOCK_N, BLOCK_K, Q8)
-            xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=kmask[:, None] & mmask[None, :],
-                         other=0.0)
-            acc = dot_acc(acc, w, xt, PREC, USE_DOT)
+            acc = _k_step(acc, k0, K, x_ptr, stride_xm, m, mmask, w_rows, d_rows, nmask, BLOCK_N, BLOCK_K, PREC,
+                          USE_DOT, Q8)
         tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc, mask=nmask[:, None] & mmask[None, :])
 
 
