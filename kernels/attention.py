@@ -41,7 +41,8 @@ import triton.language as tl
 from dataclasses import dataclass
 
 from .pdl import enter, launch_kw
-from .qmma import dot_acc
+from . import qmma as _qmma
+from .qmma import dot_acc, l2_prefetch_lines
 from .step_fused import _check_part, qk_rope_kv_row
 
 # Keys per block, by padded head dim: keeps the product tiles near 16K floats. Fixed per model
@@ -86,8 +87,7 @@ def _prefetch_segment(base, j_lo, j_hi, stride_l, D, SEG: tl.constexpr, D_P: tl.
     ok = (j < j_hi)[:, None] & (c < D)[None, :]
     off = tl.where(ok, j[:, None].to(tl.int64) * stride_l + c[None, :], j_lo.to(tl.int64) * stride_l)
     if j_lo < j_hi:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [base + off],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        l2_prefetch_lines(base + off)
 
 
 @triton.jit
@@ -280,11 +280,6 @@ def _attention_combine_kernel(
                  GROUP, QROWS, D_P, SEG, "")
 
 
-def _native(x: torch.Tensor) -> bool:
-    """Whether a launch on x compiles for a GPU (inline PTX; never under the interpreter)."""
-    return x.is_cuda
-
-
 def _check_float(name: str, t: torch.Tensor) -> None:
     if t.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"{name} must be float32 or bfloat16, got {t.dtype}")
@@ -382,7 +377,7 @@ def attention_rows(
         _launch_rope(common, consts, rope, q, k_cache, v_cache)
         return out
     _attention_partial_kernel[(R, Hkv, num_seg)](
-        *common, **consts, PREFETCH=ATTENTION_PREFETCH and _native(q), **launch_kw(q),
+        *common, **consts, PREFETCH=ATTENTION_PREFETCH and _qmma._native(q), **launch_kw(q),
     )
     if not fused:
         _attention_combine_kernel[(R, Hkv)](

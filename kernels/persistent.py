@@ -52,6 +52,7 @@ from triton.runtime.jit import JITFunction
 from .attention import _attention_partial_kernel, attention_item
 from .pdl import enter, launch_kw, release_count, wait_count
 from .qmatmul import _qgemv_kernel, qgemv_item
+from . import qmma as _qmma
 from .qmma import _qmma_kernel, qmma_item
 from .step_fused import (
     _add_rmsnorm_kernel,
@@ -302,7 +303,7 @@ def launch(plan: Plan, ctr: torch.Tensor, programs: int | None = None) -> None:
         raise ValueError(f"ctr must be int32 zeros, at least {plan.stages + 1} of them")
     if ASSIGN not in ("ticket", "static") or POLL not in ("load", "atomic"):
         raise ValueError(f"ASSIGN={ASSIGN!r} / POLL={POLL!r}: allowed ticket, static / load, atomic")
-    native = _native(plan.items_dev)
+    native = _qmma._native(plan.items_dev)  # (the waits may use the acquire load: inline PTX)
     static = ASSIGN == "static" and native
     kw = dict(KINDS=plan.kinds, NK=len(plan.kinds), PREC=plan.prec[0], APREC=plan.prec[1], COLS=ITEM_COLS,
               NARGS=MAX_ARGS,
@@ -314,11 +315,6 @@ def launch(plan: Plan, ctr: torch.Tensor, programs: int | None = None) -> None:
         programs = fit if programs is None else min(programs, fit)
     kw["STATIC"] = static
     _persistent_kernel[(programs,)](plan.items_dev, plan.args_dev, ctr, plan.n_items, plan.stages, **kw)
-
-
-def _native(t: torch.Tensor) -> bool:
-    """Whether the waits may use the acquire load (inline PTX: a GPU, never the interpreter)."""
-    return t.is_cuda
 
 
 def fit_per_sm(regs: int, shared: int, num_warps: int, regs_per_sm: int = 65536, shared_per_sm: int = 233472,

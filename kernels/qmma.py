@@ -161,6 +161,14 @@ PREFETCH_LANES = tl.constexpr(128)  # cache lines a prefetch asks for per instru
 
 
 @triton.jit
+def l2_prefetch_lines(ptrs):
+    """``prefetch.global.L2`` of the line holding each pointer (a hint: nothing comes back, no
+    result can change). Inline PTX: GPU launches only (``_native``)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _l2_prefetch(ptr, nelem, ELEM: tl.constexpr):
     """Ask L2 for ``nelem`` elements of ELEM bytes from ``ptr`` on: one ``prefetch.global.L2``
     per 128-byte line (lanes past the end repeat the last line). No data comes back to
@@ -169,8 +177,7 @@ def _l2_prefetch(ptr, nelem, ELEM: tl.constexpr):
     lines = tl.cdiv(nelem * ELEM, 128)
     for l0 in range(0, lines, PREFETCH_LANES):
         li = tl.minimum(l0 + lanes, lines - 1).to(tl.int64)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr + li * (128 // ELEM)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        l2_prefetch_lines(ptr + li * (128 // ELEM))
 
 
 @triton.jit
@@ -388,7 +395,8 @@ def launch_mma_gemv_pair(x: torch.Tensor, wa: PackedWeight, ya: torch.Tensor, wb
 
 
 def _native(x: torch.Tensor) -> bool:
-    """Whether a launch on x compiles for a GPU (inline PTX; never under the interpreter)."""
+    """Whether a launch on x compiles for a GPU (inline PTX; never under the interpreter). Every
+    kernel module asks here, so a compile-only check patches one function."""
     return x.is_cuda
 
 

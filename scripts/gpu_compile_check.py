@@ -71,7 +71,7 @@ def _install() -> None:
 
 def _gpu_options(modules) -> None:
     """The launch choices a GPU gets: PDL on, GPU tiles (no interpreter widening)."""
-    from workbench.kernels import attention, dense_mma, pdl, persistent, qmatmul, qmma
+    from workbench.kernels import dense_mma, pdl, persistent, qmatmul, qmma
 
     def launch_kw(t):
         return {"PDL": 2 if pdl.EARLY else 1, "launch_pdl": True} if pdl.ENABLED else {"PDL": 0}
@@ -82,9 +82,7 @@ def _gpu_options(modules) -> None:
     qmma.QMMA_INTERPRETER_MIN_BLOCK_N = 0
     qmatmul.QGEMV_INTERPRETER_MIN_BLOCK_N = 0
     dense_mma.DENSE_INTERPRETER_MIN_BLOCK_N = 0
-    qmma._native = lambda x: True  # inline PTX (the head's L2 prefetch) as on the GPU
-    attention._native = lambda x: True  # (attention's K/V prefetch)
-    persistent._native = lambda x: True  # the acquire-load waits (inline PTX)
+    qmma._native = lambda x: True  # inline PTX (L2 prefetches, acquire-load waits) as on the GPU
     persistent.launch_kw = launch_kw
 
 
@@ -132,7 +130,6 @@ def check(model, name: str, kw) -> float:
     from workbench.kernels import dense_mma, qmma
     from workbench.kernels.sampling import argmax
 
-    from workbench import triton_runner as tr
     from workbench.scheduler import Segment
     from workbench.triton_runner import TritonRunner
 
@@ -179,7 +176,7 @@ def check(model, name: str, kw) -> float:
         r.use_dot = True  # the GPU's product and attention forms
         r.attn_dot = kw.get("attn_dot", True)
         if persistent:
-            r.persistent, r.uniform_warps = True, tr.PERSISTENT_WARPS
+            r._persistent_on()
         V = model.config.vocab_size
         r.run([Segment(0, "a", tuple(range(5, 12)), 0, True)], {0: 256})  # a 7-row prefill chunk
         for rows in (1, 16, 32):  # decode-shaped forwards: one token per sequence (new ones)

@@ -289,15 +289,15 @@ class TritonRunner:
         self._norm_counters = torch.zeros(EPILOGUE_COUNTERS, dtype=torch.int32, device=self.device) \
             if self.fuse_add_norm else None
         # the persistent step (graph path only; items need the packed forms and no heads/norm fold)
-        want = PERSISTENT if persistent is None else bool(persistent)
-        self.persistent = want and self.use_graphs and dense == "quant" and self.matmul != "raw" \
-            and not self.fuse_qk_rope and not self.fuse_add_norm
-        self.persistent_off: str | None = None  # why a recorded loop fell back to the chain
-        self.uniform_warps = PERSISTENT_WARPS if self.persistent else None
         want = ROPE_IN_ATTENTION if rope_in_attention is None else bool(rope_in_attention)
         self.rope_in_attention = want and fuse and not self.fuse_qk_rope
-        if self.persistent:  # (the persistent items are the chain's kernels; the pair and rope forms have none)
-            self.pair_launch = self.rope_in_attention = False
+        want = PERSISTENT if persistent is None else bool(persistent)
+        self.persistent = False
+        self.persistent_off: str | None = None  # why a recorded loop fell back to the chain
+        self.uniform_warps: int | None = None
+        if want and self.use_graphs and dense == "quant" and self.matmul != "raw" and not self.fuse_qk_rope \
+                and not self.fuse_add_norm:
+            self._persistent_on()
         self._decode_graph = False  # set while a graph body (decode rows, one per slot) runs
         self._pctr: torch.Tensor | None = None
         self._plan = None  # the persistent plan of the last graphed forward
@@ -307,6 +307,13 @@ class TritonRunner:
         self.launches = 0  # kernel launches of the last forward (counted where they are issued)
         self._ahead: tuple | None = None  # (segments key,) of a decode step launched early
         self._tok_host: torch.Tensor | None = None
+
+    def _persistent_on(self) -> None:
+        """The graphed layer loop as one persistent launch: one num_warps for every launch of the
+        runner (every path, so rows keep one arithmetic), and none of the forms that have no
+        persistent item (the pair launch, the rope prologue)."""
+        self.persistent, self.uniform_warps = True, PERSISTENT_WARPS
+        self.pair_launch = self.rope_in_attention = False
 
     # -- RunnerInfo ----------------------------------------------------------------------------
     def cache_bytes(self, num_tokens: int) -> int:
