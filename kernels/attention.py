@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from .pdl import enter, launch_kw
 from . import qmma as _qmma
 from .qmma import dot_acc, l2_prefetch_lines
-from .step_fused import _check_part, qk_rope_kv_row
+from .step_fused import qk_rope_kv_row, qk_rope_row_args
 
 # Keys per block, by padded head dim: keeps the product tiles near 16K floats. Fixed per model
 # shape, never per batch or chunk.
@@ -388,21 +388,14 @@ def attention_rows(
 
 
 def _launch_rope(common: tuple, consts: dict, rope: RopePrologue, q, k_cache, v_cache) -> None:
-    R, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
-    _check_part(rope.part, (Hq + 2 * Hkv) * D)
-    if not consts["FUSED"] or q.dtype != torch.float32 or not q.is_contiguous() or D % 2 \
-            or not k_cache.is_contiguous() or not v_cache.is_contiguous() or (rope.q_norm is None) != (rope.k_norm is None):
+    if not consts["FUSED"] or q.dtype != torch.float32 or not q.is_contiguous() or not k_cache.is_contiguous() \
+            or not v_cache.is_contiguous():
         raise ValueError("the rope prologue needs the fused combine (counters), a contiguous float32 q [R, Hq, D] "
-                         "(D even), contiguous caches and both QK-norm weights or neither")
-    has_norm = rope.q_norm is not None
-    half = D // 2
-    _attention_rope_kernel[(R, Hkv, common[20])](
-        *common, rope.part, rope.q_norm if has_norm else rope.inv_freq, rope.k_norm if has_norm else rope.inv_freq,
-        rope.inv_freq, float(rope.eps), rope.part.stride(0), rope.part.stride(1),
-        **consts, HQ=Hq, HKV=Hkv, HD=D, HALF=half, HQ_P=max(2, triton.next_power_of_2(Hq)),
-        HKV_P=max(2, triton.next_power_of_2(Hkv)), HALF_P=max(2, triton.next_power_of_2(half)),
-        NSPLIT=rope.part.shape[0], HAS_NORM=has_norm, **launch_kw(q),
+                         "and contiguous caches")
+    args, row = qk_rope_row_args(rope.part, q, k_cache, rope.q_norm, rope.k_norm, rope.inv_freq, rope.eps)
+    row["HD"] = row.pop("D")  # (the partial kernel's D is its runtime head dim)
+    _attention_rope_kernel[(q.shape[0], k_cache.shape[2], common[20])](
+        *common, rope.part, *args, **consts, **row, **launch_kw(q),
     )
 
 

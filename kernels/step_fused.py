@@ -370,20 +370,29 @@ def qk_rope_kv(part: torch.Tensor, q_out: torch.Tensor, k_pool: torch.Tensor, v_
     """From part [splits, R, (Hq + 2 Hkv) D] (q | k | v): q_out [R, Hq, D] = rope(qnorm(q));
     k_pool[seq, pos] = rope(knorm(k)), v_pool[seq, pos] = v. Pools [S, L, Hkv, D]; NEOX rope
     (pairs i, i + D/2) at angle f32(pos) * inv_freq [D/2]; norms None: no QK-norm."""
-    R, Hq, D = q_out.shape
+    args, consts = qk_rope_row_args(part, q_out, k_pool, q_norm, k_norm, inv_freq, eps)
+    _qk_rope_kv_kernel[(q_out.shape[0],)](
+        part, q_out, k_pool, v_pool, seq, pos, *args, q_out.stride(0), k_pool.stride(0), k_pool.stride(1),
+        **consts, num_warps=num_warps or QK_ROPE_WARPS, **launch_kw(part),
+    )
+
+
+def qk_rope_row_args(part: torch.Tensor, q_out: torch.Tensor, k_pool: torch.Tensor, q_norm: torch.Tensor | None,
+                     k_norm: torch.Tensor | None, inv_freq: torch.Tensor, eps: float) -> tuple[tuple, dict]:
+    """``qk_rope_kv_row``'s arguments for a launch, checked: (qn, kn, inv_freq, eps, part's split
+    and row strides) and the constexprs (HQ, HKV, D, HALF, their paddings, NSPLIT, HAS_NORM)."""
+    _, Hq, D = q_out.shape
     Hkv = k_pool.shape[2]
     _check_part(part, (Hq + 2 * Hkv) * D)
     if D % 2 or (q_norm is None) != (k_norm is None):
         raise ValueError("need an even head dim and both QK-norm weights or neither")
     half = D // 2
     has_norm = q_norm is not None
-    _qk_rope_kv_kernel[(R,)](
-        part, q_out, k_pool, v_pool, seq, pos, q_norm if has_norm else inv_freq, k_norm if has_norm else inv_freq,
-        inv_freq, float(eps), part.stride(0), part.stride(1), q_out.stride(0), k_pool.stride(0), k_pool.stride(1),
-        HQ=Hq, HKV=Hkv, D=D, HALF=half, HQ_P=max(2, triton.next_power_of_2(Hq)),
-        HKV_P=max(2, triton.next_power_of_2(Hkv)), HALF_P=max(2, triton.next_power_of_2(half)),
-        NSPLIT=part.shape[0], HAS_NORM=has_norm, num_warps=num_warps or QK_ROPE_WARPS, **launch_kw(part),
-    )
+    args = (q_norm if has_norm else inv_freq, k_norm if has_norm else inv_freq, inv_freq, float(eps),
+            part.stride(0), part.stride(1))
+    return args, dict(HQ=Hq, HKV=Hkv, D=D, HALF=half, HQ_P=max(2, triton.next_power_of_2(Hq)),
+                      HKV_P=max(2, triton.next_power_of_2(Hkv)), HALF_P=max(2, triton.next_power_of_2(half)),
+                      NSPLIT=part.shape[0], HAS_NORM=has_norm)
 
 
 def qk_rope_kv_ref(part, Hq, Hkv, D, pos, q_norm, k_norm, inv_freq, eps):
