@@ -558,7 +558,7 @@ class TritonRunner:
             else:
                 part = self._project(h, L.qkv)
                 self._fused.qk_rope_kv(part, q, kp, vp, seq, pos, L.q_norm, L.k_norm, inv, c.rms_eps,
-                                       num_warps=self.uniform_warps or (attn_warps if self.rope_in_attention else None))
+                                       num_warps=attn_warps if self.rope_in_attention else self.uniform_warps)
                 self.launches += 1
             seg_saved, self._attn.ATTENTION_SEGMENT = self._attn.ATTENTION_SEGMENT, self.attn_segment
             try:  # the module constant is read at launch; put it back for other callers
