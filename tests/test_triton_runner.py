@@ -245,19 +245,31 @@ def test_close_folds_are_invariant_and_save_launches(tiny_model, monkeypatch, op
 
     def alone(fuse):  # (every weight on tensor cores: the folds ride on that form's launches)
         r = TritonRunner(m, 256, graphs=False, matmul="mma", **{option: fuse})
-        got = [r.run([Segment(0, "a", tuple(a[:12]), 0, True)], {0: 64})[0]]
-        got.append(r.run([Segment(0, "a", (a[12],), 12, True)], {0: 64})[0])
-        return torch.stack(got), r.launches
+        return _solo(r, a, 12), r.launches
 
     fused, n_fused = alone(True)
     plain, n_plain = alone(False)
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
     assert n_plain - n_fused == fewer * m.config.n_layers
-    r = TritonRunner(m, 256, graphs=False, matmul="mma", **{option: True})
-    o = r.run([Segment(1, "b", tuple(b[:6]), 0, True), Segment(0, "a", tuple(a[:12]), 0, True)], {0: 64, 1: 64})
-    assert torch.equal(o[0], fused[0])
-    o = r.run([Segment(0, "a", (a[12],), 12, True), Segment(1, "b", (b[6],), 6, True)], {0: 64, 1: 64})
-    assert torch.equal(o[0], fused[1])
+    _assert_batched_is_solo(TritonRunner(m, 256, graphs=False, matmul="mma", **{option: True}), a, b, 12, fused)
+
+
+def _solo(r, a, n):
+    """Slot 0 prefilled with a[:n], then one decode step (a[n]): logits [2, vocab]."""
+    got = [r.run([Segment(0, "a", tuple(a[:n]), 0, True)], {0: 64})[0]]
+    got.append(r.run([Segment(0, "a", (a[n],), n, True)], {0: 64})[0])
+    return torch.stack(got)
+
+
+def _assert_batched_is_solo(r, a, b, n, solo):
+    """The same two forwards for a new request in slot 0, batched with slot 1's prefill of b[:-1]
+    and its decode step b[-1]: slot 0's logits bitwise ``solo``."""
+    k = len(b) - 1
+    o = r.run([Segment(1, "b", tuple(b[:k]), 0, True), Segment(0, "a2", tuple(a[:n]), 0, True)], {0: 64, 1: 64})
+    assert torch.equal(o[0], solo[0])
+    o = r.run([Segment(0, "a2", (a[n],), n, True), Segment(1, "b", (b[k],), k, True)], {0: 64, 1: 64})
+    assert torch.equal(o[0], solo[1])
+
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dense_head_is_close_and_invariant(tiny_model, dtype):
@@ -273,9 +285,7 @@ def test_dense_head_is_close_and_invariant(tiny_model, dtype):
     runs = {}
     for head in ("mma", "dense", "q8dense"):
         r = TritonRunner(m, 256, graphs=False, matmul="mma", head_matmul=head)
-        got = [r.run([Segment(0, "a", tuple(a[:10]), 0, True)], {0: 64})[0]]
-        got.append(r.run([Segment(0, "a", (a[10],), 10, True)], {0: 64})[0])
-        runs[head] = (torch.stack(got), r.launches, r)
+        runs[head] = (_solo(r, a, 10), r.launches, r)
     tol = 1e-4 if dtype == "float32" else 2e-2
     torch.testing.assert_close(runs["dense"][0], runs["mma"][0], rtol=tol, atol=tol)
     assert runs["dense"][1] == runs["mma"][1] == runs["q8dense"][1]
@@ -283,11 +293,7 @@ def test_dense_head_is_close_and_invariant(tiny_model, dtype):
     assert runs["dense"][2].head.parts[0][1].form == "dense" and runs["dense"][2].head.parts[0][1].packed is None
     assert runs["q8dense"][2].head.parts[0][1].form == "q8dense" and runs["q8dense"][2].head.parts[0][1].dense is None
     for head in ("dense", "q8dense"):
-        r = runs[head][2]
-        o = r.run([Segment(1, "b", tuple(b[:4]), 0, True), Segment(0, "a2", tuple(a[:10]), 0, True)], {0: 64, 1: 64})
-        assert torch.equal(o[0], runs[head][0][0])
-        o = r.run([Segment(0, "a2", (a[10],), 10, True), Segment(1, "b", (b[4],), 4, True)], {0: 64, 1: 64})
-        assert torch.equal(o[0], runs[head][0][1])
+        _assert_batched_is_solo(runs[head][2], a, b, 10, runs[head][0])
     with pytest.raises(WorkbenchError, match="allowed mma, gemv, dense, q8dense"):
         TritonRunner(m, 64, graphs=False, matmul="mma", head_matmul="cublas")
     m5 = tiny_model("gemma3", dtype, "Q5_0", sliding_window=WINDOW)
@@ -307,14 +313,9 @@ def test_bf16_attention_products_are_invariant(tiny_model):
     for bf16 in (False, True):
         r = TritonRunner(m, 256, graphs=False, attn_bf16=bf16)
         assert r.attn_prec == ("bf16" if bf16 else None)
-        got = [r.run([Segment(0, "a", tuple(a[:10]), 0, True)], {0: 64})[0]]
-        got.append(r.run([Segment(0, "a", (a[10],), 10, True)], {0: 64})[0])
-        outs[bf16] = torch.stack(got)
+        outs[bf16] = _solo(r, a, 10)
     torch.testing.assert_close(outs[True], outs[False], rtol=3e-2, atol=3e-2)
-    o = r.run([Segment(1, "b", tuple(b[:5]), 0, True), Segment(0, "a2", tuple(a[:10]), 0, True)], {0: 64, 1: 64})
-    assert torch.equal(o[0], outs[True][0])
-    o = r.run([Segment(0, "a2", (a[10],), 10, True), Segment(1, "b", (b[5],), 5, True)], {0: 64, 1: 64})
-    assert torch.equal(o[0], outs[True][1])
+    _assert_batched_is_solo(r, a, b, 10, outs[True])
     assert TritonRunner(tiny_model("gemma3", "float32", "Q8_0"), 64, graphs=False, attn_bf16=True).attn_prec is None
 
 
@@ -403,17 +404,11 @@ def test_pair_launch_fuses_a_mixed_format_qkv(tiny_model):
     for pair in (False, True):
         r = TritonRunner(m, 256, graphs=False, pair_launch=pair)
         assert [w.form for _, w in r.layers[0].qkv.parts] == ["mma", "gemv"]
-        got = [r.run([Segment(0, "a", tuple(a[:8]), 0, True)], {0: 64})[0]]
-        got.append(r.run([Segment(0, "a", (a[8],), 8, True)], {0: 64})[0])
-        runs[pair] = (torch.stack(got), r.launches, r)
+        runs[pair] = (_solo(r, a, 8), r.launches, r)
     assert runs[False][1] - runs[True][1] == m.config.n_layers
     if runs[True][0].device.type == "cpu":
         assert torch.equal(runs[True][0], runs[False][0])
-    r = runs[True][2]
-    o = r.run([Segment(1, "b", tuple(b[:5]), 0, True), Segment(0, "a2", tuple(a[:8]), 0, True)], {0: 64, 1: 64})
-    assert torch.equal(o[0], runs[True][0][0])
-    o = r.run([Segment(0, "a2", (a[8],), 8, True), Segment(1, "b", (b[5],), 5, True)], {0: 64, 1: 64})
-    assert torch.equal(o[0], runs[True][0][1])
+    _assert_batched_is_solo(runs[True][2], a, b, 8, runs[True][0])
 
 
 def test_rope_in_attention_is_bitwise_the_separate_kernel(tiny_model, monkeypatch):
