@@ -51,6 +51,7 @@ from .qmatmul import (
     _step_planes,
     _x_offsets,
     check_x_out,
+    gemv_config,
     glu_args,
     heads_counters,
     norm_counters,
@@ -362,22 +363,19 @@ def _mma_gemv_pair_kernel(
 
 
 def launch_mma_gemv_pair(x: torch.Tensor, wa: PackedWeight, ya: torch.Tensor, wb: PackedWeight, yb: torch.Tensor,
-                         splits: int, stride_ys: int, prec: str = "bf16", use_dot: bool | None = None,
-                         gemv_config=None) -> None:
+                         splits: int, stride_ys: int, prec: str = "bf16", use_dot: bool | None = None) -> None:
     """``launch_qmma(x, wa, ya, ...)`` and ``qmatmul.launch_qgemv(x, wb, yb, ...)`` as one launch
     (``_mma_gemv_pair_kernel``) at the tensor-core config's warps: the same K split for both
     (one shape-only split: same K), ya and yb the same partial buffer's column ranges (one row
     and split stride). The GEMV runs at those warps, so its bits are those of ``launch_qgemv``
     with ``num_warps`` set so: one fixed choice per runner."""
-    from .qmatmul import gemv_config as _gemv_config
-
     if prec not in QMMA_PRECISIONS:
         raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(QMMA_PRECISIONS)}")
     if wa.K != wb.K or ya.stride(-2) != yb.stride(-2) or num_k_splits(wa.N, wa.K) != splits \
             or num_k_splits(wb.N, wb.K) != splits:
         raise ValueError("a pair needs one K, one K split and one partial buffer")
     ca = mma_config(wa.fmt.name, wa.N, wa.K, x.device)
-    cb = gemv_config or _gemv_config(wb.fmt.name, wb.N, wb.K, x.device)
+    cb = gemv_config(wb.fmt.name, wb.N, wb.K, x.device)
     M = x.shape[0]
     programs_a = triton.cdiv(M, ca.block_m) * triton.cdiv(wa.N, ca.block_n)
     programs_b = triton.cdiv(M, cb.m_tile) * triton.cdiv(wb.N, cb.block_n)
