@@ -569,41 +569,46 @@ def stage_head_dense(m, out: Path, rows: list, bw: float) -> None:
         dm.DENSE_CONFIG = saved
 
 
-def stage_q8_head_sweep(m, out: Path, rows: list, bw: float) -> None:
-    """The head from its Q8_0 planes (``q8_dense_mma``) at a few tilings (1 / 16 / 32 slots)."""
+def _head_sweep(m, out: Path, rows: list, bw: float, cases) -> tuple | None:
+    """Each (variant, head form, DenseConfig fields) at 1 / 16 / 32 slots; the fastest at 16
+    slots as (step ms, head form, config, variant), or None."""
     from dataclasses import replace
 
     import workbench.triton_runner as tr
     from workbench.kernels import dense_mma as dm
 
-    base = dm.DENSE_CONFIG
-    for bn, bk, st, w in ((128, 128, 3, 4), (64, 128, 4, 4), (64, 256, 3, 4), (128, 128, 4, 8), (64, 64, 6, 4)):
-        cfg = replace(base, block_n=bn, block_k=bk, num_stages=st, num_warps=w)
-        _patched(tr, "HEAD_MATMUL", "q8dense", lambda cfg=cfg: _patched(dm, "DENSE_CONFIG", cfg, lambda: bench_runner(
-            m, f"triton_q8_head_n{bn}_k{bk}_s{st}_w{w}", (1, 16, 32), out, rows, bw)))
-
-
-def stage_head_stream(m, out: Path, rows: list, exact_rows: list, bw: float) -> None:
-    """The head in the streaming form (``DenseConfig.programs_per_sm``), from its Q8_0 planes
-    and from the dequantized copy, at a few tilings (1 / 16 / 32 slots); then the exactness
-    stage with the fastest at 16 slots."""
-    from dataclasses import replace
-
-    import workbench.triton_runner as tr
-    from workbench.kernels import dense_mma as dm
-
-    base = dm.DENSE_CONFIG
     best = None
-    for head, bn, bk, st, p in (("q8dense", 64, 128, 3, 2), ("q8dense", 64, 128, 4, 3), ("q8dense", 128, 128, 3, 2),
-                                ("q8dense", 128, 64, 4, 2), ("q8dense", 64, 256, 3, 2), ("q8dense", 64, 64, 6, 3),
-                                ("dense", 64, 128, 3, 2), ("dense", 128, 64, 4, 1)):
-        cfg = replace(base, block_n=bn, block_k=bk, num_stages=st, programs_per_sm=p)
-        variant = f"triton_{head}_stream_n{bn}_k{bk}_s{st}_p{p}"
+    for variant, head, fields in cases:
+        cfg = replace(dm.DENSE_CONFIG, **fields)
         _patched(tr, "HEAD_MATMUL", head, lambda cfg=cfg, variant=variant: _patched(
             dm, "DENSE_CONFIG", cfg, lambda: bench_runner(m, variant, (1, 16, 32), out, rows, bw)))
         ms = [r["step_ms"] for r in rows if r.get("variant") == variant and r.get("slots") == 16 and "step_ms" in r]
         if ms and (best is None or ms[0] < best[0]):
             best = (ms[0], head, cfg, variant)
+    return best
+
+
+def stage_q8_head_sweep(m, out: Path, rows: list, bw: float) -> None:
+    """The head from its Q8_0 planes (``q8_dense_mma``), one program per tile, at a few tilings."""
+    _head_sweep(m, out, rows, bw, [
+        (f"triton_q8_head_n{bn}_k{bk}_s{st}_w{w}", "q8dense",
+         dict(block_n=bn, block_k=bk, num_stages=st, num_warps=w, programs_per_sm=0))
+        for bn, bk, st, w in ((128, 128, 3, 4), (64, 128, 4, 4), (64, 256, 3, 4), (128, 128, 4, 8), (64, 64, 6, 4))])
+
+
+def stage_head_stream(m, out: Path, rows: list, exact_rows: list, bw: float) -> None:
+    """The head in the streaming form (``DenseConfig.programs_per_sm``), from its Q8_0 planes
+    and from the dequantized copy, at a few tilings; then the exactness stage with the fastest
+    at 16 slots."""
+    import workbench.triton_runner as tr
+    from workbench.kernels import dense_mma as dm
+
+    best = _head_sweep(m, out, rows, bw, [
+        (f"triton_{head}_stream_n{bn}_k{bk}_s{st}_p{p}", head,
+         dict(block_n=bn, block_k=bk, num_stages=st, programs_per_sm=p))
+        for head, bn, bk, st, p in (("q8dense", 64, 128, 3, 2), ("q8dense", 64, 128, 4, 3), ("q8dense", 128, 128, 3, 2),
+                                    ("q8dense", 128, 64, 4, 2), ("q8dense", 64, 256, 3, 2), ("q8dense", 64, 64, 6, 3),
+                                    ("dense", 64, 128, 3, 2), ("dense", 128, 64, 4, 1))])
     if best is not None:
         log(f"head stream: fastest at 16 slots {best[3]} ({best[0]:.3f} ms); exactness with it")
         _patched(tr, "HEAD_MATMUL", best[1], lambda: _patched(dm, "DENSE_CONFIG", best[2], lambda: stage_exact(
