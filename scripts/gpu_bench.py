@@ -615,7 +615,20 @@ def stage_head_stream(m, out: Path, rows: list, exact_rows: list, bw: float) -> 
             m, out, exact_rows)))
 
 
-def stage_s7_sweep(m, out: Path, rows: list, bw: float, slots=(1, 16)) -> None:
+def stage_sweep(m, out: Path, rows: list, bw: float, prefix: str, variants, slots=(1, 16)) -> None:
+    """Options one at a time against the defaults: each variant is (label, patch, kw), patch a
+    (module, name, value) set for the variant's runner or None, kw the runner's arguments."""
+    for label, patch, kw in variants:
+        def go(kw=kw, name=f"{prefix} {label}"):
+            bench_runner(m, name, slots, out, rows, bw, **kw)
+
+        if patch is None:
+            go()
+        else:
+            _patched(patch[0], patch[1], patch[2], go)
+
+
+def stage_s7_sweep(m, out: Path, rows: list, bw: float) -> None:
     """Session 7's small options one at a time against the defaults (1 and 16 slots): the mixed
     q|k|v as one launch, the per-row kernels' warps, attention at 4 warps, product tilings."""
     from dataclasses import replace
@@ -627,7 +640,7 @@ def stage_s7_sweep(m, out: Path, rows: list, bw: float, slots=(1, 16)) -> None:
     def mma(fmt, **kw):
         return QM, "QMMA_CONFIGS", {**QM.QMMA_CONFIGS, fmt: replace(QM.QMMA_CONFIGS[fmt], **kw)}
 
-    variants = [
+    stage_sweep(m, out, rows, bw, "s7", [
         ("pair", None, {"pair_launch": True}),
         ("norm w1", (SF, "ADD_NORM_WARPS", 1), {}), ("norm w2", (SF, "ADD_NORM_WARPS", 2), {}),
         ("norm w8", (SF, "ADD_NORM_WARPS", 8), {}),
@@ -639,17 +652,22 @@ def stage_s7_sweep(m, out: Path, rows: list, bw: float, slots=(1, 16)) -> None:
         ("Q6_K w8", mma("Q6_K", num_warps=8), {}),
         ("Q5_0 n16", mma("Q5_0", block_n=16), {}), ("Q5_0 n64", mma("Q5_0", block_n=64), {}),
         ("Q5_0 w8", mma("Q5_0", num_warps=8), {}),
-    ]
-    for label, patch, kw in variants:
-        name = "s7 " + label
+    ])
 
-        def go(kw=kw, name=name):
-            bench_runner(m, name, slots, out, rows, bw, **kw)
 
-        if patch is None:
-            go()
-        else:
-            _patched(patch[0], patch[1], patch[2], go)
+def stage_s8_sweep(m, out: Path, rows: list, bw: float) -> None:
+    """Session 8: the QK-norm/rope/KV prologue in attention with attention's warps and segment
+    around it, and the same knobs without it."""
+    import workbench.triton_runner as tr
+
+    from workbench.kernels import step_fused as SF
+
+    on = {"rope_in_attention": True}
+    stage_sweep(m, out, rows, bw, "s8", [
+        ("rope attn", None, on), ("rope attn w8", (tr, "ATTN_WARPS", 8), on),
+        ("rope attn seg64", None, {**on, "attn_segment": 64}), ("seg64", None, {"attn_segment": 64}),
+        ("rope w8", (SF, "QK_ROPE_WARPS", 8), {}),
+    ])
 
 
 def stage_torch_path(path: str, out: Path, rows: list, device: str = "cuda", slots=(1, 4, 16), gen: int = 32) -> None:
@@ -807,6 +825,9 @@ def main_stage(args) -> None:
                                            rope_in_attention=True)),
         ("rope attn same bits", lambda: stage_same_bits(m, out, exact_rows, "QK-norm/rope/KV in attention",
                                                         lambda fn: _patched(tr, "ROPE_IN_ATTENTION", True, fn))),
+        ("s8 sweep", lambda: stage_s8_sweep(m, out, rows, bw)),
+        ("rope attn profile", lambda: _patched(tr, "ROPE_IN_ATTENTION", True, lambda: stage_profile(m, out, prof_rows))),
+        ("rope w8 exact", lambda: _patched(SFm, "QK_ROPE_WARPS", 8, lambda: stage_exact(m, out, exact_rows))),
         ("rope attn exact", lambda: _patched(tr, "ROPE_IN_ATTENTION", True, lambda: stage_exact(m, out, exact_rows))),
         ("pair exact", lambda: _patched(tr, "PAIR_LAUNCH", True, lambda: stage_exact(m, out, exact_rows))),
         ("early prefetch same bits", lambda: stage_same_bits(

@@ -110,9 +110,9 @@ VARIANTS = {
     "attn_prefetch": "attn_prefetch",  # attention.ATTENTION_PREFETCH: K/V lines to L2 before the wait
     "q5k256": "q5k256",  # Q5_0 products in one 256-weight K step per program
     "tuned": "tuned",  # the three above together
-    "q8head": {"head_matmul": "q8dense"},
+    "q8head": {"head_matmul": "q8dense"},  # the head's products from its Q8_0 planes
     "pair": {"pair_launch": True},  # the mixed-format q|k|v as one launch
-    "rope_attn": {"rope_in_attention": True},  # QK-norm/rope/KV as the attention programs' prologue  # the head's products from its Q8_0 planes
+    "rope_attn": {"rope_in_attention": True},  # QK-norm/rope/KV as the attention programs' prologue
     "q8stream": "q8stream",  # the same, streaming form (DenseConfig.programs_per_sm)
     "densestream": "densestream",  # the dequantized head, streaming form
 }
