@@ -71,7 +71,7 @@ _KERNELS: dict[str, int] = {
 _JIT = {f.__name__: f for f in (_qmma_kernel, _qgemv_kernel, _attention_partial_kernel, _add_rmsnorm_kernel,
                                 _qk_rope_kv_kernel, _glu_kernel)}
 MAX_ARGS = 32  # runtime arguments per launch (the attention kernel takes 25)
-NCONST = 15  # constexprs per kernel (the tensor-core product takes 15)
+NCONST = 16  # constexprs per kernel (the tensor-core product takes 16)
 KIND_WIDTH = 1 + NCONST + MAX_ARGS
 # Runtime arguments never hinted 16-divisible: they change with the row bucket (the products' M
 # is not specialized in the chain either; the rows' position / sequence vectors are read one
@@ -425,7 +425,7 @@ def _item(
     a, p0, p1, p2, wait_ptr, need, KID: tl.constexpr,
     C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr, C5: tl.constexpr,
     C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr, C9: tl.constexpr, C10: tl.constexpr, C11: tl.constexpr,
-    C12: tl.constexpr, C13: tl.constexpr, C14: tl.constexpr,
+    C12: tl.constexpr, C13: tl.constexpr, C14: tl.constexpr, C15: tl.constexpr,
     A0: tl.constexpr, A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr, A4: tl.constexpr, A5: tl.constexpr,
     A6: tl.constexpr, A7: tl.constexpr, A8: tl.constexpr, A9: tl.constexpr, A10: tl.constexpr, A11: tl.constexpr,
     A12: tl.constexpr, A13: tl.constexpr, A14: tl.constexpr, A15: tl.constexpr, A16: tl.constexpr,
@@ -435,14 +435,15 @@ def _item(
     PREC: tl.constexpr, APREC: tl.constexpr, WAIT: tl.constexpr,
 ):
     if KID == 0:  # _qmma_kernel: QTYPE GW S NPLANE PSTEP BLOCK_M BLOCK_N BLOCK_K NUM_STAGES PREC USE_DOT GLU
-        # NSPLIT PDL PREFETCH; products fetch their first weights, then wait (as before a PDL wait)
+        # NSPLIT PDL PREFETCH PRELOAD; products fetch their first weights, then wait (as before a PDL wait)
         qmma_item(
             p0, p1, wait_ptr, need,
             _a(a, 0, A0), _a(a, 1, A1), _a(a, 2, A2), _a(a, 3, A3), _a(a, 4, A4), _a(a, 5, A5), _a(a, 6, A6),
             _a(a, 7, A7), _a(a, 8, A8), _a(a, 9, A9), _a(a, 10, A10), _a(a, 11, A11), _a(a, 12, A12),
             _a(a, 13, A13), _a(a, 14, A14), _a(a, 15, A15), _a(a, 16, A16), _a(a, 17, A17), _a(a, 18, A18),
             _a(a, 19, A19),
-            C0, C1, C2, C3, C4, C5, C6, C7, C8, PREC, C10, C11, C12, False, C14, WAIT)
+            C0, C1, C2, C3, C4, C5, C6, C7, C8, PREC, C10, C11, C12, False, C14, C15,
+            WAIT)
     elif KID == 1:  # _qgemv_kernel: QTYPE GW S NPLANE PSTEP M_TILE BLOCK_N BLOCK_K NUM_STAGES LATE_REDUCE GLU NSPLIT PDL
         qgemv_item(
             p0, p1, wait_ptr, need,
@@ -509,12 +510,11 @@ def _persistent_kernel(items_ptr, args_ptr, ctr_ptr, n_items, n_stages,
                     a, p0, p1, p2, wait_ptr, need,
                     KINDS[k][0], KINDS[k][1], KINDS[k][2], KINDS[k][3], KINDS[k][4], KINDS[k][5], KINDS[k][6],
                     KINDS[k][7], KINDS[k][8], KINDS[k][9], KINDS[k][10], KINDS[k][11], KINDS[k][12], KINDS[k][13],
-                    KINDS[k][14], KINDS[k][15], KINDS[k][16], KINDS[k][17], KINDS[k][18], KINDS[k][19],
-                    KINDS[k][20], KINDS[k][21], KINDS[k][22], KINDS[k][23], KINDS[k][24], KINDS[k][25],
-                    KINDS[k][26], KINDS[k][27], KINDS[k][28], KINDS[k][29], KINDS[k][30], KINDS[k][31],
-                    KINDS[k][32], KINDS[k][33], KINDS[k][34], KINDS[k][35], KINDS[k][36], KINDS[k][37],
-                    KINDS[k][38], KINDS[k][39], KINDS[k][40], KINDS[k][41], KINDS[k][42], KINDS[k][43],
-                    KINDS[k][44], KINDS[k][45], KINDS[k][46], KINDS[k][47],
+                    KINDS[k][14], KINDS[k][15], KINDS[k][16], KINDS[k][17], KINDS[k][18], KINDS[k][19], KINDS[k][20],
+                    KINDS[k][21], KINDS[k][22], KINDS[k][23], KINDS[k][24], KINDS[k][25], KINDS[k][26], KINDS[k][27],
+                    KINDS[k][28], KINDS[k][29], KINDS[k][30], KINDS[k][31], KINDS[k][32], KINDS[k][33], KINDS[k][34],
+                    KINDS[k][35], KINDS[k][36], KINDS[k][37], KINDS[k][38], KINDS[k][39], KINDS[k][40], KINDS[k][41],
+                    KINDS[k][42], KINDS[k][43], KINDS[k][44], KINDS[k][45], KINDS[k][46], KINDS[k][47], KINDS[k][48],
                     PREC, APREC, WAIT)
         seen = tl.maximum(seen, stage - 1)
         release_count(ctr_ptr + 1 + stage)

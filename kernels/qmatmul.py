@@ -291,33 +291,66 @@ def _int_to_f32(v, OFFSET: tl.constexpr):
 
 
 @triton.jit
-def _decode_planes(qs_rows, qh_rows, sc_rows, d_rows, gg3, s3, mask, QTYPE: tl.constexpr):
-    """The weights of groups ``gg3`` ([1, G, 1]) of the rows at ``*_rows`` ([BN, 1, 1]) as up to
-    four float32 planes [BN, G, S]; gguf.quants' float32 expressions."""
+def _load_planes(qs_rows, qh_rows, sc_rows, d_rows, gg3, s3, mask, QTYPE: tl.constexpr):
+    """The bytes ``_decode_planes`` decodes, as loaded (five tensors; unused ones repeat the
+    last): the memory half of the decode, so a program can fetch a step's bytes early and
+    decode them later (``MmaConfig.preload``)."""
+    if QTYPE == 8:  # Q8_0: bytes 0..15 and 16..31 of each block, its scale
+        r0 = tl.load(qs_rows + gg3 * 32 + s3, mask=mask, other=0)
+        r1 = tl.load(qs_rows + gg3 * 32 + 16 + s3, mask=mask, other=0)
+        r2 = tl.load(d_rows + gg3, mask=mask, other=0.0)
+        r3 = r2
+        r4 = r2
+    elif QTYPE == 6:  # Q5_0: byte s holds weights s (low nibble) and s + 16; qh bit j: weight j
+        r0 = tl.load(qs_rows + gg3 * 16 + s3, mask=mask, other=0)
+        r1 = tl.load(qh_rows + gg3, mask=mask, other=0)
+        r2 = tl.load(d_rows + gg3, mask=mask, other=0.0)
+        r3 = r2
+        r4 = r2
+    elif QTYPE == 12:  # Q4_K: group j = sub-blocks (2j, 2j+1), 32 bytes; byte i: weight 64j + i
+        # (low nibble, sub-block 2j) and 64j + 32 + i (high nibble); planes: bytes 0..15 / 16..31
+        r0 = tl.load(qs_rows + gg3 * 32 + s3, mask=mask, other=0)
+        r1 = tl.load(qs_rows + gg3 * 32 + 16 + s3, mask=mask, other=0)
+        r2 = tl.load(sc_rows + gg3, mask=mask, other=0)  # scale lo, min lo, scale hi, min hi
+        dp = d_rows + (gg3 // 4) * 2
+        r3 = tl.load(dp, mask=mask, other=0.0)  # d
+        r4 = tl.load(dp + 1, mask=mask, other=0.0)  # dmin
+    else:  # Q6_K: group = (half hb, h) of a super-block; weight hb*128 + 32c + 16h + s, c = 0..3
+        tl.static_assert(QTYPE == 14)
+        hb3 = gg3 // 2
+        h3 = gg3 % 2
+        r0 = tl.load(qh_rows + gg3 * 16 + s3, mask=mask, other=0)
+        r1 = tl.load(qs_rows + hb3 * 64 + h3 * 16 + s3, mask=mask, other=0)
+        r2 = tl.load(qs_rows + hb3 * 64 + 32 + h3 * 16 + s3, mask=mask, other=0)
+        r3 = tl.load(sc_rows + gg3, mask=mask, other=0)  # 4 int8 scales, c = 0..3
+        r4 = tl.load(d_rows + gg3 // 4, mask=mask, other=0.0)
+    return r0, r1, r2, r3, r4
+
+
+@triton.jit
+def _decode_loaded(r0, r1, r2, r3, r4, s3, QTYPE: tl.constexpr):
+    """``_load_planes``' bytes as up to four float32 planes [BN, G, S]; gguf.quants' float32
+    expressions (the arithmetic half of the decode)."""
     if QTYPE == 8:  # Q8_0: w = d * q; plane 0: bytes 0..15 of a block, plane 1: bytes 16..31
-        u = tl.load(qs_rows + gg3 * 32 + s3, mask=mask, other=0).to(tl.int32)
-        v = tl.load(qs_rows + gg3 * 32 + 16 + s3, mask=mask, other=0).to(tl.int32)
-        d = tl.load(d_rows + gg3, mask=mask, other=0.0).to(tl.float32)
-        w0 = d * _int_to_f32(u ^ 0x80, 128.0)
-        w1 = d * _int_to_f32(v ^ 0x80, 128.0)
+        d = r2.to(tl.float32)
+        w0 = d * _int_to_f32(r0.to(tl.int32) ^ 0x80, 128.0)
+        w1 = d * _int_to_f32(r1.to(tl.int32) ^ 0x80, 128.0)
         w2 = w0
         w3 = w0
-    elif QTYPE == 6:  # Q5_0: byte s holds weights s (low nibble) and s + 16; qh bit j: weight j
-        b = tl.load(qs_rows + gg3 * 16 + s3, mask=mask, other=0).to(tl.int32)
-        h = tl.load(qh_rows + gg3, mask=mask, other=0)
-        d = tl.load(d_rows + gg3, mask=mask, other=0.0).to(tl.float32)
+    elif QTYPE == 6:  # Q5_0
+        b = r0.to(tl.int32)
+        h = r1
+        d = r2.to(tl.float32)
         w0 = d * _int_to_f32((b & 0xF) | (((h >> s3) & 1) << 4), 16.0)
         w1 = d * _int_to_f32((b >> 4) | (((h >> (s3 + 16)) & 1) << 4), 16.0)
         w2 = w0
         w3 = w0
-    elif QTYPE == 12:  # Q4_K: group j = sub-blocks (2j, 2j+1), 32 bytes; byte i: weight 64j + i
-        # (low nibble, sub-block 2j) and 64j + 32 + i (high nibble); planes: bytes 0..15 / 16..31
-        a = tl.load(qs_rows + gg3 * 32 + s3, mask=mask, other=0).to(tl.int32)
-        b = tl.load(qs_rows + gg3 * 32 + 16 + s3, mask=mask, other=0).to(tl.int32)
-        v = tl.load(sc_rows + gg3, mask=mask, other=0)  # scale lo, min lo, scale hi, min hi
-        dp = d_rows + (gg3 // 4) * 2
-        d = tl.load(dp, mask=mask, other=0.0).to(tl.float32)
-        dmin = tl.load(dp + 1, mask=mask, other=0.0).to(tl.float32)
+    elif QTYPE == 12:  # Q4_K
+        a = r0.to(tl.int32)
+        b = r1.to(tl.int32)
+        v = r2
+        d = r3.to(tl.float32)
+        dmin = r4.to(tl.float32)
         dl = d * (v & 0xFF).to(tl.float32)
         ml = dmin * ((v >> 8) & 0xFF).to(tl.float32)
         dh = d * ((v >> 16) & 0xFF).to(tl.float32)
@@ -326,15 +359,12 @@ def _decode_planes(qs_rows, qh_rows, sc_rows, d_rows, gg3, s3, mask, QTYPE: tl.c
         w1 = dl * _int_to_f32(b & 0xF, 0.0) - ml  # k = 64j + 16 + s
         w2 = dh * _int_to_f32(a >> 4, 0.0) - mh  # k = 64j + 32 + s
         w3 = dh * _int_to_f32(b >> 4, 0.0) - mh  # k = 64j + 48 + s
-    else:  # Q6_K: group = (half hb, h) of a super-block; weight hb*128 + 32c + 16h + s, c = 0..3
-        tl.static_assert(QTYPE == 14)
-        hb3 = gg3 // 2
-        h3 = gg3 % 2
-        qh = tl.load(qh_rows + gg3 * 16 + s3, mask=mask, other=0).to(tl.int32)
-        a = tl.load(qs_rows + hb3 * 64 + h3 * 16 + s3, mask=mask, other=0).to(tl.int32)
-        b = tl.load(qs_rows + hb3 * 64 + 32 + h3 * 16 + s3, mask=mask, other=0).to(tl.int32)
-        v = tl.load(sc_rows + gg3, mask=mask, other=0)  # 4 int8 scales, c = 0..3
-        d = tl.load(d_rows + gg3 // 4, mask=mask, other=0.0).to(tl.float32)
+    else:  # Q6_K
+        qh = r0.to(tl.int32)
+        a = r1.to(tl.int32)
+        b = r2.to(tl.int32)
+        v = r3
+        d = r4.to(tl.float32)
         w0 = (d * ((v << 24) >> 24).to(tl.float32)) * _int_to_f32((a & 0xF) | ((qh & 3) << 4), 32.0)
         w1 = (d * ((v << 16) >> 24).to(tl.float32)) * _int_to_f32((b & 0xF) | (((qh >> 2) & 3) << 4), 32.0)
         w2 = (d * ((v << 8) >> 24).to(tl.float32)) * _int_to_f32((a >> 4) | (((qh >> 4) & 3) << 4), 32.0)
@@ -343,11 +373,28 @@ def _decode_planes(qs_rows, qh_rows, sc_rows, d_rows, gg3, s3, mask, QTYPE: tl.c
 
 
 @triton.jit
+def _decode_planes(qs_rows, qh_rows, sc_rows, d_rows, gg3, s3, mask, QTYPE: tl.constexpr):
+    """The weights of groups ``gg3`` ([1, G, 1]) of the rows at ``*_rows`` ([BN, 1, 1]) as up to
+    four float32 planes [BN, G, S]: load, then decode."""
+    r0, r1, r2, r3, r4 = _load_planes(qs_rows, qh_rows, sc_rows, d_rows, gg3, s3, mask, QTYPE)
+    return _decode_loaded(r0, r1, r2, r3, r4, s3, QTYPE)
+
+
+@triton.jit
 def _step_planes(k0, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows, GW: tl.constexpr, QTYPE: tl.constexpr):
     """The decoded planes of the K step at k0 (groups past k_end masked off)."""
     gg = k0 // GW + g
     mask = nmask[:, None, None] & (k0 + g * GW < k_end)[None, :, None]
     return _decode_planes(qs_rows, qh_rows, sc_rows, d_rows, gg[None, :, None], s3, mask, QTYPE)
+
+
+@triton.jit
+def _step_loads(k0, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows, GW: tl.constexpr, QTYPE: tl.constexpr):
+    """``_step_planes``' bytes, not yet decoded (``_decode_loaded``); nothing is read for groups
+    past k_end (a step past the slice loads nothing)."""
+    gg = k0 // GW + g
+    mask = nmask[:, None, None] & (k0 + g * GW < k_end)[None, :, None]
+    return _load_planes(qs_rows, qh_rows, sc_rows, d_rows, gg[None, :, None], s3, mask, QTYPE)
 
 
 @triton.jit

@@ -48,6 +48,8 @@ from .qmatmul import (
     NormEpilogue,
     PackedWeight,
     _packed_program,
+    _decode_loaded,
+    _step_loads,
     _step_planes,
     _x_offsets,
     check_x_out,
@@ -80,6 +82,10 @@ class MmaConfig:
     # off; 0: a program first asks L2 for its whole tile (every K step in flight at once, not one
     # step ahead); p > 0: also the tile p programs ahead (a later wave's weights during this one).
     prefetch: int | None = None
+    # Fetch each K step's bytes one step ahead (the second step's before the PDL wait) and decode
+    # them when the step comes, so that a program of two or more steps does not wait on a weight
+    # load after its input is ready. Same bits: the same decode and products in the same order.
+    preload: bool = False
 
 
 # Per format; fixed (never chosen from M). Wide weights (the head, unsplit) may differ.
@@ -200,12 +206,16 @@ def _qmma_program(
     QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     PREC: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     """Program (pid, pid_k)'s product over its K slice, stored as its split-K partial of y: its
     outputs x its rows. Returns (pid_m, m, mmask, n, nmask) for the kernels' epilogues. PREFETCH
     >= 0 (``MmaConfig.prefetch``; GPU, unsplit): L2 prefetch of its tile and the one PREFETCH
     ahead. WAIT > 0 (an item of kernels/persistent.py): waits on wait_ptr >= wait_need where a
-    kernel of the chain waits for its predecessor (``pdl.enter_or_wait``)."""
+    kernel of the chain waits for its predecessor (``pdl.enter_or_wait``). PRELOAD
+    (``MmaConfig.preload``): each step's bytes are fetched one step ahead, the second step's
+    before the wait, and decoded when the step comes: the same decode and products in the same
+    order, so the same bits."""
     G: tl.constexpr = BLOCK_K // GW
     GS: tl.constexpr = G * S
     pid_m, n, nmask, k_begin, k_end, qs_rows, qh_rows, sc_rows, d_rows = _packed_program(
@@ -224,6 +234,9 @@ def _qmma_program(
             _prefetch_tile(t + PREFETCH, N, qs_ptr, qs_row, d_ptr, d_row, BLOCK_N, DBYTES)
     # the first step's weights before waiting for x's producer (as in qmatmul's GEMV)
     w0, w1, w2, w3 = _step_planes(k_begin, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows, GW, QTYPE)
+    if PRELOAD:  # and the second step's bytes
+        r0, r1, r2, r3, r4 = _step_loads(k_begin + BLOCK_K, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows,
+                                         GW, QTYPE)
     enter_or_wait(PDL, WAIT, wait_ptr, wait_need)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
         gg = k0 // GW + g  # global group index
@@ -237,8 +250,13 @@ def _qmma_program(
             acc = _plane_dot(acc, w2, x_ptr, xo + 2 * PSTEP, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
             acc = _plane_dot(acc, w3, x_ptr, xo + 3 * PSTEP, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
         if k0 + BLOCK_K < k_end:  # the next step's weights
-            w0, w1, w2, w3 = _step_planes(k0 + BLOCK_K, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows,
-                                          GW, QTYPE)
+            if PRELOAD:
+                w0, w1, w2, w3 = _decode_loaded(r0, r1, r2, r3, r4, s3, QTYPE)
+                r0, r1, r2, r3, r4 = _step_loads(k0 + 2 * BLOCK_K, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows,
+                                                 d_rows, GW, QTYPE)
+            else:
+                w0, w1, w2, w3 = _step_planes(k0 + BLOCK_K, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows,
+                                              GW, QTYPE)
     yp = y_ptr + pid_k * stride_ys + m[None, :] * stride_ym + n[:, None]
     tl.store(yp, acc, mask=nmask[:, None] & mmask[None, :])
     return pid_m, m, mmask, n, nmask
@@ -251,13 +269,13 @@ def _qmma_kernel(
     QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     PREC: tl.constexpr, USE_DOT: tl.constexpr, GLU: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, PRELOAD: tl.constexpr,
 ):
     qmma_item(tl.program_id(0), tl.program_id(1), count_ptr, 0,
               x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr,
               M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row, o_ptr, stride_o,
               count_ptr, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC, USE_DOT, GLU,
-              NSPLIT, PDL, PREFETCH, 0)
+              NSPLIT, PDL, PREFETCH, PRELOAD, 0)
 
 
 @triton.jit
@@ -268,7 +286,7 @@ def qmma_item(
     QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     PREC: tl.constexpr, USE_DOT: tl.constexpr, GLU: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, WAIT: tl.constexpr,
+    PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, WAIT: tl.constexpr,
 ):
     """Program (pid, pid_k) of ``_qmma_kernel``'s grid: the kernel's body, also an item of the
     persistent step kernel (kernels/persistent.py)."""
@@ -276,7 +294,7 @@ def qmma_item(
         pid, pid_k, wait_ptr, wait_need,
         x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
         qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC,
-        USE_DOT, PDL, PREFETCH, WAIT)
+        USE_DOT, PDL, PREFETCH, WAIT, PRELOAD)
     if GLU > 0:  # a fused [gate | up] weight: the pair's last program writes act(gate) * up
         pairs = (N // 2) // BLOCK_N
         pid_n = pid // tl.cdiv(M, BLOCK_M)
@@ -299,7 +317,7 @@ def _qmma_heads_kernel(
         tl.program_id(0), tl.program_id(1), count_ptr, 0,
         x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
         qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC,
-        USE_DOT, PDL, -1, 0)
+        USE_DOT, PDL, -1, 0, False)
     heads = N // D
     head = (tl.program_id(0) // tl.cdiv(M, BLOCK_M)) * BLOCK_N // D
     heads_epilogue(y_ptr, stride_ys, stride_ym, count_ptr, pid_m * heads + head, head, m, mmask, col0,
@@ -325,7 +343,7 @@ def _qmma_norm_kernel(
         tl.program_id(0), tl.program_id(1), count_ptr, 0,
         x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
         qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC,
-        USE_DOT, PDL, -1, 0)
+        USE_DOT, PDL, -1, 0, False)
     ntiles = tl.cdiv(N, BLOCK_N)
     pid_n = tl.program_id(0) // tl.cdiv(M, BLOCK_M)
     add_norm_epilogue(y_ptr, stride_ys, stride_ym, count_ptr, pid_m * ntiles + pid_n,
@@ -344,7 +362,7 @@ def _mma_gemv_pair_kernel(
     PREC: tl.constexpr, USE_DOT: tl.constexpr,
     QTYPE_B: tl.constexpr, GW_B: tl.constexpr, S_B: tl.constexpr, NPLANE_B: tl.constexpr, PSTEP_B: tl.constexpr,
     M_TILE: tl.constexpr, BLOCK_N_B: tl.constexpr, BLOCK_K_B: tl.constexpr, NUM_STAGES_B: tl.constexpr,
-    LATE_REDUCE: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr,
+    LATE_REDUCE: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr, PRELOAD_A: tl.constexpr,
 ):
     """Two products of one x in one launch: programs [0, programs_a) are ``_qmma_kernel``'s for
     weight A, the rest ``_qgemv_kernel``'s for weight B, each running its kernel's body with its
@@ -354,7 +372,7 @@ def _mma_gemv_pair_kernel(
         qmma_item(pid, tl.program_id(1), y_a, 0, x_ptr, qs_a, qh_a, sc_a, d_a, y_a,
                   M, N_a, K, k_split, stride_xm, stride_ym, stride_ys, qs_row_a, qh_row_a, sc_row_a, d_row_a, y_a, 0,
                   y_a, QTYPE_A, GW_A, S_A, NPLANE_A, PSTEP_A, BLOCK_M, BLOCK_N_A, BLOCK_K_A, NUM_STAGES_A, PREC,
-                  USE_DOT, 0, NSPLIT, PDL, -1, 0)
+                  USE_DOT, 0, NSPLIT, PDL, -1, PRELOAD_A, 0)
     else:
         qgemv_item(pid - programs_a, tl.program_id(1), y_b, 0, x_ptr, qs_b, qh_b, sc_b, d_b, y_b,
                    M, N_b, K, k_split, stride_xm, stride_ym, stride_ys, qs_row_b, qh_row_b, sc_row_b, d_row_b, y_b, 0,
@@ -388,7 +406,8 @@ def launch_mma_gemv_pair(x: torch.Tensor, wa: PackedWeight, ya: torch.Tensor, wb
         USE_DOT=x.is_cuda if use_dot is None else use_dot,
         QTYPE_B=gb["QTYPE"], GW_B=gb["GW"], S_B=gb["S"], NPLANE_B=gb["NPLANE"], PSTEP_B=gb["PSTEP"],
         M_TILE=cb.m_tile, BLOCK_N_B=cb.block_n, BLOCK_K_B=cb.block_k, NUM_STAGES_B=cb.num_stages,
-        LATE_REDUCE=cb.late_reduce, NSPLIT=splits, num_warps=ca.num_warps, **launch_kw(x),
+        LATE_REDUCE=cb.late_reduce, NSPLIT=splits, PRELOAD_A=ca.preload, num_warps=ca.num_warps,
+        **launch_kw(x),
     )
 
 
@@ -431,7 +450,7 @@ def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, 
     prefetch = cfg.prefetch if cfg.prefetch is not None and splits == 1 and _native(x) else -1
     _qmma_kernel[grid](
         *packed_launch_args(x, w, y, splits, stride_ys), *glu_args(glu, y, splits, cfg.block_n, M, cfg.block_m, w.N),
-        GLU=glu.code if glu else 0, PREFETCH=prefetch, **common,
+        GLU=glu.code if glu else 0, PREFETCH=prefetch, PRELOAD=cfg.preload, **common,
     )
 
 

@@ -306,9 +306,10 @@ def add_norm_epilogue(part_ptr, stride_ps, stride_pm, count_ptr, tile_idx, row_i
 # Warps of the per-row kernels (a row's norms reduce over its E or D values; the reduction order
 # follows the warps, so one value per caller; a call's num_warps= overrides). add_rmsnorm: 8
 # (H200, session 7, run 36: 0.693 / 0.791 ms -> 0.664 / 0.767 at 1 / 16 slots against 4 warps;
-# 1 and 2 warps slower); qk_rope_kv: 4 (1, 2: within the spread).
+# 1 and 2 warps slower); qk_rope_kv: 8 (session 8, run 38: 0.639 / 0.737 -> 0.630 / 0.732 against 4,
+# through the exactness stage; 1, 2: within the spread).
 ADD_NORM_WARPS = 8
-QK_ROPE_WARPS = 4
+QK_ROPE_WARPS = 8
 
 
 def _check_part(part: torch.Tensor, n: int) -> None:

@@ -729,6 +729,11 @@ def main_stage(args) -> None:
     def q5(**kw):  # QMMA_CONFIGS with Q5_0's tiling changed
         return {**QM.QMMA_CONFIGS, "Q5_0": replace(QM.QMMA_CONFIGS["Q5_0"], **kw)}
 
+    def cfgs(**per_format):  # QMMA_CONFIGS with some formats' fields changed
+        return {**QM.QMMA_CONFIGS, **{f: replace(QM.QMMA_CONFIGS[f], **kw) for f, kw in per_format.items()}}
+
+    k128 = cfgs(Q5_0={"preload": True}, Q4_K={"block_k": 128, "preload": True}, Q6_K={"block_k": 128, "preload": True})
+
     def tuned(fn):  # session 7's three step options together (kernels/pdl EARLY, attention prefetch, Q5_0 k256)
         return _patched(pdl, "EARLY", True, lambda: _patched(A, "ATTENTION_PREFETCH", True, lambda: _patched(
             QM, "QMMA_CONFIGS", q5(block_k=256), fn)))
@@ -826,6 +831,17 @@ def main_stage(args) -> None:
         ("rope attn same bits", lambda: stage_same_bits(m, out, exact_rows, "QK-norm/rope/KV in attention",
                                                         lambda fn: _patched(tr, "ROPE_IN_ATTENTION", True, fn))),
         ("s8 sweep", lambda: stage_s8_sweep(m, out, rows, bw)),
+        ("preload sweep", lambda: stage_sweep(m, out, rows, bw, "s8", [
+            ("q5 preload", (QM, "QMMA_CONFIGS", cfgs(Q5_0={"preload": True})), {}),
+            ("q5 k64 preload", (QM, "QMMA_CONFIGS", cfgs(Q5_0={"block_k": 64, "preload": True})), {}),
+            ("k128 preload", (QM, "QMMA_CONFIGS", k128), {}),
+            ("q4k k128 preload", (QM, "QMMA_CONFIGS", cfgs(Q4_K={"block_k": 128, "preload": True})), {}),
+            ("q6k k128 preload", (QM, "QMMA_CONFIGS", cfgs(Q6_K={"block_k": 128, "preload": True})), {}),
+        ])),
+        ("preload same bits", lambda: stage_same_bits(m, out, exact_rows, "Q5_0 preload", lambda fn: _patched(
+            QM, "QMMA_CONFIGS", cfgs(Q5_0={"preload": True}), fn))),
+        # (Q4_K / Q6_K at 128-weight steps add their K in another order: other bits, so the exactness stage)
+        ("k128 exact", lambda: _patched(QM, "QMMA_CONFIGS", k128, lambda: stage_exact(m, out, exact_rows))),
         ("rope attn profile", lambda: _patched(tr, "ROPE_IN_ATTENTION", True, lambda: stage_profile(m, out, prof_rows))),
         ("rope w8 exact", lambda: _patched(SFm, "QK_ROPE_WARPS", 8, lambda: stage_exact(m, out, exact_rows))),
         ("rope attn exact", lambda: _patched(tr, "ROPE_IN_ATTENTION", True, lambda: stage_exact(m, out, exact_rows))),

@@ -109,6 +109,8 @@ VARIANTS = {
     "early": "early",  # kernels/pdl.py EARLY: release the next kernel before the wait
     "attn_prefetch": "attn_prefetch",  # attention.ATTENTION_PREFETCH: K/V lines to L2 before the wait
     "q5k256": "q5k256",  # Q5_0 products in one 256-weight K step per program
+    "preload": "preload",  # Q5_0 products fetch their second step's bytes before the wait
+    "preload_k128": "preload_k128",  # the same, and Q4_K / Q6_K in two 128-weight steps
     "tuned": "tuned",  # the three above together
     "q8head": {"head_matmul": "q8dense"},  # the head's products from its Q8_0 planes
     "pair": {"pair_launch": True},  # the mixed-format q|k|v as one launch
@@ -120,6 +122,14 @@ STEP_OPTIONS = {  # variant -> [(module, name, value)], set for the variant's fo
     "early": [("pdl", "EARLY", True)],
     "attn_prefetch": [("attention", "ATTENTION_PREFETCH", True)],
     "q5k256": [("qmma", "QMMA_CONFIGS", "q5k256")],
+    "preload": [("qmma", "QMMA_CONFIGS", "preload")],
+    "preload_k128": [("qmma", "QMMA_CONFIGS", "preload_k128")],
+}
+CONFIG_PATCHES = {  # QMMA_CONFIGS values named in STEP_OPTIONS: format -> fields changed
+    "q5k256": {"Q5_0": {"block_k": 256}},
+    "preload": {"Q5_0": {"preload": True}},
+    "preload_k128": {"Q5_0": {"preload": True}, "Q4_K": {"block_k": 128, "preload": True},
+                     "Q6_K": {"block_k": 128, "preload": True}},
 }
 STEP_OPTIONS["tuned"] = [o for k in ("early", "attn_prefetch", "q5k256") for o in STEP_OPTIONS[k]]
 
@@ -157,8 +167,9 @@ def check(model, name: str, kw) -> float:
     undo = []
     for mod, attr, value in STEP_OPTIONS.get(kw, []) if isinstance(kw, str) else []:
         undo.append((mods[mod], attr, getattr(mods[mod], attr)))
-        if value == "q5k256":
-            value = {**qmma.QMMA_CONFIGS, "Q5_0": replace(qmma.QMMA_CONFIGS["Q5_0"], block_k=256)}
+        if value in CONFIG_PATCHES:
+            value = {**qmma.QMMA_CONFIGS, **{f: replace(qmma.QMMA_CONFIGS[f], **kw_)
+                                             for f, kw_ in CONFIG_PATCHES[value].items()}}
         setattr(mods[mod], attr, value)
     if undo:
         kw = {}

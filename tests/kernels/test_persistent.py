@@ -158,7 +158,7 @@ def test_attention_stages_are_bitwise_the_chain(device, precision):
     cfg = replace(gemv_config("Q8_0", E, Hq * D, device), num_warps=4)  # one num_warps per plan
 
     def chain(q, kp, vp, o, y, r, h):
-        qk_rope_kv(part, q, kp, vp, seq, pos, qn, kn, inv, 1e-6)
+        qk_rope_kv(part, q, kp, vp, seq, pos, qn, kn, inv, 1e-6, num_warps=4)
         attention_rows(q, kp, vp, seq, pos, win, 0.125, out=o, max_pos=L - 1, counters=counters,
                        precision=precision if use_dot else None, num_warps=4)
         launch_qgemv(o.view(R, Hq * D), pwo, y, splits, y.stride(0), config=cfg)

@@ -81,6 +81,27 @@ def test_qmma_unsplit_weight_and_config(name, device, quant_rows, monkeypatch):
             assert torch.equal(y[i : i + 1], qmma(x[i : i + 1].clone(), pw, "bf16", config=cfg)), f"row {i}"
 
 
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("split", [True, False])
+def test_qmma_preload_is_the_same_bits(name, split, device, quant_rows, monkeypatch):
+    """MmaConfig.preload (each K step's bytes fetched a step ahead, decoded when the step comes):
+    bitwise the plain form, with slices of one to four 64-weight steps (a split weight's last
+    slice is partial) and an unsplit weight of eight."""
+    from dataclasses import replace
+
+    if not split:
+        monkeypatch.setattr(qmatmul_mod, "QMATMUL_SPLIT_MAX_N", 0)
+    N, K = SHAPES[name]
+    raw = quant_rows(FORMATS[name], N, K, seed=11, device=device)
+    pw = pack_weights(raw, name, N, K)
+    x = _x(3, K, torch.float32, device, seed=11)
+    plain = MmaConfig(block_n=32, block_k=64)
+    y = qmma(x, pw, "bf16", config=plain)
+    got = qmma(x, pw, "bf16", out=torch.full((3, N), float("nan"), device=device),
+               config=replace(plain, preload=True))
+    assert torch.equal(got, y)
+
+
 def test_qmma_32_row_tiles_are_batch_invariant(device, quant_rows):
     """A config with 32-row tiles: row i of a 35-row call (two tiles) is the 1-row call, and the
     result is reference-close; 16 or 32 only."""
