@@ -617,15 +617,16 @@ def stage_head_stream(m, out: Path, rows: list, exact_rows: list, bw: float) -> 
 
 def stage_sweep(m, out: Path, rows: list, bw: float, prefix: str, variants, slots=(1, 16)) -> None:
     """Options one at a time against the defaults: each variant is (label, patch, kw), patch a
-    (module, name, value) set for the variant's runner or None, kw the runner's arguments."""
+    (module, name, value) set for the variant's runner (or a list of them, or None), kw the
+    runner's arguments."""
     for label, patch, kw in variants:
         def go(kw=kw, name=f"{prefix} {label}"):
             bench_runner(m, name, slots, out, rows, bw, **kw)
 
-        if patch is None:
-            go()
-        else:
-            _patched(patch[0], patch[1], patch[2], go)
+        patches = [] if patch is None else [patch] if isinstance(patch, tuple) else list(patch)
+        for mod, attr, value in reversed(patches):
+            go = (lambda f, mod=mod, attr=attr, value=value: lambda: _patched(mod, attr, value, f))(go)
+        go()
 
 
 def stage_s7_sweep(m, out: Path, rows: list, bw: float) -> None:
@@ -722,6 +723,7 @@ def main_stage(args) -> None:
     from dataclasses import replace
 
     from workbench.kernels import pdl
+    from workbench.kernels import qmatmul as QMm
     from workbench.kernels import qmma as QM
 
     from workbench.kernels import step_fused as SFm
@@ -838,6 +840,12 @@ def main_stage(args) -> None:
             ("q4k k128 preload", (QM, "QMMA_CONFIGS", cfgs(Q4_K={"block_k": 128, "preload": True})), {}),
             ("q6k k128 preload", (QM, "QMMA_CONFIGS", cfgs(Q6_K={"block_k": 128, "preload": True})), {}),
         ])),
+        ("split sweep", lambda: stage_sweep(m, out, rows, bw, "s8", [
+            ("split512", (QMm, "QMATMUL_SPLIT_K", 512), {}),
+            ("split512 preload", [(QMm, "QMATMUL_SPLIT_K", 512), (QM, "QMMA_CONFIGS", cfgs(
+                **{f: {"preload": True} for f in ("Q5_0", "Q4_K", "Q6_K", "Q8_0")}))], {}),
+        ], slots=SLOTS)),
+        ("split512 exact", lambda: _patched(QMm, "QMATMUL_SPLIT_K", 512, lambda: stage_exact(m, out, exact_rows))),
         ("preload same bits", lambda: stage_same_bits(m, out, exact_rows, "Q5_0 preload", lambda fn: _patched(
             QM, "QMMA_CONFIGS", cfgs(Q5_0={"preload": True}), fn))),
         # (Q4_K / Q6_K at 128-weight steps add their K in another order: other bits, so the exactness stage)

@@ -111,6 +111,7 @@ VARIANTS = {
     "q5k256": "q5k256",  # Q5_0 products in one 256-weight K step per program
     "preload": "preload",  # Q5_0 products fetch their second step's bytes before the wait
     "preload_k128": "preload_k128",  # the same, and Q4_K / Q6_K in two 128-weight steps
+    "split512": "split512",  # K slices of 512 weights instead of 256
     "tuned": "tuned",  # the three above together
     "q8head": {"head_matmul": "q8dense"},  # the head's products from its Q8_0 planes
     "pair": {"pair_launch": True},  # the mixed-format q|k|v as one launch
@@ -124,6 +125,7 @@ STEP_OPTIONS = {  # variant -> [(module, name, value)], set for the variant's fo
     "q5k256": [("qmma", "QMMA_CONFIGS", "q5k256")],
     "preload": [("qmma", "QMMA_CONFIGS", "preload")],
     "preload_k128": [("qmma", "QMMA_CONFIGS", "preload_k128")],
+    "split512": [("qmatmul", "QMATMUL_SPLIT_K", 512)],
 }
 CONFIG_PATCHES = {  # QMMA_CONFIGS values named in STEP_OPTIONS: format -> fields changed
     "q5k256": {"Q5_0": {"block_k": 256}},
@@ -160,10 +162,10 @@ def check(model, name: str, kw) -> float:
             for k, cfg in table.items():
                 table[k] = replace(cfg, block_m=32)
         kw = {}
-    from workbench.kernels import attention, pdl
+    from workbench.kernels import attention, pdl, qmatmul
     from workbench.kernels import persistent as ps
 
-    mods = {"pdl": pdl, "attention": attention, "qmma": qmma}
+    mods = {"pdl": pdl, "attention": attention, "qmma": qmma, "qmatmul": qmatmul}
     undo = []
     for mod, attr, value in STEP_OPTIONS.get(kw, []) if isinstance(kw, str) else []:
         undo.append((mods[mod], attr, getattr(mods[mod], attr)))
