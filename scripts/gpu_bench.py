@@ -411,6 +411,15 @@ def _patched(module, name: str, value, fn):
     return _patched_all(module, {name: value}, fn)
 
 
+def _with(patches, fn):
+    """Run fn with each (module, name, value) of ``patches`` set (None: none; one triple: it)."""
+    patches = [] if patches is None else [patches] if isinstance(patches, tuple) else list(patches)
+    if not patches:
+        return fn()
+    (mod, name, value), rest = patches[0], patches[1:]
+    return _patched(mod, name, value, lambda: _with(rest, fn))
+
+
 def _patched_all(module, values: dict, fn):
     """Run fn with module's attributes set to ``values``, then put them back."""
     old = {k: getattr(module, k) for k in values}
@@ -623,10 +632,7 @@ def stage_sweep(m, out: Path, rows: list, bw: float, prefix: str, variants, slot
         def go(kw=kw, name=f"{prefix} {label}"):
             bench_runner(m, name, slots, out, rows, bw, **kw)
 
-        patches = [] if patch is None else [patch] if isinstance(patch, tuple) else list(patch)
-        for mod, attr, value in reversed(patches):
-            go = (lambda f, mod=mod, attr=attr, value=value: lambda: _patched(mod, attr, value, f))(go)
-        go()
+        _with(patch, go)
 
 
 def stage_s7_sweep(m, out: Path, rows: list, bw: float) -> None:
@@ -734,6 +740,13 @@ def main_stage(args) -> None:
     def cfgs(**per_format):  # QMMA_CONFIGS with some formats' fields changed
         return {**QM.QMMA_CONFIGS, **{f: replace(QM.QMMA_CONFIGS[f], **kw) for f, kw in per_format.items()}}
 
+    def gemv_cfgs(**per_format):  # QGEMV_CONFIGS likewise
+        return {**QMm.QGEMV_CONFIGS, **{f: replace(QMm.QGEMV_CONFIGS[f], **kw) for f, kw in per_format.items()}}
+
+    # K slices of 128 weights (every format's step at 128, so one step per program)
+    split128 = [(QMm, "QMATMUL_SPLIT_K", 128),
+                (QM, "QMMA_CONFIGS", cfgs(**{f: {"block_k": 128} for f in ("Q4_K", "Q6_K", "Q8_0")})),
+                (QMm, "QGEMV_CONFIGS", gemv_cfgs(**{f: {"block_k": 128} for f in ("Q4_K", "Q6_K", "Q8_0")}))]
     k128 = cfgs(Q5_0={"preload": True}, Q4_K={"block_k": 128, "preload": True}, Q6_K={"block_k": 128, "preload": True})
 
     def tuned(fn):  # session 7's three step options together (kernels/pdl EARLY, attention prefetch, Q5_0 k256)
@@ -845,6 +858,8 @@ def main_stage(args) -> None:
             ("split512 preload", [(QMm, "QMATMUL_SPLIT_K", 512), (QM, "QMMA_CONFIGS", cfgs(
                 **{f: {"preload": True} for f in ("Q5_0", "Q4_K", "Q6_K", "Q8_0")}))], {}),
         ], slots=SLOTS)),
+        ("split128", lambda: stage_sweep(m, out, rows, bw, "s8", [("split128", split128, {})], slots=SLOTS)),
+        ("split128 exact", lambda: _with(split128, lambda: stage_exact(m, out, exact_rows))),
         ("split512 exact", lambda: _patched(QMm, "QMATMUL_SPLIT_K", 512, lambda: stage_exact(m, out, exact_rows))),
         ("preload same bits", lambda: stage_same_bits(m, out, exact_rows, "Q5_0 preload", lambda fn: _patched(
             QM, "QMMA_CONFIGS", cfgs(Q5_0={"preload": True}), fn))),

@@ -112,6 +112,7 @@ VARIANTS = {
     "preload": "preload",  # Q5_0 products fetch their second step's bytes before the wait
     "preload_k128": "preload_k128",  # the same, and Q4_K / Q6_K in two 128-weight steps
     "split512": "split512",  # K slices of 512 weights instead of 256
+    "split128": "split128",  # K slices of 128 weights (every format's step at 128)
     "tuned": "tuned",  # the three above together
     "q8head": {"head_matmul": "q8dense"},  # the head's products from its Q8_0 planes
     "pair": {"pair_launch": True},  # the mixed-format q|k|v as one launch
@@ -126,12 +127,16 @@ STEP_OPTIONS = {  # variant -> [(module, name, value)], set for the variant's fo
     "preload": [("qmma", "QMMA_CONFIGS", "preload")],
     "preload_k128": [("qmma", "QMMA_CONFIGS", "preload_k128")],
     "split512": [("qmatmul", "QMATMUL_SPLIT_K", 512)],
+    "split128": [("qmatmul", "QMATMUL_SPLIT_K", 128), ("qmma", "QMMA_CONFIGS", "k128"),
+                 ("qmatmul", "QGEMV_CONFIGS", "gemv_k128")],
 }
 CONFIG_PATCHES = {  # QMMA_CONFIGS values named in STEP_OPTIONS: format -> fields changed
     "q5k256": {"Q5_0": {"block_k": 256}},
     "preload": {"Q5_0": {"preload": True}},
     "preload_k128": {"Q5_0": {"preload": True}, "Q4_K": {"block_k": 128, "preload": True},
                      "Q6_K": {"block_k": 128, "preload": True}},
+    "k128": {f: {"block_k": 128} for f in ("Q4_K", "Q6_K", "Q8_0")},
+    "gemv_k128": {f: {"block_k": 128} for f in ("Q4_K", "Q6_K", "Q8_0")},
 }
 STEP_OPTIONS["tuned"] = [o for k in ("early", "attn_prefetch", "q5k256") for o in STEP_OPTIONS[k]]
 
@@ -170,8 +175,8 @@ def check(model, name: str, kw) -> float:
     for mod, attr, value in STEP_OPTIONS.get(kw, []) if isinstance(kw, str) else []:
         undo.append((mods[mod], attr, getattr(mods[mod], attr)))
         if value in CONFIG_PATCHES:
-            value = {**qmma.QMMA_CONFIGS, **{f: replace(qmma.QMMA_CONFIGS[f], **kw_)
-                                             for f, kw_ in CONFIG_PATCHES[value].items()}}
+            table = qmatmul.QGEMV_CONFIGS if value.startswith("gemv") else qmma.QMMA_CONFIGS
+            value = {**table, **{f: replace(table[f], **kw_) for f, kw_ in CONFIG_PATCHES[value].items()}}
         setattr(mods[mod], attr, value)
     if undo:
         kw = {}
