@@ -858,7 +858,12 @@ def main_stage(args) -> None:
             ("split512 preload", [(QMm, "QMATMUL_SPLIT_K", 512), (QM, "QMMA_CONFIGS", cfgs(
                 **{f: {"preload": True} for f in ("Q5_0", "Q4_K", "Q6_K", "Q8_0")}))], {}),
         ], slots=SLOTS)),
-        ("split128", lambda: stage_sweep(m, out, rows, bw, "s8", [("split128", split128, {})], slots=SLOTS)),
+        ("split128", lambda: stage_sweep(m, out, rows, bw, "s8", [
+            ("split128", split128, {}),
+            ("split128 n32", split128[:2] + [(QM, "QMMA_CONFIGS", cfgs(
+                Q4_K={"block_k": 128, "block_n": 32}, Q6_K={"block_k": 128, "block_n": 32}, Q8_0={"block_k": 128}))]
+             + split128[2:], {}),
+        ], slots=SLOTS)),
         ("split128 exact", lambda: _with(split128, lambda: stage_exact(m, out, exact_rows))),
         ("split512 exact", lambda: _patched(QMm, "QMATMUL_SPLIT_K", 512, lambda: stage_exact(m, out, exact_rows))),
         ("preload same bits", lambda: stage_same_bits(m, out, exact_rows, "Q5_0 preload", lambda fn: _patched(
