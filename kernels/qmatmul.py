@@ -97,15 +97,28 @@ QMATMUL_CONFIGS: dict[str, QMatmulConfig] = {
 # second kernel adds the slices in order. The split is a function of the weight's (N, K) only.
 QMATMUL_SPLIT_K = 256  # a multiple of every block_k
 QMATMUL_SPLIT_MAX_N = 16384  # wider weights (the 262144-row head) are not split
+# Per-format slices overriding QMATMUL_SPLIT_K: a product's slice is the smallest of its members'
+# (a fused q|k|v is one product, one slice). Fixed at load by the weights, never by the rows; a
+# launch's configs take K steps of at most the slice (``mma_config``, ``gemv_config``).
+QMATMUL_FORMAT_SPLIT_K: dict[str, int] = {}
 # tl.dot precision on a GPU. "tf32x3": three TF32 tensor-core products, about fp32 accurate
 # (measured on an H200: max error / max |y| 3e-7..5e-7, vs 6e-7..2e-6 for "ieee") and 3x to 10x
 # faster than "ieee" (true fp32 FMAs, the reference-exact variant). Never "tf32" (the default).
 QMATMUL_INPUT_PRECISION = "tf32x3"
 
 
-def num_k_splits(N: int, K: int) -> int:
-    """How many K slices a weight of N x K is computed in (1: no split). Shape-only."""
-    return triton.cdiv(K, QMATMUL_SPLIT_K) if N <= QMATMUL_SPLIT_MAX_N else 1
+def k_slice(N: int, K: int, formats: tuple[str, ...] = ()) -> int:
+    """Weights per K slice of an N x K product whose members have these formats (K: one slice,
+    unsplit). By shape and format only."""
+    if N > QMATMUL_SPLIT_MAX_N:
+        return K
+    s = min([QMATMUL_FORMAT_SPLIT_K.get(f, QMATMUL_SPLIT_K) for f in formats] or [QMATMUL_SPLIT_K])
+    return min(s, K)
+
+
+def num_k_splits(N: int, K: int, formats: tuple[str, ...] = ()) -> int:
+    """How many K slices an N x K product is computed in (1: no split): ``k_slice``'s."""
+    return triton.cdiv(K, k_slice(N, K, formats))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -189,10 +202,17 @@ class PackedWeight:
     d: torch.Tensor
     qh: torch.Tensor | None = None
     sc: torch.Tensor | None = None
+    # weights per K slice where the product is split (0: ``k_slice`` of this weight alone; a
+    # member of a fused product takes the product's, set at load)
+    k_split: int = 0
 
     @property
     def device(self) -> torch.device:
         return self.qs.device
+
+    @property
+    def slice_k(self) -> int:
+        return self.k_split or k_slice(self.N, self.K, (self.fmt.name,))
 
     @property
     def nbytes(self) -> int:
@@ -202,13 +222,15 @@ class PackedWeight:
         def mv(t):
             return None if t is None else t.to(device)
 
-        return PackedWeight(self.fmt, self.N, self.K, mv(self.qs), mv(self.d), mv(self.qh), mv(self.sc))
+        return PackedWeight(self.fmt, self.N, self.K, mv(self.qs), mv(self.d), mv(self.qh), mv(self.sc), self.k_split)
 
 
-def pack_weights(raw: torch.Tensor, qtype: GGMLQuantizationType | int | str, N: int, K: int) -> PackedWeight:
+def pack_weights(raw: torch.Tensor, qtype: GGMLQuantizationType | int | str, N: int, K: int,
+                 k_split: int = 0) -> PackedWeight:
     """Split the GGUF rows ``raw`` (uint8 [N, row_bytes], any device) into a PackedWeight on the
     same device. Pure byte moves (and, for Q4_K, the 6-bit scale unpacking of ggml): the packed
-    path decodes exactly the weights the raw path decodes."""
+    path decodes exactly the weights the raw path decodes. ``k_split``: the weight's K slice as
+    a member of a fused product (``PackedWeight.k_split``)."""
     fmt = quant_format(qtype)
     check_quant_rows(raw, fmt, N, K)
     nb = K // fmt.block_size
@@ -218,10 +240,10 @@ def pack_weights(raw: torch.Tensor, qtype: GGMLQuantizationType | int | str, N: 
         return b[:, :, lo:hi].contiguous().view(N, -1)
 
     if fmt.name == "Q8_0":  # {f16 d; i8 qs[32]}
-        return PackedWeight(fmt, N, K, qs=plane(2, 34), d=plane(0, 2).view(torch.float16))
+        return PackedWeight(fmt, N, K, qs=plane(2, 34), d=plane(0, 2).view(torch.float16), k_split=k_split)
     if fmt.name == "Q5_0":  # {f16 d; u8 qh[4]; u8 qs[16]}
         return PackedWeight(fmt, N, K, qs=plane(6, 22), d=plane(0, 2).view(torch.float16),
-                            qh=plane(2, 6).view(torch.int32))
+                            qh=plane(2, 6).view(torch.int32), k_split=k_split)
     if fmt.name == "Q4_K":  # {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}
         s = b[:, :, 4:16].to(torch.int32)
         lo_d, lo_m, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
@@ -230,12 +252,13 @@ def pack_weights(raw: torch.Tensor, qtype: GGMLQuantizationType | int | str, N: 
         # per 64-weight group (sub-blocks 2j, 2j+1): bytes (sc lo, min lo, sc hi, min hi)
         scm = torch.stack([sc, mn], dim=-1).reshape(N, nb, 4, 4).to(torch.uint8)
         return PackedWeight(fmt, N, K, qs=plane(16, 144), d=plane(0, 4).view(torch.float16),
-                            sc=scm.reshape(N, -1).view(torch.int32))
+                            sc=scm.reshape(N, -1).view(torch.int32), k_split=k_split)
     # Q6_K: {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}
     sc = b[:, :, 192:208].reshape(N, nb, 2, 4, 2)  # [half, c, h]: scale of sub-block half*8 + 2c + h
     sc = sc.permute(0, 1, 2, 4, 3).contiguous()  # per 64-weight group (half, h): the scales c = 0..3
     return PackedWeight(fmt, N, K, qs=plane(0, 128), d=plane(208, 210).view(torch.float16),
-                        qh=plane(128, 192), sc=sc.view(N, -1).view(torch.int32))
+                        qh=plane(128, 192), sc=sc.view(N, -1).view(torch.int32),
+                        k_split=k_split)
 
 
 @dataclass(frozen=True)
@@ -270,13 +293,20 @@ QGEMV_WIDE_CONFIGS: dict[str, GemvConfig] = {
 QGEMV_INTERPRETER_MIN_BLOCK_N = 128
 
 
-def gemv_config(name: str, N: int, K: int, device: torch.device | str = "cuda") -> GemvConfig:
+def gemv_config(name: str, N: int, K: int, device: torch.device | str = "cuda",
+                slice_k: int | None = None) -> GemvConfig:
     """The packed path's launch configuration for a weight of format ``name``, N x K, on ``device``
-    (never M)."""
+    (never M); ``slice_k`` (the weight's K slice, ``PackedWeight.slice_k``): steps of at most that."""
     cfg = QGEMV_WIDE_CONFIGS[name] if num_k_splits(N, K) == 1 and name in QGEMV_WIDE_CONFIGS else QGEMV_CONFIGS[name]
+    cfg = clamp_block_k(cfg, K, slice_k)
     if torch.device(device).type == "cpu":
         cfg = replace(cfg, block_n=max(cfg.block_n, QGEMV_INTERPRETER_MIN_BLOCK_N))
     return cfg
+
+
+def clamp_block_k(cfg, K: int, slice_k: int | None):
+    """``cfg`` (a GEMV or tensor-core config) with K steps of at most a split weight's slice."""
+    return replace(cfg, block_k=slice_k) if slice_k is not None and slice_k < K and cfg.block_k > slice_k else cfg
 
 
 # (weights per group, quant bytes per group row in a tile, planes, x offset between planes)
@@ -650,7 +680,9 @@ def packed_launch_args(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits
     x, the planes, y, M, N, K, the K slice, the strides; absent planes stand in as qs, stride 0."""
     qh = w.qh if w.qh is not None else w.qs
     sc = w.sc if w.sc is not None else w.qs
-    return (x, w.qs, qh, sc, w.d, y, x.shape[0], w.N, w.K, QMATMUL_SPLIT_K if splits > 1 else w.K,
+    if splits > 1 and triton.cdiv(w.K, w.slice_k) != splits:
+        raise ValueError(f"{splits} K slices of {w.K} weights; this weight's slices are {w.slice_k} weights")
+    return (x, w.qs, qh, sc, w.d, y, x.shape[0], w.N, w.K, w.slice_k if splits > 1 else w.K,
             x.stride(0), y.stride(-2), stride_ys,
             w.qs.stride(0), qh.stride(0) if w.qh is not None else 0, sc.stride(0) if w.sc is not None else 0,
             w.d.stride(0))
@@ -667,9 +699,9 @@ def launch_qgemv(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int,
     """Launch ``_qgemv_kernel``: y[s, m, n] (s < splits, at stride_ys; y's row stride is
     y.stride(-2)) = the K slice s of x[m] @ W[n]^T; with ``glu`` also act(gate) * up into glu.out.
     No checks: callers check (qmatmul, the runner)."""
-    cfg = config or gemv_config(w.fmt.name, w.N, w.K, x.device)
+    cfg = config or gemv_config(w.fmt.name, w.N, w.K, x.device, w.slice_k)
     gw = _GEMV_GEOMETRY[w.fmt.name][0]
-    if cfg.m_tile not in (1, 2, 4, 8) or QMATMUL_SPLIT_K % cfg.block_k or cfg.block_k % gw or cfg.block_k // gw & (cfg.block_k // gw - 1):
+    if cfg.m_tile not in (1, 2, 4, 8) or (w.slice_k if splits > 1 else QMATMUL_SPLIT_K) % cfg.block_k or cfg.block_k % gw or cfg.block_k // gw & (cfg.block_k // gw - 1):
         raise ValueError(f"bad qgemv config {cfg} for {w.fmt.name}")
     M = x.shape[0]
     grid = (triton.cdiv(M, cfg.m_tile) * triton.cdiv(w.N, cfg.block_n), splits)
@@ -716,7 +748,8 @@ def qmatmul(
     M = x.shape[0]
     if M == 0:
         return out
-    splits = num_k_splits(N, K)
+    ks = w.slice_k if packed else k_slice(N, K, (fmt.name,))
+    splits = triton.cdiv(K, ks)
     part = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
     if packed:
         launch_qgemv(x, w, part, splits, part.stride(0) if splits > 1 else 0, config)
@@ -724,7 +757,7 @@ def qmatmul(
         cfg = QMATMUL_CONFIGS[fmt.name]
         grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), splits)
         _qmatmul_kernel[grid](
-            x, w, part, M, N, K, QMATMUL_SPLIT_K if splits > 1 else K,
+            x, w, part, M, N, K, ks if splits > 1 else K,
             x.stride(0), part.stride(-2), part.stride(0) if splits > 1 else 0, w.stride(0),
             QTYPE=fmt.code, SUB=fmt.sub, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             INPUT_PRECISION=QMATMUL_INPUT_PRECISION, USE_DOT=x.is_cuda if use_dot is None else use_dot,

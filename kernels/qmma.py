@@ -47,6 +47,7 @@ from .qmatmul import (
     HeadsEpilogue,
     NormEpilogue,
     PackedWeight,
+    clamp_block_k,
     _packed_program,
     _decode_loaded,
     _step_loads,
@@ -110,10 +111,12 @@ QMMA_PRECISIONS = ("bf16", "tf32x3")
 QMMA_INTERPRETER_MIN_BLOCK_N = 128  # fewer, wider programs under the CPU interpreter
 
 
-def mma_config(name: str, N: int, K: int, device: torch.device | str = "cuda") -> MmaConfig:
-    """The launch configuration for a packed weight of format ``name``, N x K (never M)."""
+def mma_config(name: str, N: int, K: int, device: torch.device | str = "cuda",
+               slice_k: int | None = None) -> MmaConfig:
+    """The launch configuration for a packed weight of format ``name``, N x K (never M);
+    ``slice_k`` (the weight's K slice, ``PackedWeight.slice_k``): steps of at most that."""
     wide = num_k_splits(N, K) == 1 and name in QMMA_WIDE_CONFIGS
-    cfg = QMMA_WIDE_CONFIGS[name] if wide else QMMA_CONFIGS[name]
+    cfg = clamp_block_k(QMMA_WIDE_CONFIGS[name] if wide else QMMA_CONFIGS[name], K, slice_k)
     if torch.device(device).type == "cpu":
         cfg = replace(cfg, block_n=max(cfg.block_n, QMMA_INTERPRETER_MIN_BLOCK_N), num_stages=1)
     return cfg
@@ -389,11 +392,11 @@ def launch_mma_gemv_pair(x: torch.Tensor, wa: PackedWeight, ya: torch.Tensor, wb
     with ``num_warps`` set so: one fixed choice per runner."""
     if prec not in QMMA_PRECISIONS:
         raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(QMMA_PRECISIONS)}")
-    if wa.K != wb.K or ya.stride(-2) != yb.stride(-2) or num_k_splits(wa.N, wa.K) != splits \
-            or num_k_splits(wb.N, wb.K) != splits:
+    if wa.K != wb.K or ya.stride(-2) != yb.stride(-2) or wa.slice_k != wb.slice_k \
+            or triton.cdiv(wa.K, wa.slice_k) != splits:
         raise ValueError("a pair needs one K, one K split and one partial buffer")
-    ca = mma_config(wa.fmt.name, wa.N, wa.K, x.device)
-    cb = gemv_config(wb.fmt.name, wb.N, wb.K, x.device)
+    ca = mma_config(wa.fmt.name, wa.N, wa.K, x.device, wa.slice_k)
+    cb = gemv_config(wb.fmt.name, wb.N, wb.K, x.device, wb.slice_k)
     M = x.shape[0]
     programs_a = triton.cdiv(M, ca.block_m) * triton.cdiv(wa.N, ca.block_n)
     programs_b = triton.cdiv(M, cb.m_tile) * triton.cdiv(wb.N, cb.block_n)
@@ -429,10 +432,10 @@ def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, 
     (``step_fused.add_norm_epilogue``). No value checks: callers check."""
     if prec not in QMMA_PRECISIONS:
         raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(QMMA_PRECISIONS)}")
-    cfg = config or mma_config(w.fmt.name, w.N, w.K, x.device)
+    cfg = config or mma_config(w.fmt.name, w.N, w.K, x.device, w.slice_k)
     gw, s = _GEMV_GEOMETRY[w.fmt.name][:2]
     groups = cfg.block_k // gw
-    if QMATMUL_SPLIT_K % cfg.block_k or cfg.block_k % gw or groups & (groups - 1) or groups * s < 16:
+    if (w.slice_k if splits > 1 else QMATMUL_SPLIT_K) % cfg.block_k or cfg.block_k % gw or groups & (groups - 1) or groups * s < 16:
         raise ValueError(f"bad qmma config {cfg} for {w.fmt.name}")
     M = x.shape[0]
     if cfg.block_m not in (16, 32):
@@ -504,7 +507,7 @@ def qmma(x: torch.Tensor, w: PackedWeight, prec: str = "bf16", out: torch.Tensor
     M = x.shape[0]
     if M == 0:
         return out
-    splits = num_k_splits(N, K)
+    splits = triton.cdiv(K, w.slice_k)
     if splits == 1:
         launch_qmma(x, w, out, 1, 0, prec, config, use_dot)
         return out

@@ -747,6 +747,10 @@ def main_stage(args) -> None:
     split128 = [(QMm, "QMATMUL_SPLIT_K", 128),
                 (QM, "QMMA_CONFIGS", cfgs(**{f: {"block_k": 128} for f in ("Q4_K", "Q6_K", "Q8_0")})),
                 (QMm, "QGEMV_CONFIGS", gemv_cfgs(**{f: {"block_k": 128} for f in ("Q4_K", "Q6_K", "Q8_0")}))]
+    # per-format K slices (kernels.qmatmul.QMATMUL_FORMAT_SPLIT_K): the Q5_0-led products (q|k|v,
+    # gate|up), the K-quant ones (attention output, FFN down), all
+    SLICES = {"q5 128": {"Q5_0": 128}, "k 128": {"Q4_K": 128, "Q6_K": 128},
+              "all 128": {f: 128 for f in ("Q5_0", "Q4_K", "Q6_K", "Q8_0")}}
     k128 = cfgs(Q5_0={"preload": True}, Q4_K={"block_k": 128, "preload": True}, Q6_K={"block_k": 128, "preload": True})
 
     def tuned(fn):  # session 7's three step options together (kernels/pdl EARLY, attention prefetch, Q5_0 k256)
@@ -864,6 +868,10 @@ def main_stage(args) -> None:
                 Q4_K={"block_k": 128, "block_n": 32}, Q6_K={"block_k": 128, "block_n": 32}, Q8_0={"block_k": 128}))]
              + split128[2:], {}),
         ], slots=SLOTS)),
+        ("slice sweep", lambda: stage_sweep(m, out, rows, bw, "s8", [
+            (f"slices {label}", (QMm, "QMATMUL_FORMAT_SPLIT_K", v), {}) for label, v in SLICES.items()], slots=SLOTS)),
+        *[(f"slices {label} exact", lambda v=v: _patched(QMm, "QMATMUL_FORMAT_SPLIT_K", v, lambda: stage_exact(
+            m, out, exact_rows))) for label, v in SLICES.items()],
         ("split128 exact", lambda: _with(split128, lambda: stage_exact(m, out, exact_rows))),
         ("split512 exact", lambda: _patched(QMm, "QMATMUL_SPLIT_K", 512, lambda: stage_exact(m, out, exact_rows))),
         ("preload same bits", lambda: stage_same_bits(m, out, exact_rows, "Q5_0 preload", lambda fn: _patched(

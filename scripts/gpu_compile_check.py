@@ -113,6 +113,7 @@ VARIANTS = {
     "preload_k128": "preload_k128",  # the same, and Q4_K / Q6_K in two 128-weight steps
     "split512": "split512",  # K slices of 512 weights instead of 256
     "split128": "split128",  # K slices of 128 weights (every format's step at 128)
+    "slices": "slices",  # per-format K slices: 128 for the Q5_0-led and K-quant products
     "tuned": "tuned",  # the three above together
     "q8head": {"head_matmul": "q8dense"},  # the head's products from its Q8_0 planes
     "pair": {"pair_launch": True},  # the mixed-format q|k|v as one launch
@@ -129,6 +130,7 @@ STEP_OPTIONS = {  # variant -> [(module, name, value)], set for the variant's fo
     "split512": [("qmatmul", "QMATMUL_SPLIT_K", 512)],
     "split128": [("qmatmul", "QMATMUL_SPLIT_K", 128), ("qmma", "QMMA_CONFIGS", "k128"),
                  ("qmatmul", "QGEMV_CONFIGS", "gemv_k128")],
+    "slices": [("qmatmul", "QMATMUL_FORMAT_SPLIT_K", {"Q5_0": 128, "Q4_K": 128, "Q6_K": 128})],
 }
 CONFIG_PATCHES = {  # QMMA_CONFIGS values named in STEP_OPTIONS: format -> fields changed
     "q5k256": {"Q5_0": {"block_k": 256}},
@@ -174,7 +176,7 @@ def check(model, name: str, kw) -> float:
     undo = []
     for mod, attr, value in STEP_OPTIONS.get(kw, []) if isinstance(kw, str) else []:
         undo.append((mods[mod], attr, getattr(mods[mod], attr)))
-        if value in CONFIG_PATCHES:
+        if isinstance(value, str) and value in CONFIG_PATCHES:
             table = qmatmul.QGEMV_CONFIGS if value.startswith("gemv") else qmma.QMMA_CONFIGS
             value = {**table, **{f: replace(table[f], **kw_) for f, kw_ in CONFIG_PATCHES[value].items()}}
         setattr(mods[mod], attr, value)

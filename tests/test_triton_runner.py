@@ -448,3 +448,29 @@ def test_rope_in_attention_is_bitwise_the_separate_kernel(tiny_model, monkeypatc
     for p, b in zip(prompts, batched):
         s = solo_eng.generate([p], **kw)[0]
         assert s.token_ids == b.token_ids and torch.equal(s.logits, b.logits)
+
+
+def test_per_format_k_slices_are_invariant(tiny_model, monkeypatch):
+    """kernels.qmatmul.QMATMUL_FORMAT_SPLIT_K: a product with a Q5_0 member (the mixed q|k|v, the
+    gate|up) is cut into 64-weight K slices, the others keep theirs; one slice per fused product
+    (the pair launch stays one launch), the kernels' steps follow it. Logits close to the
+    unsplit products', a slot batched with another bitwise the slot alone."""
+    from workbench.kernels import qmatmul as qm
+
+    m = tiny_model("gemma3", "bfloat16", "Q5_0", sliding_window=WINDOW,
+                   tensor_types=(("attn_v.weight", "Q8_0"), ("ffn_down.weight", "Q8_0")))
+    gen = torch.Generator().manual_seed(23)
+    a = torch.randint(0, m.config.vocab_size, (9,), generator=gen).tolist()
+    b = torch.randint(0, m.config.vocab_size, (6,), generator=gen).tolist()
+    base = TritonRunner(m, 256, graphs=False)
+    want = _solo(base, a, 8)
+    monkeypatch.setattr(qm, "QMATMUL_FORMAT_SPLIT_K", {"Q5_0": 64})
+    r = TritonRunner(m, 256, graphs=False)
+    L, L0 = r.layers[0], base.layers[0]
+    c = m.config
+    assert (L.qkv.splits, L.gate_up.splits, L.down.splits) == (c.n_embd // 64, c.n_embd // 64, L0.down.splits)
+    assert {w.packed.slice_k for _, w in L.qkv.parts} == {64}
+    got = _solo(r, a, 8)
+    assert r.launches == base.launches
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    _assert_batched_is_solo(r, a, b, 8, got)

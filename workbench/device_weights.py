@@ -30,6 +30,7 @@ class QWeight:
     N: int
     K: int
     splits: int
+    k_split: int = 0  # weights per K slice where splits > 1 (its product's: kernels.qmatmul.k_slice)
     packed: object = None  # kernels.qmatmul.PackedWeight unless the form is "raw"
     form: str = "raw"  # the product kernel this weight always takes: "mma", "gemv", "raw" or "dense"
     dense: torch.Tensor | None = None  # form "dense" (the head): the dequantized [N, K] for kernels.dense_mma
@@ -118,14 +119,14 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
             else:
                 parts.append((off, w))
             off += w.N
-        splits = qm.num_k_splits(off, K)
+        # one K slice for the product (its members write one partial buffer), by its shape and formats
+        ks = qm.k_slice(off, K, tuple(w.fmt.name for _, w in parts))
+        splits = -(-K // ks)
         for _, w in parts:
-            w.splits = qm.num_k_splits(w.N, K)
-            if w.splits != splits:
-                raise WorkbenchError("backend='triton': fused projections need one split-K")
+            w.splits, w.k_split = splits, ks
             w.raw = w.raw.contiguous().to(device)
             if packed:
-                w.packed = qm.pack_weights(w.raw, w.fmt.name, w.N, K)
+                w.packed = qm.pack_weights(w.raw, w.fmt.name, w.N, K, k_split=ks)
                 w.raw = None
                 w.form = layer_forms.get(w.fmt.name, matmul)
                 nbytes += w.packed.nbytes

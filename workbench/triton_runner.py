@@ -363,10 +363,10 @@ class TritonRunner:
             return False
         w = p.parts[0][1]
         if w.form == "mma":
-            cfg = self._qmma.mma_config(w.fmt.name, w.N, w.K, self.device)
+            cfg = self._qmma.mma_config(w.fmt.name, w.N, w.K, self.device, w.k_split)
             need = self._qm.glu_counters(M, w.N, cfg.block_n, cfg.block_m)
         else:
-            cfg = self._qm.gemv_config(w.fmt.name, w.N, w.K, self.device)
+            cfg = self._qm.gemv_config(w.fmt.name, w.N, w.K, self.device, w.k_split)
             need = self._qm.glu_counters(M, w.N, cfg.block_n, cfg.m_tile)
         return need is not None and need <= self._glu_counters.numel()
 
@@ -377,7 +377,7 @@ class TritonRunner:
         for off, w in p.parts:
             if w.packed is None or w.form != "mma":
                 return False
-            cfg = self._qmma.mma_config(w.fmt.name, w.N, w.K, self.device)
+            cfg = self._qmma.mma_config(w.fmt.name, w.N, w.K, self.device, w.k_split)
             need = self._qm.heads_counters(M, w.N, off, self.cfg.head_dim, cfg.block_n, cfg.block_m)
             if need is None or need > self._heads_counters.numel():
                 return False
@@ -390,7 +390,7 @@ class TritonRunner:
         w = p.parts[0][1]
         if w.packed is None or w.form != "mma":
             return False
-        cfg = self._qmma.mma_config(w.fmt.name, w.N, w.K, self.device)
+        cfg = self._qmma.mma_config(w.fmt.name, w.N, w.K, self.device, w.k_split)
         need = self._qm.norm_counters(M, w.N, cfg.block_n, cfg.block_m)
         return need is not None and need <= self._norm_counters.numel()
 
@@ -444,7 +444,7 @@ class TritonRunner:
             cfg = qm.QMATMUL_CONFIGS[w.fmt.name]
             grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(w.N, cfg.block_n), w.splits)
             qm._qmatmul_kernel[grid](
-                x, w.raw, part[:, :, off:], M, w.N, w.K, qm.QMATMUL_SPLIT_K if w.splits > 1 else w.K,
+                x, w.raw, part[:, :, off:], M, w.N, w.K, w.k_split if w.splits > 1 else w.K,
                 x.stride(0), part.stride(1), part.stride(0), w.raw.stride(0),
                 QTYPE=w.fmt.code, SUB=w.fmt.sub, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 BLOCK_K=cfg.block_k, INPUT_PRECISION=qm.QMATMUL_INPUT_PRECISION, USE_DOT=self.use_dot,
@@ -459,7 +459,7 @@ class TritonRunner:
             self._qmma.launch_qmma(x, pw, y, splits, stride_ys, self.mma_prec, use_dot=self.use_dot, glu=glu,
                                    heads=heads, col0=col0, norm=norm)
         else:
-            cfg = self._qm.gemv_config(pw.fmt.name, pw.N, pw.K, self.device)
+            cfg = self._qm.gemv_config(pw.fmt.name, pw.N, pw.K, self.device, pw.slice_k)
             if self.uniform_warps:
                 cfg = replace(cfg, num_warps=self.uniform_warps)
             self._qm.launch_qgemv(x, pw, y, splits, stride_ys, config=cfg, glu=glu)

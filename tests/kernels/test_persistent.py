@@ -24,7 +24,7 @@ def _inputs(device, R=3, E=64):
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(E, E, generator=gen)
     raw = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType.Q8_0)).to(device)
-    pw = pack_weights(raw, "Q8_0", E, E)
+    pw = pack_weights(raw, "Q8_0", E, E, k_split=E // 2)  # two K slices, as the tests launch it
     x = torch.randn(R, E, generator=gen).to(device)
     r = torch.randn(R, E, generator=gen).to(device)
     w_post = torch.randn(E, generator=gen).to(device)
@@ -152,10 +152,11 @@ def test_attention_stages_are_bitwise_the_chain(device, precision):
     pw, _, _, r0, w_post, w_next = _inputs(device, R, E)
     from gguf import GGMLQuantizationType, quantize
     wo = torch.randn(E, Hq * D, generator=gen)
-    pwo = pack_weights(torch.from_numpy(quantize(wo.numpy(), GGMLQuantizationType.Q8_0)).to(device), "Q8_0", E, Hq * D)
+    pwo = pack_weights(torch.from_numpy(quantize(wo.numpy(), GGMLQuantizationType.Q8_0)).to(device), "Q8_0", E, Hq * D,
+                       k_split=Hq * D // splits)
     counters = torch.zeros(R * Hkv, dtype=torch.int32, device=device)
     use_dot = torch.device(device).type == "cuda"
-    cfg = replace(gemv_config("Q8_0", E, Hq * D, device), num_warps=4)  # one num_warps per plan
+    cfg = replace(gemv_config("Q8_0", E, Hq * D, device, pwo.slice_k), num_warps=4)  # one num_warps per plan
 
     def chain(q, kp, vp, o, y, r, h):
         qk_rope_kv(part, q, kp, vp, seq, pos, qn, kn, inv, 1e-6, num_warps=4)
