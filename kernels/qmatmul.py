@@ -97,9 +97,17 @@ QMATMUL_CONFIGS: dict[str, QMatmulConfig] = {
 # second kernel adds the slices in order. The split is a function of the weight's (N, K) only.
 QMATMUL_SPLIT_K = 256  # a multiple of every block_k
 QMATMUL_SPLIT_MAX_N = 16384  # wider weights (the 262144-row head) are not split
-# Per-format slices overriding QMATMUL_SPLIT_K: a product's slice is the smallest of its members'
-# (a fused q|k|v is one product, one slice). Fixed at load by the weights, never by the rows; a
-# launch's configs take K steps of at most the slice (``mma_config``, ``gemv_config``).
+# Narrow products (few output tiles, so few programs: Gemma 3 270M's attention output and FFN
+# down, N = 640, 40 and 80 programs at 256) take slices of QMATMUL_NARROW_SPLIT_K: twice the
+# programs, twice the partials for the consumer. H200 (session 8, run 42): 0.726 -> 0.695 ms per
+# step at 16 slots, 0.898 -> 0.881 at 32, 1 and 4 slots unchanged; slices of 128 for the wide
+# products too (q|k|v, gate|up) were slower at 32 slots (0.940).
+QMATMUL_NARROW_N = 1024
+QMATMUL_NARROW_SPLIT_K = 128
+# Per-format slices (at most these; for measurements): a product's slice is the smallest of its
+# members' (a fused q|k|v is one product, one slice). Every slice is fixed at load by the weights'
+# shapes and formats, never by the rows; a launch's configs take K steps of at most the slice
+# (``mma_config``, ``gemv_config``).
 QMATMUL_FORMAT_SPLIT_K: dict[str, int] = {}
 # tl.dot precision on a GPU. "tf32x3": three TF32 tensor-core products, about fp32 accurate
 # (measured on an H200: max error / max |y| 3e-7..5e-7, vs 6e-7..2e-6 for "ieee") and 3x to 10x
@@ -112,8 +120,8 @@ def k_slice(N: int, K: int, formats: tuple[str, ...] = ()) -> int:
     unsplit). By shape and format only."""
     if N > QMATMUL_SPLIT_MAX_N:
         return K
-    s = min([QMATMUL_FORMAT_SPLIT_K.get(f, QMATMUL_SPLIT_K) for f in formats] or [QMATMUL_SPLIT_K])
-    return min(s, K)
+    base = QMATMUL_NARROW_SPLIT_K if N <= QMATMUL_NARROW_N else QMATMUL_SPLIT_K
+    return min([base, K] + [QMATMUL_FORMAT_SPLIT_K[f] for f in formats if f in QMATMUL_FORMAT_SPLIT_K])
 
 
 def num_k_splits(N: int, K: int, formats: tuple[str, ...] = ()) -> int:

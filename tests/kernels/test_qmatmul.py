@@ -193,9 +193,24 @@ def test_packed_config_variants(name, variant, device, quant_rows):
     cfg = GemvConfig(**{"block_n": 16, "block_k": 128, "m_tile": 4, "num_warps": 4, **variant})
     N, K = PACKED_SHAPES[name]
     raw = quant_rows(FORMATS[name], N, K, seed=11, device=device)
-    pw = pack_weights(raw, name, N, K)
+    pw = pack_weights(raw, name, N, K, k_split=256)  # (slices of 256: steps of 128 or 256)
     x = _x(7, K, torch.float32, device, seed=11)
     y = qmatmul(x, pw, out=torch.full((7, N), float("nan"), device=device), config=cfg)
     assert_close_dot(y, x, raw, name, N, K)
     for i in (0, 6):
         assert torch.equal(y[i : i + 1], qmatmul(x[i : i + 1].clone(), pw, config=cfg)), f"row {i}"
+
+
+def test_k_slices_follow_the_product(monkeypatch):
+    """k_slice: narrow products (N <= QMATMUL_NARROW_N) in slices of QMATMUL_NARROW_SPLIT_K, wider
+    ones of QMATMUL_SPLIT_K, the head (N > QMATMUL_SPLIT_MAX_N) unsplit, never more than K;
+    per-format slices cap a product by its members' formats. Gemma 3 270M's shapes."""
+    from workbench.kernels.qmatmul import k_slice, num_k_splits
+
+    assert (k_slice(640, 1024), k_slice(640, 2048)) == (128, 128)  # attention output, FFN down
+    assert (k_slice(1536, 640), k_slice(4096, 640)) == (256, 256)  # q|k|v, gate|up
+    assert k_slice(262144, 640) == 640 and num_k_splits(262144, 640) == 1  # the head
+    assert k_slice(640, 96) == 96 and num_k_splits(640, 96) == 1
+    assert (num_k_splits(640, 2048), num_k_splits(1536, 640)) == (16, 3)
+    monkeypatch.setattr(qmatmul_mod, "QMATMUL_FORMAT_SPLIT_K", {"Q5_0": 64})
+    assert k_slice(1536, 640, ("Q5_0", "Q8_0")) == 64 and k_slice(1536, 640, ("Q8_0",)) == 256

@@ -108,7 +108,7 @@ def test_qmma_32_row_tiles_are_batch_invariant(device, quant_rows):
     name = "Q4_K"
     N, K = SHAPES[name]
     raw = quant_rows(FORMATS[name], N, K, seed=3, device=device)
-    pw = pack_weights(raw, name, N, K)
+    pw = pack_weights(raw, name, N, K, k_split=256)  # (slices of 256: one 256-weight step)
     cfg = MmaConfig(block_n=64, block_k=256, block_m=32)
     x = _x(35, K, torch.float32, device, seed=3)
     y = qmma(x, pw, "bf16", config=cfg)
@@ -156,7 +156,7 @@ def test_mma_gemv_pair_is_the_two_launches(m, device, quant_rows):
     launch_qmma(x, wa, ref[:, :, :Na], splits, ref.stride(0), "bf16")
     warps = mma_config("Q5_0", Na, K, device).num_warps
     launch_qgemv(x, wb, ref[:, :, Na:], splits, ref.stride(0),
-                 config=replace(gemv_config("Q8_0", Nb, K, device), num_warps=warps))
+                 config=replace(gemv_config("Q8_0", Nb, K, device, wb.slice_k), num_warps=warps))
     assert not part.isnan().any()
     assert torch.equal(part, ref)
     with pytest.raises(ValueError, match="one K"):
