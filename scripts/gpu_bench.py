@@ -872,6 +872,11 @@ def main_stage(args) -> None:
             (f"slices {label}", (QMm, "QMATMUL_FORMAT_SPLIT_K", v), {}) for label, v in SLICES.items()], slots=SLOTS)),
         *[(f"slices {label} exact", lambda v=v: _patched(QMm, "QMATMUL_FORMAT_SPLIT_K", v, lambda: stage_exact(
             m, out, exact_rows))) for label, v in SLICES.items()],
+        ("narrow sweep", lambda: stage_sweep(m, out, rows, bw, "s8", [
+            ("narrow 64", (QMm, "QMATMUL_NARROW_SPLIT_K", 64), {}),
+            ("narrow n32", (QM, "QMMA_CONFIGS", cfgs(Q4_K={"block_n": 32}, Q6_K={"block_n": 32})), {}),
+        ], slots=SLOTS)),
+        ("narrow 64 exact", lambda: _patched(QMm, "QMATMUL_NARROW_SPLIT_K", 64, lambda: stage_exact(m, out, exact_rows))),
         ("split128 exact", lambda: _with(split128, lambda: stage_exact(m, out, exact_rows))),
         ("split512 exact", lambda: _patched(QMm, "QMATMUL_SPLIT_K", 512, lambda: stage_exact(m, out, exact_rows))),
         ("preload same bits", lambda: stage_same_bits(m, out, exact_rows, "Q5_0 preload", lambda fn: _patched(
