@@ -989,7 +989,7 @@ def hf_stage(args) -> None:
 def load_rows(d: Path) -> list[dict]:
     rows = []
     for f in sorted(d.glob("*.json")):
-        if f.name == "fingerprint.json":
+        if f.name == "fingerprint.json" or f.name.startswith("launches_"):  # (per-launch timelines, kept raw)
             continue
         try:
             obj = json.loads(f.read_text())
