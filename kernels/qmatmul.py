@@ -35,8 +35,9 @@ directly (``_qmatmul_kernel``):
   range in fixed steps of BLOCK_K, decodes each weight tile ONCE into float32 registers (as
   [BLOCK_N, G, S] sub-blocks, so byte loads are coalesced) and multiplies it with all its rows.
 * Narrow weights (N <= QMATMUL_SPLIT_MAX_N) would give too few programs, so K is cut into fixed
-  slices of QMATMUL_SPLIT_K; each slice's partial product goes to a workspace and
-  ``_sum_splits_kernel`` adds the slices in order. The split depends on (N, K) only, never on M.
+  slices (``k_slice``: QMATMUL_SPLIT_K weights, QMATMUL_NARROW_SPLIT_K for the narrowest); each
+  slice's partial product goes to a workspace and ``_sum_splits_kernel`` adds the slices in
+  order. The slices depend on the product's shape (and formats) only, never on M.
 * Nothing depends on M: tile shapes, K slices and K order are fixed (M is ``do_not_specialize``),
   padded rows are zeros, so row i of an M-row call is bitwise the 1-row call, at any position in
   the batch.

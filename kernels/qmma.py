@@ -21,9 +21,9 @@ The third form of the quantized product (``qmatmul.py`` has the other two). It r
   float32 accumulation (the precision of the torch path's bfloat16 engine, and of cuBLAS bf16);
   "tf32x3": float32 operands, three TF32 products (about float32 accurate). The runner takes
   "bf16" for a bfloat16 engine and "tf32x3" for a float32 one.
-* Invariance: tile shapes, the K split (``qmatmul.num_k_splits``, the same shape-only split as
-  the other forms, so the runner's split-K consumers are shared) and K order are fixed by the
-  weight's shape; M is not specialized; a row is one column of the MMA's output, computed by
+* Invariance: tile shapes, the K slices (``PackedWeight.slice_k``, ``qmatmul.k_slice``'s
+  shape-only rule as for the other forms, so the runner's split-K consumers are shared) and K
+  order are fixed by the weight; M is not specialized; a row is one column of the MMA's output, computed by
   the same instructions whatever the other columns hold. Under the CPU interpreter tl.dot is
   numpy's sgemm, whose results depend on a column's neighbours, so there the same products are
   a broadcast multiply + ``tl.sum`` over the same (bf16-rounded) operands: each device's form is
