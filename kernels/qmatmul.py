@@ -100,9 +100,10 @@ QMATMUL_SPLIT_K = 256  # a multiple of every block_k
 QMATMUL_SPLIT_MAX_N = 16384  # wider weights (the 262144-row head) are not split
 # Narrow products (few output tiles, so few programs: Gemma 3 270M's attention output and FFN
 # down, N = 640, 40 and 80 programs at 256) take slices of QMATMUL_NARROW_SPLIT_K: twice the
-# programs, twice the partials for the consumer. H200 (session 8, run 42): 0.726 -> 0.695 ms per
-# step at 16 slots, 0.898 -> 0.881 at 32, 1 and 4 slots unchanged; slices of 128 for the wide
-# products too (q|k|v, gate|up) were slower at 32 slots (0.940).
+# programs, twice the partials for the consumer. H200 (session 8, runs 42-43): 0.726 -> 0.695-0.698
+# ms per step at 16 slots, 0.898 -> 0.880 at 32, 1 and 4 slots unchanged; slices of 128 for the
+# wide products too (q|k|v, gate|up) were slower at 32 slots (0.940), narrow slices of 64 slower
+# at every count (docs/GPU_NOTES.md, session 8).
 QMATMUL_NARROW_N = 1024
 QMATMUL_NARROW_SPLIT_K = 128
 # Per-format slices (at most these; for measurements): a product's slice is the smallest of its
