@@ -24,7 +24,7 @@ import sys
 import torch
 import triton
 import triton.testing
-
+from graph_timing import graph_replay_us  # (scripts/, the script's own folder)
 from workbench.kernels.attention import decode_attention
 from workbench.kernels.embedding import embedding
 from workbench.kernels.geglu import geglu
@@ -203,31 +203,13 @@ def _graph_us(fn, replays: int = 12) -> float:
     """Median microseconds of one replay of a CUDA graph of fn (fn warmed up first)."""
     import time
 
-    fn()
-    _sync()
-    if DEV != "cuda":  # dry run: no graphs, one timed call
+    if DEV != "cuda":  # dry run: no graphs, one timed call after a warm-up
+        fn()
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e6
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    ts = []
-    for _ in range(replays):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3)
-    del g
-    return sorted(ts)[len(ts) // 2]
+    ts = graph_replay_us(fn, replays)
+    return ts[len(ts) // 2]
 
 
 def _tiny_study() -> None:
@@ -246,8 +228,9 @@ def _tiny_study() -> None:
                            [C(32, 128, 8, 4, 2, True), C(16, 64, 8, 4)])
 
 
-def _raw_launch(x, raw, qtype, n, k, part, splits):
-    """The raw path's kernel as the runner launches it (partials [splits, M, N], no sum)."""
+def _raw_launch(x, raw, qtype, n, k, part, splits, k_slice):
+    """The raw path's kernel as the runner launches it (partials [splits, M, N] of slices of
+    ``k_slice`` weights, no sum)."""
     from workbench.kernels import qmatmul as qm
 
     fmt = FORMATS[qtype]
@@ -255,9 +238,10 @@ def _raw_launch(x, raw, qtype, n, k, part, splits):
     M = x.shape[0]
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
     qm._qmatmul_kernel[grid](
-        x, raw, part, M, n, k, qm.QMATMUL_SPLIT_K if splits > 1 else k, x.stride(0), part.stride(1), part.stride(0),
+        x, raw, part, M, n, k, k_slice if splits > 1 else k, x.stride(0), part.stride(1), part.stride(0),
         raw.stride(0), QTYPE=fmt.code, SUB=fmt.sub, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        INPUT_PRECISION=qm.QMATMUL_INPUT_PRECISION, USE_DOT=DEV == "cuda", num_warps=cfg.num_warps)
+        INPUT_PRECISION=qm.QMATMUL_INPUT_PRECISION, USE_DOT=DEV == "cuda", num_warps=cfg.num_warps,
+        **qm.launch_kw(x))
 
 
 def _ordered_sum(part):
@@ -271,12 +255,14 @@ class _W:
     """One random GGUF weight on the device: raw bytes, packed planes, optionally f32 and bf16."""
 
     def __init__(self, qtype, n, k, ref=False, dense=False):
-        from workbench.kernels.qmatmul import num_k_splits
+        from workbench.kernels import qmatmul as qm
 
         self.qtype, self.n, self.k = qtype, n, k
         self.raw = random_quant_rows(qtype, n, k, DEV)
-        self.pw = pack_weights(self.raw, qtype, n, k)
-        self.splits = num_k_splits(n, k)
+        # slices of QMATMUL_SPLIT_K (256), those the swept configs (K steps up to 256) were chosen at
+        self.k_slice = qm.QMATMUL_SPLIT_K if n <= qm.QMATMUL_SPLIT_MAX_N else k
+        self.pw = pack_weights(self.raw, qtype, n, k, k_split=self.k_slice)
+        self.splits = triton.cdiv(k, self.k_slice)
         self.w32 = dequant_ref(self.raw.cpu(), qtype, k).to(DEV) if ref else None
         self.w16 = None
         if dense:  # cuBLAS operand: the dequantized weights in bf16
@@ -450,7 +436,7 @@ def qmatmul_study(out_dir: str, wait_for: str | None = None) -> int:  # noqa: PL
             parts = [w.part(m) for w in ws]
             outs = [torch.empty(m, n, device=DEV, dtype=torch.bfloat16) for _ in ws]
             pairs = list(zip(ws, parts, outs, strict=True))
-            t_raw = _graph_us(lambda pairs=pairs, x=x: [_raw_launch(x, w.raw, q, n, k, p, w.splits) for w, p, _o in pairs])
+            t_raw = _graph_us(lambda pairs=pairs, x=x: [_raw_launch(x, w.raw, q, n, k, p, w.splits, w.k_slice) for w, p, _o in pairs])
             t_new = _graph_us(lambda pairs=pairs, x=x, cfg=cfg: [launch_qgemv(x, w.pw, p, w.splits, p.stride(0), cfg)
                                                                 for w, p, _o in pairs])
             t_cub = _graph_us(lambda pairs=pairs, xb=xb: [torch.mm(xb, w.w16.T, out=o) for w, _p, o in pairs])
@@ -487,8 +473,8 @@ def qmatmul_study(out_dir: str, wait_for: str | None = None) -> int:  # noqa: PL
         def run_raw(m=m, parts=parts, hpart=hpart):
             for L, P in zip(layers, parts, strict=True):
                 for (_l, q, n, k, w), p in zip(L, P, strict=True):
-                    _raw_launch(xs[(m, k)], w.raw, q, n, k, p, w.splits)
-            _raw_launch(xs[(m, hk)], head.raw, "Q8_0", hv, hk, hpart, 1)
+                    _raw_launch(xs[(m, k)], w.raw, q, n, k, p, w.splits, w.k_slice)
+            _raw_launch(xs[(m, hk)], head.raw, "Q8_0", hv, hk, hpart, 1, head.k_slice)
 
         def run_packed(m=m, parts=parts, hpart=hpart):
             for L, P in zip(layers, parts, strict=True):
@@ -523,7 +509,7 @@ def qmatmul_study(out_dir: str, wait_for: str | None = None) -> int:  # noqa: PL
             for L, P in zip(layers, pparts, strict=True):
                 for (_l, q, n, k, w), p in zip(L, P, strict=True):
                     if name == "raw":
-                        _raw_launch(xp[k], w.raw, q, n, k, p, w.splits)
+                        _raw_launch(xp[k], w.raw, q, n, k, p, w.splits, w.k_slice)
                     else:
                         launch_qgemv(xp[k], w.pw, p, w.splits, p.stride(0), chosen[q])
 

@@ -28,7 +28,9 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
-from kernels.pdl import release_count, wait_count  # noqa: E402
+from graph_timing import graph_replay_us  # noqa: E402  (scripts/, the script's own folder)
+
+from kernels.pdl import enter, release_count, wait_count  # noqa: E402
 
 MODES = {"plain": 0, "pdl": 1, "pdl_early": 2, "counter": 3, "counter_load": 4}
 
@@ -38,13 +40,9 @@ def _link(src, dst, w, ctr, idx, need, n_src, MODE: tl.constexpr, BLOCK: tl.cons
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     wv = tl.load(w + pid * BLOCK + offs)  # read-only: fetched before the wait, as the products do
-    if MODE == 1:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    elif MODE == 2:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    elif MODE >= 3:
+    if MODE <= 2:  # the chain's own entry (kernels/pdl.py): none, wait then release, release then wait
+        enter(MODE)
+    else:
         tl.extra.cuda.gdc_launch_dependents()
         wait_count(ctr + idx - 1, need, 1 if MODE == 3 else 2)
     x = tl.load(src + (pid % n_src) * BLOCK + offs)
@@ -74,27 +72,7 @@ def run_chain(grids, mode: str, reps: int = 50):
             _link[(g,)](bufs[i % 2], bufs[(i + 1) % 2], w[i], ctr, i + 1, need, n_src,
                         MODE=m, BLOCK=B, num_warps=4, **kw)
 
-    step()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000)
+    times = graph_replay_us(step, reps, warm=5)
     out = bufs[len(grids) % 2].clone()
     return statistics.median(times), out
 
