@@ -34,11 +34,11 @@ them with NaN).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
-
-from dataclasses import dataclass
 
 from .pdl import enter, launch_kw
 from . import qmma as _qmma
@@ -374,7 +374,7 @@ def attention_rows(
     consts = dict(GROUP=group, QROWS=qrows, D_P=d_p, BLOCK_N=block_n, SEG=ATTENTION_SEGMENT, USE_DOT=use_dot,
                   INPUT_PRECISION=precision, FUSED=fused, num_warps=num_warps)
     if rope is not None:
-        _launch_rope(common, consts, rope, q, k_cache, v_cache)
+        _launch_rope(common, consts, rope, q, k_cache, v_cache, num_seg)
         return out
     _attention_partial_kernel[(R, Hkv, num_seg)](
         *common, **consts, PREFETCH=ATTENTION_PREFETCH and _qmma._native(q), **launch_kw(q),
@@ -387,14 +387,14 @@ def attention_rows(
     return out
 
 
-def _launch_rope(common: tuple, consts: dict, rope: RopePrologue, q, k_cache, v_cache) -> None:
+def _launch_rope(common: tuple, consts: dict, rope: RopePrologue, q, k_cache, v_cache, num_seg: int) -> None:
     if not consts["FUSED"] or q.dtype != torch.float32 or not q.is_contiguous() or not k_cache.is_contiguous() \
             or not v_cache.is_contiguous():
         raise ValueError("the rope prologue needs the fused combine (counters), a contiguous float32 q [R, Hq, D] "
                          "and contiguous caches")
     args, row = qk_rope_row_args(rope.part, q, k_cache, rope.q_norm, rope.k_norm, rope.inv_freq, rope.eps)
     row["HD"] = row.pop("D")  # (the partial kernel's D is its runtime head dim)
-    _attention_rope_kernel[(q.shape[0], k_cache.shape[2], common[20])](
+    _attention_rope_kernel[(q.shape[0], k_cache.shape[2], num_seg)](
         *common, rope.part, *args, **consts, **row, **launch_kw(q),
     )
 

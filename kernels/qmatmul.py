@@ -314,6 +314,12 @@ def gemv_config(name: str, N: int, K: int, device: torch.device | str = "cuda",
     return cfg
 
 
+def steps_fit(w: PackedWeight, splits: int, block_k: int) -> bool:
+    """Whether K steps of ``block_k`` tile each K slice of a launch of ``w`` in ``splits`` slices
+    (an unsplit launch: steps dividing QMATMUL_SPLIT_K, as every config's are)."""
+    return (w.slice_k if splits > 1 else QMATMUL_SPLIT_K) % block_k == 0
+
+
 def clamp_block_k(cfg, K: int, slice_k: int | None):
     """``cfg`` (a GEMV or tensor-core config) with K steps of at most a split weight's slice."""
     return replace(cfg, block_k=slice_k) if slice_k is not None and slice_k < K and cfg.block_k > slice_k else cfg
@@ -711,7 +717,7 @@ def launch_qgemv(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int,
     No checks: callers check (qmatmul, the runner)."""
     cfg = config or gemv_config(w.fmt.name, w.N, w.K, x.device, w.slice_k)
     gw = _GEMV_GEOMETRY[w.fmt.name][0]
-    if cfg.m_tile not in (1, 2, 4, 8) or (w.slice_k if splits > 1 else QMATMUL_SPLIT_K) % cfg.block_k or cfg.block_k % gw or cfg.block_k // gw & (cfg.block_k // gw - 1):
+    if cfg.m_tile not in (1, 2, 4, 8) or not steps_fit(w, splits, cfg.block_k) or cfg.block_k % gw or cfg.block_k // gw & (cfg.block_k // gw - 1):
         raise ValueError(f"bad qgemv config {cfg} for {w.fmt.name}")
     M = x.shape[0]
     grid = (triton.cdiv(M, cfg.m_tile) * triton.cdiv(w.N, cfg.block_n), splits)

@@ -23,8 +23,8 @@ The third form of the quantized product (``qmatmul.py`` has the other two). It r
   "bf16" for a bfloat16 engine and "tf32x3" for a float32 one.
 * Invariance: tile shapes, the K slices (``PackedWeight.slice_k``, ``qmatmul.k_slice``'s
   shape-only rule as for the other forms, so the runner's split-K consumers are shared) and K
-  order are fixed by the weight; M is not specialized; a row is one column of the MMA's output, computed by
-  the same instructions whatever the other columns hold. Under the CPU interpreter tl.dot is
+  order are fixed by the weight; M is not specialized; a row is one column of the MMA's output,
+  computed by the same instructions whatever the other columns hold. Under the CPU interpreter tl.dot is
   numpy's sgemm, whose results depend on a column's neighbours, so there the same products are
   a broadcast multiply + ``tl.sum`` over the same (bf16-rounded) operands: each device's form is
   batch-invariant; they are not bitwise equal to each other, nor to the GEMV form.
@@ -42,7 +42,6 @@ from .pdl import enter_or_wait, launch_kw
 from .qmatmul import (
     _GEMV_GEOMETRY,
     NORM_FOLD_MAX_N,
-    QMATMUL_SPLIT_K,
     GluEpilogue,
     HeadsEpilogue,
     NormEpilogue,
@@ -62,6 +61,7 @@ from .qmatmul import (
     packed_geometry,
     packed_launch_args,
     qgemv_item,
+    steps_fit,
     sum_splits,
 )
 from .step_fused import add_norm_epilogue, glu_pair_epilogue, heads_epilogue
@@ -435,7 +435,7 @@ def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, 
     cfg = config or mma_config(w.fmt.name, w.N, w.K, x.device, w.slice_k)
     gw, s = _GEMV_GEOMETRY[w.fmt.name][:2]
     groups = cfg.block_k // gw
-    if (w.slice_k if splits > 1 else QMATMUL_SPLIT_K) % cfg.block_k or cfg.block_k % gw or groups & (groups - 1) or groups * s < 16:
+    if not steps_fit(w, splits, cfg.block_k) or cfg.block_k % gw or groups & (groups - 1) or groups * s < 16:
         raise ValueError(f"bad qmma config {cfg} for {w.fmt.name}")
     M = x.shape[0]
     if cfg.block_m not in (16, 32):

@@ -225,6 +225,12 @@ def test_step_weight_bytes_leave_out_the_embedding_table(tiny_model):
     assert raw.fixed_bytes == raw.step_weight_bytes
 
 
+def _tokens(m, seed: int, *lengths: int) -> list[list[int]]:
+    """Seeded random token lists of these lengths over m's vocabulary (one generator, in order)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, m.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
 @pytest.mark.parametrize("option,fewer", [("fuse_qk_rope", 1), ("fuse_add_norm", 2)])
 def test_close_folds_are_invariant_and_save_launches(tiny_model, monkeypatch, option, fewer):
     """fuse_qk_rope: QK-norm + rope + the KV write ride on the q|k|v product's launch;
@@ -239,9 +245,7 @@ def test_close_folds_are_invariant_and_save_launches(tiny_model, monkeypatch, op
     for table in (qmma.QMMA_CONFIGS, qmma.QMMA_WIDE_CONFIGS):  # (K = 128: one split, the "wide" table)
         monkeypatch.setitem(table, "Q8_0", qmma.MmaConfig(block_n=32, block_k=128))
     m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
-    gen = torch.Generator().manual_seed(12)
-    a = torch.randint(0, m.config.vocab_size, (13,), generator=gen).tolist()
-    b = torch.randint(0, m.config.vocab_size, (7,), generator=gen).tolist()
+    a, b = _tokens(m, 12, 13, 7)
 
     def alone(fuse):  # (every weight on tensor cores: the folds ride on that form's launches)
         r = TritonRunner(m, 256, graphs=False, matmul="mma", **{option: fuse})
@@ -279,9 +283,7 @@ def test_dense_head_is_close_and_invariant(tiny_model, dtype):
     q8dense bitwise dense under the interpreter (same operands, same order), a slot batched with
     others bitwise the slot alone, one launch for the head either way."""
     m = tiny_model("gemma3", dtype, "Q8_0", sliding_window=WINDOW)
-    gen = torch.Generator().manual_seed(13)
-    a = torch.randint(0, m.config.vocab_size, (11,), generator=gen).tolist()
-    b = torch.randint(0, m.config.vocab_size, (5,), generator=gen).tolist()
+    a, b = _tokens(m, 13, 11, 5)
     runs = {}
     for head in ("mma", "dense", "q8dense"):
         r = TritonRunner(m, 256, graphs=False, matmul="mma", head_matmul=head)
@@ -306,9 +308,7 @@ def test_bf16_attention_products_are_invariant(tiny_model):
     tf32x3 products at bfloat16 tolerance; a slot batched with another bitwise the slot alone;
     a float32 engine ignores it."""
     m = tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW)
-    gen = torch.Generator().manual_seed(14)
-    a = torch.randint(0, m.config.vocab_size, (11,), generator=gen).tolist()
-    b = torch.randint(0, m.config.vocab_size, (6,), generator=gen).tolist()
+    a, b = _tokens(m, 14, 11, 6)
     outs = {}
     for bf16 in (False, True):
         r = TritonRunner(m, 256, graphs=False, attn_bf16=bf16)
@@ -350,9 +350,7 @@ def test_persistent_step_is_bitwise_the_chain(tiny_model, dtype, forms):
     layer; a slot batched with another is bitwise the slot alone."""
     m = tiny_model("gemma3", dtype, "Q8_0", sliding_window=WINDOW)
     graphs = True if torch.cuda.is_available() else "emulate"
-    gen = torch.Generator().manual_seed(21)
-    a = torch.randint(0, m.config.vocab_size, (14,), generator=gen).tolist()
-    b = torch.randint(0, m.config.vocab_size, (9,), generator=gen).tolist()
+    a, b = _tokens(m, 21, 14, 9)
     out, launches = {}, {}
     for pers in (False, True):
         r = TritonRunner(m, 256, graphs=graphs, persistent=pers, matmul="mma", layer_forms=forms)
@@ -377,9 +375,7 @@ def test_persistent_step_falls_back_to_the_chain(tiny_model, monkeypatch):
 
     m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
     graphs = True if torch.cuda.is_available() else "emulate"
-    gen = torch.Generator().manual_seed(22)
-    a = torch.randint(0, m.config.vocab_size, (14,), generator=gen).tolist()
-    b = torch.randint(0, m.config.vocab_size, (9,), generator=gen).tolist()
+    a, b = _tokens(m, 22, 14, 9)
     r = TritonRunner(m, 256, graphs=graphs, persistent=False, matmul="mma")
     r.uniform_warps = 4
     want = _decode_steps(r, a, b)
@@ -397,9 +393,7 @@ def test_pair_launch_fuses_a_mixed_format_qkv(tiny_model):
     GEMV, as in Gemma 3 270M) goes as one launch per layer: one launch fewer per layer, a slot
     batched with another bitwise the slot alone, and (interpreter) bitwise the two launches."""
     m = tiny_model("gemma3", "bfloat16", "Q5_0", sliding_window=WINDOW, tensor_types=(("attn_v.weight", "Q8_0"),))
-    gen = torch.Generator().manual_seed(21)
-    a = torch.randint(0, m.config.vocab_size, (9,), generator=gen).tolist()
-    b = torch.randint(0, m.config.vocab_size, (6,), generator=gen).tolist()
+    a, b = _tokens(m, 21, 9, 6)
     runs = {}
     for pair in (False, True):
         r = TritonRunner(m, 256, graphs=False, pair_launch=pair)
@@ -459,9 +453,7 @@ def test_per_format_k_slices_are_invariant(tiny_model, monkeypatch):
 
     m = tiny_model("gemma3", "bfloat16", "Q5_0", sliding_window=WINDOW,
                    tensor_types=(("attn_v.weight", "Q8_0"), ("ffn_down.weight", "Q8_0")))
-    gen = torch.Generator().manual_seed(23)
-    a = torch.randint(0, m.config.vocab_size, (9,), generator=gen).tolist()
-    b = torch.randint(0, m.config.vocab_size, (6,), generator=gen).tolist()
+    a, b = _tokens(m, 23, 9, 6)
     base = TritonRunner(m, 256, graphs=False)
     want = _solo(base, a, 8)
     monkeypatch.setattr(qm, "QMATMUL_FORMAT_SPLIT_K", {"Q5_0": 64})

@@ -121,8 +121,9 @@ PAIR_LAUNCH = True
 # separate kernel's body, kernels/attention._attention_rope_kernel) in graphed decode steps, where
 # each row's slot has one row: one launch fewer per layer. Prefill and mixed steps keep the
 # separate kernel (a chunk's rows read each other's keys), so the two forms must give the same
-# bits: same function, same warps (the separate kernel then takes attention's). Off until
-# measured on the GPU (gpu_bench stages "rope attn", "rope attn same bits", "rope attn exact").
+# bits: same function, same warps (the separate kernel then takes attention's). Off: bitwise the
+# separate kernel on an H200 but slower (session 8, run 38: 0.639 / 0.737 -> 0.681 / 0.761 ms at
+# 1 / 16 slots; every program of a row redoes the row's norm and rope before its own loads).
 ROPE_IN_ATTENTION = False
 # Warps of the attention partial kernel, one value per runner (prefill and decode alike). H200
 # (session 7, run 36): 4 instead of the kernel's tile-size default (8 for Gemma's 16-row x 256
@@ -398,9 +399,8 @@ class TritonRunner:
         """Whether this product's two members (tensor-core, then GEMV) go as one launch."""
         if not self.pair_launch or p.dense is not None or len(p.parts) != 2:
             return False
-        (_, a), (_, b) = p.parts
-        return a.form == "mma" and b.form == "gemv" and a.packed is not None and b.packed is not None \
-            and a.splits == b.splits == p.splits and a.K == b.K
+        (_, a), (_, b) = p.parts  # (one K and one K slice: members of one product, device_weights)
+        return a.form == "mma" and b.form == "gemv" and a.packed is not None and b.packed is not None
 
     def _project(self, x: torch.Tensor, p: Proj, out: torch.Tensor | None = None, glu=None,
                  heads=None, norm=None) -> torch.Tensor:
