@@ -581,8 +581,6 @@ def stage_head_dense(m, out: Path, rows: list, bw: float) -> None:
 def _head_sweep(m, out: Path, rows: list, bw: float, cases) -> tuple | None:
     """Each (variant, head form, DenseConfig fields) at 1 / 16 / 32 slots; the fastest at 16
     slots as (step ms, head form, config, variant), or None."""
-    from dataclasses import replace
-
     import workbench.triton_runner as tr
     from workbench.kernels import dense_mma as dm
 
@@ -624,6 +622,20 @@ def stage_head_stream(m, out: Path, rows: list, exact_rows: list, bw: float) -> 
             m, out, exact_rows)))
 
 
+def _mma_configs(**per_format) -> dict:
+    """kernels.qmma.QMMA_CONFIGS with some formats' fields changed (format=dict of fields)."""
+    from workbench.kernels import qmma as QM
+
+    return {**QM.QMMA_CONFIGS, **{f: replace(QM.QMMA_CONFIGS[f], **kw) for f, kw in per_format.items()}}
+
+
+def _gemv_configs(**per_format) -> dict:
+    """kernels.qmatmul.QGEMV_CONFIGS likewise."""
+    from workbench.kernels import qmatmul as QMm
+
+    return {**QMm.QGEMV_CONFIGS, **{f: replace(QMm.QGEMV_CONFIGS[f], **kw) for f, kw in per_format.items()}}
+
+
 def stage_sweep(m, out: Path, rows: list, bw: float, prefix: str, variants, slots=(1, 16)) -> None:
     """Options one at a time against the defaults: each variant is (label, patch, kw), patch a
     (module, name, value) set for the variant's runner (or a list of them, or None), kw the
@@ -638,14 +650,12 @@ def stage_sweep(m, out: Path, rows: list, bw: float, prefix: str, variants, slot
 def stage_s7_sweep(m, out: Path, rows: list, bw: float) -> None:
     """Session 7's small options one at a time against the defaults (1 and 16 slots): the mixed
     q|k|v as one launch, the per-row kernels' warps, attention at 4 warps, product tilings."""
-    from dataclasses import replace
-
     from workbench.kernels import attention as A
     from workbench.kernels import qmma as QM
     from workbench.kernels import step_fused as SF
 
     def mma(fmt, **kw):
-        return QM, "QMMA_CONFIGS", {**QM.QMMA_CONFIGS, fmt: replace(QM.QMMA_CONFIGS[fmt], **kw)}
+        return QM, "QMMA_CONFIGS", _mma_configs(**{fmt: kw})
 
     stage_sweep(m, out, rows, bw, "s7", [
         ("pair", None, {"pair_launch": True}),
@@ -726,22 +736,13 @@ def main_stage(args) -> None:
     from workbench.model import load_model
 
     FOLDS = {"FUSE_ADD_NORM": True, "FUSE_QK_ROPE": True}  # the two close (not bitwise) folds together
-    from dataclasses import replace
-
     from workbench.kernels import pdl
     from workbench.kernels import qmatmul as QMm
     from workbench.kernels import qmma as QM
 
     from workbench.kernels import step_fused as SFm
 
-    def q5(**kw):  # QMMA_CONFIGS with Q5_0's tiling changed
-        return {**QM.QMMA_CONFIGS, "Q5_0": replace(QM.QMMA_CONFIGS["Q5_0"], **kw)}
-
-    def cfgs(**per_format):  # QMMA_CONFIGS with some formats' fields changed
-        return {**QM.QMMA_CONFIGS, **{f: replace(QM.QMMA_CONFIGS[f], **kw) for f, kw in per_format.items()}}
-
-    def gemv_cfgs(**per_format):  # QGEMV_CONFIGS likewise
-        return {**QMm.QGEMV_CONFIGS, **{f: replace(QMm.QGEMV_CONFIGS[f], **kw) for f, kw in per_format.items()}}
+    cfgs, gemv_cfgs = _mma_configs, _gemv_configs
 
     # K slices of 128 weights (every format's step at 128, so one step per program)
     split128 = [(QMm, "QMATMUL_SPLIT_K", 128),
@@ -754,8 +755,8 @@ def main_stage(args) -> None:
     k128 = cfgs(Q5_0={"preload": True}, Q4_K={"block_k": 128, "preload": True}, Q6_K={"block_k": 128, "preload": True})
 
     def tuned(fn):  # session 7's three step options together (kernels/pdl EARLY, attention prefetch, Q5_0 k256)
-        return _patched(pdl, "EARLY", True, lambda: _patched(A, "ATTENTION_PREFETCH", True, lambda: _patched(
-            QM, "QMMA_CONFIGS", q5(block_k=256), fn)))
+        return _with([(pdl, "EARLY", True), (A, "ATTENTION_PREFETCH", True),
+                      (QM, "QMMA_CONFIGS", cfgs(Q5_0={"block_k": 256}))], fn)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -830,9 +831,10 @@ def main_stage(args) -> None:
             m, "triton_pdl_early", SLOTS, out, rows, bw))),
         ("attn prefetch", lambda: _patched(A, "ATTENTION_PREFETCH", True, lambda: bench_runner(
             m, "triton_attention_prefetch", SLOTS, out, rows, bw))),
-        ("q5 k256", lambda: _patched(QM, "QMMA_CONFIGS", q5(block_k=256), lambda: bench_runner(
+        ("q5 k256", lambda: _patched(QM, "QMMA_CONFIGS", cfgs(Q5_0={"block_k": 256}), lambda: bench_runner(
             m, "triton_q5_k256", SLOTS, out, rows, bw))),
-        ("q5 n64 k256", lambda: _patched(QM, "QMMA_CONFIGS", q5(block_n=64, block_k=256), lambda: bench_runner(
+        ("q5 n64 k256", lambda: _patched(QM, "QMMA_CONFIGS", cfgs(Q5_0={"block_n": 64, "block_k": 256}),
+                                    lambda: bench_runner(
             m, "triton_q5_n64_k256", SLOTS, out, rows, bw))),
         ("tuned", lambda: tuned(lambda: bench_runner(m, "triton_tuned", SLOTS, out, rows, bw))),
         ("q8 head", lambda: _patched(tr, "HEAD_MATMUL", "q8dense", lambda: bench_runner(
