@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .pdl import enter, launch_kw
-from .qmma import QMMA_PRECISIONS, dot_acc
+from .qmma import DENSE_PRECISIONS, dot_acc
 
 
 @dataclass(frozen=True)
@@ -53,17 +53,28 @@ DENSE_INTERPRETER_MIN_BLOCK_N = 128  # fewer, wider programs under the CPU inter
 
 
 @triton.jit
-def _w_tile(w_rows, d_rows, k0, K, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, Q8: tl.constexpr):
+def _w_tile(w_rows, d_rows, k0, K, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, Q8: tl.constexpr,
+            PREC: tl.constexpr):
     """The [BLOCK_N, BLOCK_K] weight tile at K offset k0: the dense weight as stored, or (Q8) the
-    Q8_0 planes' d * q in float32 (exact; ``dot_acc`` rounds it as the dense copy was rounded)."""
+    Q8_0 planes' d * q: in float32 (exact; ``dot_acc`` rounds it as the dense copy was rounded),
+    or for PREC "f16" float16(d * q) (the float16 dense copy's values)."""
     k = k0 + tl.arange(0, BLOCK_K)
     mask = nmask[:, None] & (k < K)[None, :]
     if Q8:
-        q = tl.load(w_rows + k[None, :], mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        u = tl.load(w_rows + k[None, :], mask=mask, other=0)
         j = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         dd = tl.load(d_rows + j[None, :], mask=nmask[:, None] & (j * 32 < K)[None, :], other=0.0)
-        w = tl.reshape(tl.reshape(q, [BLOCK_N, BLOCK_K // 32, 32]) * dd.to(tl.float32)[:, :, None],
-                       [BLOCK_N, BLOCK_K])
+        if PREC == "f16":
+            # q exactly, in float16 arithmetic: the bits 0x6400 | (q + 128) are 1024 + q + 128, so
+            # one OR and one subtraction replace the integer-to-float conversion (a quarter-rate
+            # instruction on sm_90, which bound the bf16 form at ~2.1 TB/s); then the scale in
+            # float16 (d is float16: one rounding, to nearest, on both paths)
+            q = ((u.to(tl.uint16) ^ 0x80) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
+            dq = dd.to(tl.float16)
+        else:
+            q = u.to(tl.int8, bitcast=True).to(tl.float32)
+            dq = dd.to(tl.float32)
+        w = tl.reshape(tl.reshape(q, [BLOCK_N, BLOCK_K // 32, 32]) * dq[:, :, None], [BLOCK_N, BLOCK_K])
     else:
         w = tl.load(w_rows + k[None, :], mask=mask, other=0.0)
     return w
@@ -86,7 +97,7 @@ def _k_step(acc, k0, K, x_ptr, stride_xm, m, mmask, w_rows, d_rows, nmask,
             Q8: tl.constexpr):
     """acc += the K step at k0 of the tile's product (the weight tile, x^T, one dot_acc)."""
     k = k0 + tl.arange(0, BLOCK_K)
-    w = _w_tile(w_rows, d_rows, k0, K, nmask, BLOCK_N, BLOCK_K, Q8)
+    w = _w_tile(w_rows, d_rows, k0, K, nmask, BLOCK_N, BLOCK_K, Q8, PREC)
     xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=(k < K)[:, None] & mmask[None, :], other=0.0)
     return dot_acc(acc, w, xt, PREC, USE_DOT)
 
@@ -138,9 +149,9 @@ def dense_mma(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16", out: torch.T
     """float32 [M, N] = x[M, K] @ w^T. w: bfloat16 [N, K] for prec "bf16", float32 for
     "tf32x3", unit stride along K; x float32 or bfloat16 [M, K]. Row i equals the product of
     x[i:i+1] alone, bitwise. ``use_dot``: tl.dot (default on a GPU) or the tl.sum form."""
-    if prec not in QMMA_PRECISIONS:
-        raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(QMMA_PRECISIONS)}")
-    want = torch.bfloat16 if prec == "bf16" else torch.float32
+    if prec not in DENSE_PRECISIONS:
+        raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(DENSE_PRECISIONS)}")
+    want = {"bf16": torch.bfloat16, "f16": torch.float16}.get(prec, torch.float32)
     if w.dim() != 2 or w.dtype != want or w.stride(1) != 1:
         raise ValueError(f"w must be {want} [N, K] with unit stride along K for prec={prec!r}, "
                          f"got {w.dtype} {tuple(w.shape)}")
@@ -194,8 +205,8 @@ def q8_dense_mma(x: torch.Tensor, w, prec: str = "bf16", out: torch.Tensor | Non
     ``dense_mma``; its results are those of ``dense_mma`` on the dequantized copy under the
     interpreter (same operands, same order); on a GPU the MMA takes its operand from registers
     instead of memory, one fixed choice per weight either way."""
-    if prec not in QMMA_PRECISIONS:
-        raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(QMMA_PRECISIONS)}")
+    if prec not in DENSE_PRECISIONS:
+        raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(DENSE_PRECISIONS)}")
     if getattr(w, "fmt", None) is None or w.fmt.name != "Q8_0":
         raise ValueError("q8_dense_mma takes a Q8_0 PackedWeight (kernels.qmatmul.pack_weights)")
     N, K = w.N, w.K
@@ -207,6 +218,6 @@ def q8_dense_mma(x: torch.Tensor, w, prec: str = "bf16", out: torch.Tensor | Non
 
 
 def dense_mma_ref(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16") -> torch.Tensor:
-    """float64 reference of the same product (x rounded to bfloat16 for "bf16")."""
-    xr = x.to(torch.bfloat16) if prec == "bf16" else x
+    """float64 reference of the same product (x rounded to bfloat16 for "bf16", float16 for "f16")."""
+    xr = x.to({"bf16": torch.bfloat16, "f16": torch.float16}.get(prec, x.dtype))
     return xr.double() @ w.double().T

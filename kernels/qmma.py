@@ -108,6 +108,9 @@ QMMA_WIDE_CONFIGS: dict[str, MmaConfig] = {
     "Q8_0": MmaConfig(block_n=64, block_k=128, num_warps=4, num_stages=1, prefetch=0),
 }
 QMMA_PRECISIONS = ("bf16", "tf32x3")
+# The dense head's products may also take float16 operands ("f16": dense_mma / q8_dense_mma only,
+# where the runner has proved at load that x and the weights stay inside float16's range)
+DENSE_PRECISIONS = (*QMMA_PRECISIONS, "f16")
 QMMA_INTERPRETER_MIN_BLOCK_N = 128  # fewer, wider programs under the CPU interpreter
 
 
@@ -148,7 +151,14 @@ def dot_acc(acc, w, xt, PREC: tl.constexpr, USE_DOT: tl.constexpr):
     """acc[BN, BM] += w[BN, K] @ xt[K, BM] at precision PREC (the module docstring's): w float32
     (rounded here for "bf16") or already bfloat16; tl.dot, or under the interpreter the same
     products summed with tl.sum."""
-    if PREC == "bf16":
+    if PREC == "f16":  # float16 operands (RN on both paths), exact float32 products
+        wh = w if w.dtype == tl.float16 else w.to(tl.float16)
+        xh = xt.to(tl.float32).to(tl.float16)
+        if USE_DOT:
+            acc = tl.dot(wh, xh, acc)
+        else:
+            acc += tl.sum(wh.to(tl.float32)[:, :, None] * xh.to(tl.float32)[None, :, :], axis=1)
+    elif PREC == "bf16":
         if w.dtype == tl.bfloat16:
             wb = w
         else:

@@ -47,7 +47,8 @@ def _argmax_chunks_kernel(x_ptr, pval_ptr, pidx_ptr, V, stride_x, num_chunks, BL
 
 
 @triton.jit
-def _argmax_rows_kernel(pval_ptr, pidx_ptr, o_ptr, num_chunks, CHUNKS_P: tl.constexpr, PDL: tl.constexpr):
+def _argmax_rows_kernel(pval_ptr, pidx_ptr, o_ptr, ids_ptr, pos_ptr, num_chunks, CHUNKS_P: tl.constexpr,
+                        FEED: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)
     r = tl.program_id(0)
     c = tl.arange(0, CHUNKS_P)
@@ -56,10 +57,16 @@ def _argmax_rows_kernel(pval_ptr, pidx_ptr, o_ptr, num_chunks, CHUNKS_P: tl.cons
     idx = tl.load(pidx_ptr + r * num_chunks + c, mask=valid, other=2147483647)
     _, i = _best(vals, idx, valid)
     tl.store(o_ptr + r, i.to(tl.int64))
+    if FEED:  # the row's next decode input: this token at the next position
+        tl.store(ids_ptr + r, i.to(ids_ptr.dtype.element_ty))
+        tl.store(pos_ptr + r, tl.load(pos_ptr + r) + 1)
 
 
-def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """int64 [R]: argmax of each row of logits [R, V] (float32/bfloat16, unit stride on V)."""
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None,
+           feed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """int64 [R]: argmax of each row of logits [R, V] (float32/bfloat16, unit stride on V).
+    ``feed`` = (ids, pos), integer [R] each: also ids[r] = the argmax and pos[r] += 1 (a decode
+    graph's next inputs, in the same launch rather than two more kernels)."""
     if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16) or logits.stride(1) != 1:
         raise ValueError(f"logits must be float32/bfloat16 [R, V] with unit stride on V, got {logits.dtype} {tuple(logits.shape)}")
     R, V = logits.shape
@@ -72,6 +79,9 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
         out = torch.empty(R, dtype=torch.int64, device=logits.device)
     elif out.shape != (R,) or out.dtype != torch.int64 or out.device != logits.device:
         raise ValueError(f"out must be int64 [{R}] on {logits.device}")
+    if feed is not None and any(t.shape != (R,) or t.dtype not in (torch.int32, torch.int64) or t.device != logits.device
+                                for t in feed):
+        raise ValueError(f"feed must be two int32/int64 [{R}] tensors on {logits.device}")
     if R == 0:
         return out
     pval = torch.empty((R, num_chunks), dtype=torch.float32, device=logits.device)
@@ -79,7 +89,9 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     _argmax_chunks_kernel[(R, num_chunks)](
         logits, pval, pidx, V, logits.stride(0), num_chunks, BLOCK_V=ARGMAX_BLOCK_V, num_warps=ARGMAX_NUM_WARPS, **launch_kw(logits),
     )
-    _argmax_rows_kernel[(R,)](pval, pidx, out, num_chunks, CHUNKS_P=triton.next_power_of_2(num_chunks), num_warps=ARGMAX_NUM_WARPS, **launch_kw(logits))
+    ids, pos = feed if feed is not None else (out, out)
+    _argmax_rows_kernel[(R,)](pval, pidx, out, ids, pos, num_chunks, CHUNKS_P=triton.next_power_of_2(num_chunks),
+                              FEED=feed is not None, num_warps=ARGMAX_NUM_WARPS, **launch_kw(logits))
     return out
 
 

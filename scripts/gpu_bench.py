@@ -687,6 +687,22 @@ def stage_s8_sweep(m, out: Path, rows: list, bw: float) -> None:
     ])
 
 
+def stage_q8f16_sweep(m, out: Path, rows: list, bw: float) -> None:
+    """Session 9: the Q8_0 head from its planes with float16 operands (no conversion instruction
+    per weight) in tilings around the dense head's (64 outputs x 128 weights, 3 stages, 2
+    programs per multiprocessor, 32 rows)."""
+    from workbench.kernels import dense_mma as DM
+
+    def cfg(**kw):
+        return DM, "DENSE_CONFIG", replace(DM.DenseConfig(), **kw)
+
+    stage_sweep(m, out, rows, bw, "s9 q8f16", [
+        (label, cfg(**kw), {"head_matmul": "q8f16"}) for label, kw in (
+            ("n128", dict(block_n=128)), ("k256", dict(block_k=256)), ("k64 s6", dict(block_k=64, num_stages=6)),
+            ("s4", dict(num_stages=4)), ("s2", dict(num_stages=2)), ("p3", dict(programs_per_sm=3)),
+            ("p1", dict(programs_per_sm=1)), ("w8 n128", dict(block_n=128, num_warps=8)))])
+
+
 def stage_torch_path(path: str, out: Path, rows: list, device: str = "cuda", slots=(1, 4, 16), gen: int = 32) -> None:
     """The torch reference path (workbench.model, TorchRunner) on the GPU, through Engine: the
     model's tensors moved to the device and torch's default device set, so its step-local
@@ -852,6 +868,10 @@ def main_stage(args) -> None:
         ("rope attn same bits", lambda: stage_same_bits(m, out, exact_rows, "QK-norm/rope/KV in attention",
                                                         lambda fn: _patched(tr, "ROPE_IN_ATTENTION", True, fn))),
         ("s8 sweep", lambda: stage_s8_sweep(m, out, rows, bw)),
+        ("q8f16", lambda: bench_runner(m, "triton_q8f16_head", SLOTS, out, rows, bw, head_matmul="q8f16")),
+        ("q8f16 sweep", lambda: stage_q8f16_sweep(m, out, rows, bw)),
+        ("q8f16 exact", lambda: _patched(tr, "HEAD_MATMUL", "q8f16", lambda: stage_exact(m, out, exact_rows))),
+        ("q8f16 profile", lambda: _patched(tr, "HEAD_MATMUL", "q8f16", lambda: stage_profile(m, out, prof_rows))),
         ("preload sweep", lambda: stage_sweep(m, out, rows, bw, "s8", [
             ("q5 preload", (QM, "QMMA_CONFIGS", cfgs(Q5_0={"preload": True})), {}),
             ("q5 k64 preload", (QM, "QMMA_CONFIGS", cfgs(Q5_0={"block_k": 64, "preload": True})), {}),

@@ -116,6 +116,7 @@ VARIANTS = {
     "slices": "slices",  # per-format K slices: 128 for the Q5_0-led and K-quant products
     "tuned": "tuned",  # the three above together
     "q8head": {"head_matmul": "q8dense"},  # the head's products from its Q8_0 planes
+    "q8f16": {"head_matmul": "q8f16"},  # the same with float16 operands
     "pair": {"pair_launch": True},  # the mixed-format q|k|v as one launch
     "rope_attn": {"rope_in_attention": True},  # QK-norm/rope/KV as the attention programs' prologue
     "q8stream": "q8stream",  # the same, streaming form (DenseConfig.programs_per_sm)

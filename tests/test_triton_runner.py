@@ -285,7 +285,8 @@ def test_dense_head_is_close_and_invariant(tiny_model, dtype):
     m = tiny_model("gemma3", dtype, "Q8_0", sliding_window=WINDOW)
     a, b = _tokens(m, 13, 11, 5)
     runs = {}
-    for head in ("mma", "dense", "q8dense"):
+    heads = ("mma", "dense", "q8dense", "q8f16") if dtype == "bfloat16" else ("mma", "dense", "q8dense")
+    for head in heads:
         r = TritonRunner(m, 256, graphs=False, matmul="mma", head_matmul=head)
         runs[head] = (_solo(r, a, 10), r.launches, r)
     tol = 1e-4 if dtype == "float32" else 2e-2
@@ -294,13 +295,38 @@ def test_dense_head_is_close_and_invariant(tiny_model, dtype):
     assert torch.equal(runs["q8dense"][0], runs["dense"][0])
     assert runs["dense"][2].head.parts[0][1].form == "dense" and runs["dense"][2].head.parts[0][1].packed is None
     assert runs["q8dense"][2].head.parts[0][1].form == "q8dense" and runs["q8dense"][2].head.parts[0][1].dense is None
-    for head in ("dense", "q8dense"):
+    for head in heads[1:]:
         _assert_batched_is_solo(runs[head][2], a, b, 10, runs[head][0])
-    with pytest.raises(WorkbenchError, match="allowed mma, gemv, dense, q8dense"):
+    if dtype == "bfloat16":  # float16 operands: closer to the exact product than bfloat16's
+        assert runs["q8f16"][2].head.parts[0][1].form == "q8f16" and runs["q8f16"][1] == runs["dense"][1]
+        torch.testing.assert_close(runs["q8f16"][0], runs["dense"][0], rtol=tol, atol=tol)
+    with pytest.raises(WorkbenchError, match="allowed mma, gemv, dense, q8dense, q8f16"):
         TritonRunner(m, 64, graphs=False, matmul="mma", head_matmul="cublas")
     m5 = tiny_model("gemma3", dtype, "Q5_0", sliding_window=WINDOW)
     with pytest.raises(WorkbenchError, match="reads a Q8_0 head; this head is Q5_0"):
         TritonRunner(m5, 64, graphs=False, matmul="mma", head_matmul="q8dense")
+
+
+def test_f16_head_only_where_float16_provably_holds(tiny_model, monkeypatch):
+    """head_matmul="q8f16" is refused, with the reason, where float16 operands are not proved
+    safe: a float32 engine, a non-Q8_0 head, an output norm whose bound sqrt(K) * max|g| passes
+    float16's range. As the default (HEAD_MATMUL) it falls back to "dense" there instead."""
+    from workbench import triton_runner
+
+    m32 = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
+    with pytest.raises(WorkbenchError, match="q8f16.*refused: a float32 engine's head"):
+        TritonRunner(m32, 64, graphs=False, head_matmul="q8f16")
+    m5 = tiny_model("gemma3", "bfloat16", "Q5_0", sliding_window=WINDOW)
+    with pytest.raises(WorkbenchError, match=r"refused: the head \(token_embd.weight\) is Q5_0"):
+        TritonRunner(m5, 64, graphs=False, head_matmul="q8f16")
+    m = tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW)
+    assert TritonRunner(m, 64, graphs=False, head_matmul="q8f16").head_matmul == "q8f16"
+    monkeypatch.setattr(m, "output_norm", m.output_norm * 1e5)  # sqrt(K) * max|g| beyond 65504
+    with pytest.raises(WorkbenchError, match="its input may reach .* beyond float16's 65504"):
+        TritonRunner(m, 64, graphs=False, head_matmul="q8f16")
+    monkeypatch.setattr(triton_runner, "HEAD_MATMUL", "q8f16")
+    for model, form in ((m, "dense"), (m32, "dense"), (m5, "dense")):
+        assert TritonRunner(model, 64, graphs=False).head_matmul == form
 
 
 def test_bf16_attention_products_are_invariant(tiny_model):

@@ -14,6 +14,7 @@ unchanged by a common permutation of q and k, and V is not permuted.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,8 +77,8 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
                         head_form: str, dense: str = "quant") -> DeviceWeights:
     """Every weight of ``model`` on ``device`` in the runner's layout. ``matmul``: the layers'
     form ("raw" keeps GGUF bytes, else packed planes), ``layer_forms``: per-format overrides,
-    ``head_form``: the head's ("dense": dequantized once, for ``kernels.dense_mma``; "q8dense": a
-    Q8_0 head's packed planes for ``kernels.dense_mma.q8_dense_mma``).
+    ``head_form``: the head's ("dense": dequantized once, for ``kernels.dense_mma``; "q8dense" and
+    "q8f16": a Q8_0 head's packed planes for ``kernels.dense_mma.q8_dense_mma``).
     ``dense="cublas_bf16"`` also keeps bf16 copies for the non-invariant comparison variant."""
     from .kernels import qmatmul as qm
     from .kernels.quant_tiles import FORMATS
@@ -187,8 +188,8 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
         head.dense = model.head.to(device).contiguous()  # (the model's compute dtype: the products' precision)
         head.form = "dense"
         nbytes += head.dense.numel() * head.dense.element_size()
-    elif packed and head_form == "q8dense" and head.fmt.name != "Q8_0":
-        raise WorkbenchError(f"head_matmul='q8dense' reads a Q8_0 head; this head is {head.fmt.name}: "
+    elif packed and head_form in ("q8dense", "q8f16") and head.fmt.name != "Q8_0":
+        raise WorkbenchError(f"head_matmul={head_form!r} reads a Q8_0 head; this head is {head.fmt.name}: "
                              f"allowed dense, mma, gemv")
     elif packed:  # (tied: a packed copy beside the embedding's raw bytes)
         head.packed = qm.pack_weights(head.raw, head.fmt.name, head.N, head.K)
@@ -202,3 +203,30 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
         dense_head = head.dense if same else model.head.to(torch.bfloat16).to(device)
     return DeviceWeights(layers, emb, Proj([(0, head)], head.N, head.K, 1, dense_head), output_norm, nbytes,
                          nbytes - table_bytes)
+
+
+F16_MAX = 65504.0  # the largest finite float16
+
+
+def f16_head_refusal(model: Model) -> str | None:
+    """Why the head's products may not take float16 operands (``head_matmul="q8f16"``), or None.
+
+    float16 must hold every operand, for any input. The weights float16(d * q), |q| <= 128: max|d|
+    * 128. The head's input is the output norm's y = x / sqrt(mean(x^2) + eps) * g, and since
+    x_i^2 <= K * mean(x^2) for any x, |y_i| <= sqrt(K) * |g_i|. Both bounds with a 1% margin for
+    float32 rounding. Only a bfloat16 engine's head (a float32 engine's keeps tf32x3's accuracy)."""
+    c = model.config
+    if model.dtype != torch.bfloat16:
+        return f"a {model.dtype_name} engine's head keeps its float32 products (float16 operands are for bfloat16 engines)"
+    name = "token_embd.weight" if c.tied_output else "output.weight"
+    t = model.source.tensors.get(name)
+    if t is None or t.qtype_name != "Q8_0":
+        return f"the head ({name}) is {t.qtype_name if t is not None else 'missing'}, not Q8_0"
+    blocks = np.asarray(model.source.raw(name)).reshape(-1, 34)  # block_q8_0: f16 d, then 32 int8
+    wmax = float(np.abs(np.ascontiguousarray(blocks[:, :2]).view(np.float16)).astype(np.float32).max()) * 128
+    xmax = math.sqrt(t.shape[1]) * float(model.output_norm.abs().max())
+    if not wmax * 1.01 < F16_MAX:
+        return f"its weights reach {wmax:.4g} (max |d| * 128), beyond float16's {F16_MAX:g}"
+    if not xmax * 1.01 < F16_MAX:
+        return (f"its input may reach {xmax:.4g} (sqrt(K) * max |output norm|), beyond float16's {F16_MAX:g}")
+    return None

@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from .device_weights import Proj, load_device_weights
+from .device_weights import Proj, f16_head_refusal, load_device_weights
 from .errors import WorkbenchError
 from .model import Model
 from .planner import SlotView
@@ -70,6 +70,15 @@ MATMUL_FORMS = ("mma", "gemv", "raw")
 # A per-weight choice (fixed at load, by the weight, never by the row count), so rows stay
 # invariant whichever form each weight takes.
 HEAD_MATMUL: str | None = "dense"
+# The head's forms on tensor cores beside the layers' (kernels/dense_mma.py): "dense" (above),
+# "q8dense" (the same products from the Q8_0 planes, d * q formed per K step: no faster, bound
+# by the per-weight int-to-float conversion, session 7) and "q8f16": the Q8_0 planes with float16
+# operands (float16(d * q) formed in float16 arithmetic from the bits of q, x rounded to
+# float16, exact float32 products and sums): no conversion instruction per weight, 178 MB read
+# instead of 335, and closer to the exact product than bfloat16 operands. Taken only by a
+# bfloat16 engine whose head provably fits float16 (device_weights.f16_head_refusal); asked
+# for explicitly otherwise it is refused, as the default it falls back to "dense".
+HEAD_DENSE_FORMS = ("dense", "q8dense", "q8f16")
 # Per-format overrides of the layers' form: again fixed per weight. Q8_0 layer weights (Gemma 3
 # 270M's V projections and some others) on the FMA GEMV: faster at every slot count in three
 # leases (session 5, H200: 0.794 -> 0.767 ms at 1 slot, 1.221 -> 1.186 at 32).
@@ -203,7 +212,12 @@ class TritonRunner:
         # raw GGUF bytes or packed planes is one choice for all weights; the packed forms mix
         allowed = ("raw",) if self.matmul == "raw" else ("mma", "gemv")
         # the head may also take a dequantized copy on tensor cores (kernels.dense_mma)
-        head_allowed = allowed if self.matmul == "raw" else (*allowed, "dense", "q8dense")
+        head_allowed = allowed if self.matmul == "raw" else (*allowed, *HEAD_DENSE_FORMS)
+        if self.head_matmul == "q8f16" and (why := f16_head_refusal(model)) is not None:
+            if head_matmul == "q8f16":
+                raise WorkbenchError(f"head_matmul='q8f16' (float16 operands) is refused: {why}; allowed "
+                                     f"{', '.join(f for f in head_allowed if f != 'q8f16')}")
+            self.head_matmul = "dense"  # the default where float16 cannot be proved safe
         for what, form, ok in [("head_matmul", self.head_matmul, head_allowed),
                                *(("layer_forms", f, allowed) for f in self.layer_forms.values())]:
             if form not in ok:
@@ -433,8 +447,9 @@ class TritonRunner:
                 self._dense.dense_mma(x, w.dense, self.mma_prec, out=part[0, :, off:], use_dot=self.use_dot)
                 self.launches += 1
                 continue
-            if w.form == "q8dense":  # (a Q8_0 head) dense_mma's products from the packed planes
-                self._dense.q8_dense_mma(x, w.packed, self.mma_prec, out=part[0, :, off:], use_dot=self.use_dot)
+            if w.form in ("q8dense", "q8f16"):  # (a Q8_0 head) dense_mma's products from the packed planes
+                prec = "f16" if w.form == "q8f16" else self.mma_prec
+                self._dense.q8_dense_mma(x, w.packed, prec, out=part[0, :, off:], use_dot=self.use_dot)
                 self.launches += 1
                 continue
             if w.packed is not None:
@@ -733,12 +748,11 @@ class TritonRunner:
             self._forward(ids, pos, seq, bucket, max_pos, logits_out=self._g_logits[:bucket])
         finally:
             self._persist_now = self._decode_graph = False
-        # greedy fast path: the next step's inputs, on the device (the engine overwrites them)
+        # greedy fast path: the next step's inputs (token, position + 1) written on the device by
+        # the argmax's second launch (the engine overwrites them where it feeds other inputs)
         with self._pdl.enabled(self.pdl):
-            argmax(self._g_logits[:bucket], out=self._g_tok[:bucket])
-        self._g_in[0, :bucket].copy_(self._g_tok[:bucket])
-        self._g_in[1, :bucket].add_(1)
-        self.launches += 4
+            argmax(self._g_logits[:bucket], out=self._g_tok[:bucket], feed=(ids, pos))
+        self.launches += 2
 
     def _graph_for(self, rows: int, max_pos: int) -> _Graph:
         bucket = next(b for b in BUCKETS if b >= rows)

@@ -7,11 +7,14 @@ import torch
 from workbench.kernels.dense_mma import DenseConfig, dense_mma, dense_mma_ref
 
 
-@pytest.mark.parametrize("prec", ["bf16", "tf32x3"])
+OPERAND = {"bf16": torch.bfloat16, "f16": torch.float16, "tf32x3": torch.float32}  # w's dtype per precision
+
+
+@pytest.mark.parametrize("prec", ["bf16", "tf32x3", "f16"])
 def test_dense_mma_matches_reference_and_rows_are_invariant(prec, device):
     gen = torch.Generator().manual_seed(3)
     N, K = 200, 160  # a partial N tile and a partial K step
-    w = (0.05 * torch.randn(N, K, generator=gen)).to(torch.bfloat16 if prec == "bf16" else torch.float32).to(device)
+    w = (0.05 * torch.randn(N, K, generator=gen)).to(OPERAND[prec]).to(device)
     x = torch.randn(18, K, generator=gen).to(device)  # two 16-row tiles
     y = dense_mma(x, w, prec)
     torch.testing.assert_close(y.double(), dense_mma_ref(x, w, prec), rtol=1e-5, atol=1e-5)
@@ -40,10 +43,11 @@ def test_dense_mma_rejects_bad_inputs(device):
     assert dense_mma(x[:0], w).shape == (0, 8)
 
 
-@pytest.mark.parametrize("prec", ["bf16", "tf32x3"])
+@pytest.mark.parametrize("prec", ["bf16", "tf32x3", "f16"])
 def test_q8_dense_mma_reads_the_packed_planes(prec, device, quant_rows):
     """q8_dense_mma: the Q8_0 packed planes (int8 quants, f16 scales) with d * q formed per K
-    step: the dequantized copy's operands at half its bytes. Under the interpreter bitwise
+    step: the dequantized copy's operands at half its bytes ("f16": float16(d * q) formed in
+    float16 arithmetic from q's bits, the float16 copy's values). Under the interpreter bitwise
     ``dense_mma`` on that copy (same operands, same order); anywhere close to the float64
     reference and rows bitwise invariant; non-Q8_0 weights refused."""
     from workbench.kernels.qmatmul import pack_weights
@@ -56,7 +60,7 @@ def test_q8_dense_mma_reads_the_packed_planes(prec, device, quant_rows):
     raw = quant_rows(fmt, N, K, 5, "cpu")
     pw = pack_weights(raw.to(device), "Q8_0", N, K)
     wf = dequant_ref(raw, "Q8_0", K).reshape(N, K)
-    w = wf.to(torch.bfloat16 if prec == "bf16" else torch.float32).to(device)
+    w = wf.to(OPERAND[prec]).to(device)
     x = torch.randn(18, K, generator=torch.Generator().manual_seed(6)).to(device)
     cfg = DenseConfig(block_n=64, block_k=64, num_stages=2, block_m=32)
     y = q8_dense_mma(x, pw, prec, config=cfg)

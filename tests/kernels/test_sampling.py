@@ -32,3 +32,17 @@ def test_argmax_is_batch_invariant(device):
     y = argmax(x)
     for r in range(5):
         assert torch.equal(y[r : r + 1], argmax(x[r : r + 1]))
+
+
+def test_argmax_feeds_the_next_inputs(device):
+    """feed=(ids, pos): the second launch also writes each row's argmax into ids and adds one to
+    pos (a decode graph's next inputs); the result is the plain call's; bad feeds refused."""
+    x = torch.randn(3, ARGMAX_BLOCK_V + 9, generator=torch.Generator().manual_seed(2)).to(device)
+    inputs = torch.tensor([[5, 6, 7], [10, 0, 99]], dtype=torch.int32, device=device)
+    tok = argmax(x, feed=(inputs[0], inputs[1]))
+    assert torch.equal(tok, argmax_ref(x))
+    assert inputs[0].tolist() == tok.tolist() and inputs[1].tolist() == [11, 1, 100]
+    with pytest.raises(ValueError, match="feed must be two int32/int64"):
+        argmax(x, feed=(inputs[0, :2], inputs[1]))
+    with pytest.raises(ValueError, match="feed must be two int32/int64"):
+        argmax(x, feed=(inputs[0].float(), inputs[1]))
