@@ -166,8 +166,9 @@ def dense_mma(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16", out: torch.T
 
 def _x_out(x: torch.Tensor, N: int, K: int, out: torch.Tensor | None) -> torch.Tensor:
     """x checked (float32/bfloat16 [M, K], unit stride); out checked, or a new float32 [M, N]."""
-    if x.dim() != 2 or x.shape[1] != K or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"x must be float32/bfloat16 [M, {K}] with unit stride, got {x.dtype} {tuple(x.shape)}")
+    if x.dim() != 2 or x.shape[1] != K or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16,
+                                                                               torch.float16):
+        raise ValueError(f"x must be float32/bfloat16/float16 [M, {K}] with unit stride, got {x.dtype} {tuple(x.shape)}")
     M = x.shape[0]
     if out is None:
         return torch.empty((M, N), dtype=torch.float32, device=x.device)

@@ -23,6 +23,10 @@ python3 -c 'import torch, triton, transformers; print("torch", torch.__version__
 echo "$SHA  $MODEL" | sha256sum -c || { ls -l "$MODEL"; exit 1; }
 stamp kernel_tests
 timeout ${KT_S:-90} python3 -m pytest -q -x -p no:cacheprovider ${KT_ARGS:-tests/kernels} 2>&1 | tail -5
+if [ "${HB_S:-0}" -gt 0 ]; then  # the head alone, each form and tiling (scripts/head_bench.py)
+  stamp head_bench
+  timeout $HB_S python3 scripts/head_bench.py --model "$MODEL" --out "$OUT" 2>&1 | tail -${HB_TAIL:-0}
+fi
 stamp main
 export STAGES=${STAGES:-mma graphs,cublas bf16 graphs,gemv graphs,mma seg64,mma seg32,mma exact,mma engine,mma profile,mma sweep}
 timeout ${MAIN_S:-330} python3 scripts/gpu_bench.py main --model "$MODEL" --out "$OUT" 2>&1 | tee "$OUT/main.log"
