@@ -320,7 +320,7 @@ def _check_part(part: torch.Tensor, n: int) -> None:
 def add_rmsnorm(x: torch.Tensor, part: torch.Tensor, w_post: torch.Tensor | None, w_next: torch.Tensor,
                 h: torch.Tensor, eps: float, num_warps: int | None = None) -> None:
     """In place: x[r] += rmsnorm(sum_s part[s, r]) * w_post (w_post None: the plain sum), then
-    h[r] = rmsnorm(x[r]) * w_next. x float32 [R, E]; h [R, E] float32/bfloat16. ``num_warps``:
+    h[r] = rmsnorm(x[r]) * w_next. x float32 [R, E]; h [R, E] float32/bfloat16/float16. ``num_warps``:
     default ADD_NORM_WARPS (one value per caller: the norms' sums follow it)."""
     R, E = x.shape
     _check_part(part, E)

@@ -870,6 +870,12 @@ def main_stage(args) -> None:
         ("s8 sweep", lambda: stage_s8_sweep(m, out, rows, bw)),
         ("q8f16", lambda: bench_runner(m, "triton_q8f16_head", SLOTS, out, rows, bw, head_matmul="q8f16")),
         ("q8f16 sweep", lambda: stage_q8f16_sweep(m, out, rows, bw)),
+        ("x f32", lambda: _patched(tr, "HEAD_X_HALF", False, lambda: bench_runner(
+            m, "triton_head_x_f32", SLOTS, out, rows, bw))),
+        ("q8f16 x f32", lambda: _patched(tr, "HEAD_X_HALF", False, lambda: bench_runner(
+            m, "triton_q8f16_head_x_f32", SLOTS, out, rows, bw, head_matmul="q8f16"))),
+        ("x half same bits", lambda: stage_same_bits(m, out, exact_rows, "head input in float32 (HEAD_X_HALF off)",
+                                                     lambda fn: _patched(tr, "HEAD_X_HALF", False, fn))),
         ("q8f16 exact", lambda: _patched(tr, "HEAD_MATMUL", "q8f16", lambda: stage_exact(m, out, exact_rows))),
         ("q8f16 profile", lambda: _patched(tr, "HEAD_MATMUL", "q8f16", lambda: stage_profile(m, out, prof_rows))),
         ("preload sweep", lambda: stage_sweep(m, out, rows, bw, "s8", [

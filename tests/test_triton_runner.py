@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workbench import Engine, EngineConfig
+from workbench import Engine, EngineConfig, triton_runner
 from workbench.errors import WorkbenchError
 from workbench.model import Segment as ModelSegment
 from workbench.scheduler import Segment
@@ -276,7 +276,7 @@ def _assert_batched_is_solo(r, a, b, n, solo):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_dense_head_is_close_and_invariant(tiny_model, dtype):
+def test_dense_head_is_close_and_invariant(tiny_model, dtype, monkeypatch):
     """head_matmul="dense": the head on its dequantized copy (kernels.dense_mma); "q8dense": the
     same products from the Q8_0 planes (kernels.dense_mma.q8_dense_mma, half the bytes). Logits
     close to the tensor-core head's on the packed blocks (same weight values, another K order),
@@ -300,6 +300,11 @@ def test_dense_head_is_close_and_invariant(tiny_model, dtype):
     if dtype == "bfloat16":  # float16 operands: closer to the exact product than bfloat16's
         assert runs["q8f16"][2].head.parts[0][1].form == "q8f16" and runs["q8f16"][1] == runs["dense"][1]
         torch.testing.assert_close(runs["q8f16"][0], runs["dense"][0], rtol=tol, atol=tol)
+        # the output norm writes the head's input in float16 (HEAD_X_HALF): the same logits
+        assert runs["q8f16"][2].head_x_dtype == torch.float16
+        monkeypatch.setattr(triton_runner, "HEAD_X_HALF", False)
+        r = TritonRunner(m, 256, graphs=False, matmul="mma", head_matmul="q8f16")
+        assert r.head_x_dtype is None and torch.equal(_solo(r, a, 10), runs["q8f16"][0])
     with pytest.raises(WorkbenchError, match="allowed mma, gemv, dense, q8dense, q8f16"):
         TritonRunner(m, 64, graphs=False, matmul="mma", head_matmul="cublas")
     m5 = tiny_model("gemma3", dtype, "Q5_0", sliding_window=WINDOW)
@@ -311,8 +316,6 @@ def test_f16_head_only_where_float16_provably_holds(tiny_model, monkeypatch):
     """head_matmul="q8f16" is refused, with the reason, where float16 operands are not proved
     safe: a float32 engine, a non-Q8_0 head, an output norm whose bound sqrt(K) * max|g| passes
     float16's range. As the default (HEAD_MATMUL) it falls back to "dense" there instead."""
-    from workbench import triton_runner
-
     m32 = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
     with pytest.raises(WorkbenchError, match="q8f16.*refused: a float32 engine's head"):
         TritonRunner(m32, 64, graphs=False, head_matmul="q8f16")

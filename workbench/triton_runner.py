@@ -79,6 +79,12 @@ HEAD_MATMUL: str | None = "dense"
 # bfloat16 engine whose head provably fits float16 (device_weights.f16_head_refusal); asked
 # for explicitly otherwise it is refused, as the default it falls back to "dense".
 HEAD_DENSE_FORMS = ("dense", "q8dense", "q8f16")
+# The output norm writes the head's input already rounded to the head's operand precision
+# (float16 for "q8f16"; bfloat16 for a bfloat16 "dense"/"q8dense" head, on a GPU only, where the
+# store rounds to nearest as the products' own rounding does; the CPU interpreter truncates): the
+# same logits, bitwise, and the head's programs read half the bytes of x from L2 (every output
+# tile reads all of x: 4,096 tiles x 80 KB at 32 rows in float32, as much as the weights).
+HEAD_X_HALF = True
 # Per-format overrides of the layers' form: again fixed per weight. Q8_0 layer weights (Gemma 3
 # 270M's V projections and some others) on the FMA GEMV: faster at every slot count in three
 # leases (session 5, H200: 0.794 -> 0.767 ms at 1 slot, 1.221 -> 1.186 at 32).
@@ -252,6 +258,11 @@ class TritonRunner:
         self.kv_dtype = kv_dtype or model.dtype
         # the tensor-core form's operand precision follows the engine's dtype
         self.mma_prec = "bf16" if model.dtype == torch.bfloat16 else "tf32x3"
+        self.head_x_dtype = None  # (None: the layers' h, float32)
+        if HEAD_X_HALF and self.head_matmul == "q8f16":
+            self.head_x_dtype = torch.float16
+        elif HEAD_X_HALF and self.head_matmul in ("dense", "q8dense") and self.mma_prec == "bf16" and self.use_dot:
+            self.head_x_dtype = torch.bfloat16
         weights = load_device_weights(model, self.device, matmul=self.matmul, layer_forms=self.layer_forms,
                                       head_form=self.head_matmul, dense=dense)
         self.layers, self.embed, self.head = weights.layers, weights.embed, weights.head
@@ -515,17 +526,19 @@ class TritonRunner:
         else:
             zeros = torch.zeros(R, dtype=torch.int32, device=dev)
             wins = torch.full((R,), max(c.sliding_window, 0), dtype=torch.int32, device=dev)
+        # the head's input: h, or a buffer at the head's operand precision (HEAD_X_HALF)
+        hx = h if self.head_x_dtype is None else torch.empty((R, E), dtype=self.head_x_dtype, device=dev)
         if self._persist_now:
-            self._layers_persistent(x, h, pos, seq, R, max_pos, zeros, wins)
+            self._layers_persistent(x, h, pos, seq, R, max_pos, zeros, wins, hx)
         else:
-            self._layers(x, h, pos, seq, R, max_pos, zeros, wins)
-        hs = h if sel is None else h.index_select(0, sel)
+            self._layers(x, h, pos, seq, R, max_pos, zeros, wins, hx)
+        hs = hx if sel is None else hx.index_select(0, sel)
         if logits_out is None:
             logits_out = torch.empty((hs.shape[0], self.vocab), dtype=torch.float32, device=dev)
         self._project(hs, self.head, out=logits_out)
         return logits_out
 
-    def _layers_persistent(self, x, h, pos, seq, R: int, max_pos: int, zeros, wins) -> None:
+    def _layers_persistent(self, x, h, pos, seq, R: int, max_pos: int, zeros, wins, hx) -> None:
         """The layer loop recorded and run as one persistent launch (kernels/persistent.py); the
         chain where a launch has no persistent item (remembered in ``persistent_off``)."""
         from .kernels import persistent as ps
@@ -533,12 +546,12 @@ class TritonRunner:
         before = self.launches
         try:
             with ps.record() as rec:
-                self._layers(x, h, pos, seq, R, max_pos, zeros, wins)
+                self._layers(x, h, pos, seq, R, max_pos, zeros, wins, hx)
             plan = rec.plan(self.device)
         except ps.Unsupported as e:
             self.persistent, self.persistent_off = False, str(e)
             self.launches = before
-            self._layers(x, h, pos, seq, R, max_pos, zeros, wins)
+            self._layers(x, h, pos, seq, R, max_pos, zeros, wins, hx)
             return
         if self._pctr is None or self._pctr.numel() < plan.stages + 1:
             if plan.stages + 1 > PERSISTENT_COUNTERS:
@@ -550,7 +563,7 @@ class TritonRunner:
         self._plan = plan
         self.launches = before + 1
 
-    def _layers(self, x, h, pos, seq, R: int, max_pos: int, zeros, wins) -> None:
+    def _layers(self, x, h, pos, seq, R: int, max_pos: int, zeros, wins, hx) -> None:
         """Every layer: x (float32 [R, E], the residual) and h (the next input, normed) in place."""
         from .kernels.attention import attention_rows
 
@@ -593,8 +606,9 @@ class TritonRunner:
                 part = self._project(h, L.gate_up)
                 self._fused.glu_from_parts(part, g, act)
                 self.launches += 1
-            nxt = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.output_norm
-            self._project_add_norm(g, L.down, x, L.post_ffw_norm, nxt, h)
+            last = li + 1 == len(self.layers)
+            nxt = self.output_norm if last else self.layers[li + 1].attn_norm
+            self._project_add_norm(g, L.down, x, L.post_ffw_norm, nxt, hx if last else h)
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def _begin(self, forward: Sequence[Segment], max_context: dict[int, int]) -> None:
