@@ -48,6 +48,11 @@ class DenseConfig:
 
 
 DENSE_CONFIG = DenseConfig()
+# The Q8_0-plane forms (``q8_dense_mma``): 3 programs per multiprocessor. Half the weight bytes
+# per tile means half the bytes in flight per program, and the head alone ran latency-bound
+# (H200, session 9, scripts/head_bench.py, 16 rows, x in float16: 129 us at 2 programs, 91 at 3;
+# 4 does not fit the registers). The dense copy stays at 2 (85 us at 2, 91 at 3).
+Q8_PROGRAMS_PER_SM = 3
 STREAM_INTERPRETER_PROGRAMS = 3  # the streaming form's grid under the CPU interpreter
 DENSE_INTERPRETER_MIN_BLOCK_N = 128  # fewer, wider programs under the CPU interpreter
 
@@ -214,7 +219,10 @@ def q8_dense_mma(x: torch.Tensor, w, prec: str = "bf16", out: torch.Tensor | Non
     out = _x_out(x, N, K, out)
     if x.shape[0] == 0:
         return out
-    _launch(x, w.qs, w.d, out, config or dense_config(x.device), prec, use_dot)
+    if config is None:
+        config = dense_config(x.device)
+        config = replace(config, programs_per_sm=Q8_PROGRAMS_PER_SM) if config.programs_per_sm else config
+    _launch(x, w.qs, w.d, out, config, prec, use_dot)
     return out
 
 
