@@ -703,6 +703,22 @@ def stage_q8f16_sweep(m, out: Path, rows: list, bw: float) -> None:
             ("p1", dict(programs_per_sm=1)), ("w8 n128", dict(block_n=128, num_warps=8)))])
 
 
+def stage_attn_sweep(m, out: Path, rows: list, bw: float) -> None:
+    """Session 9: keys per attention block at D = 256 (16 now: a 32-key segment is two serial
+    blocks) and per segment, and the attention warps."""
+    import workbench.triton_runner as tr
+
+    from workbench.kernels import attention as A
+
+    def n(bn):
+        return A, "ATTENTION_BLOCK_N", {**A.ATTENTION_BLOCK_N, 256: bn}
+
+    stage_sweep(m, out, rows, bw, "s9", [
+        ("attn n32", n(32), {}), ("attn n32 w8", [n(32), (tr, "ATTN_WARPS", 8)], {}),
+        ("seg64", None, {"attn_segment": 64}), ("attn n32 seg64", n(32), {"attn_segment": 64}),
+        ("attn n64 seg64", n(64), {"attn_segment": 64})])
+
+
 def stage_torch_path(path: str, out: Path, rows: list, device: str = "cuda", slots=(1, 4, 16), gen: int = 32) -> None:
     """The torch reference path (workbench.model, TorchRunner) on the GPU, through Engine: the
     model's tensors moved to the device and torch's default device set, so its step-local
@@ -870,6 +886,9 @@ def main_stage(args) -> None:
         ("s8 sweep", lambda: stage_s8_sweep(m, out, rows, bw)),
         ("q8f16", lambda: bench_runner(m, "triton_q8f16_head", SLOTS, out, rows, bw, head_matmul="q8f16")),
         ("q8f16 sweep", lambda: stage_q8f16_sweep(m, out, rows, bw)),
+        ("attn sweep", lambda: stage_attn_sweep(m, out, rows, bw)),
+        ("attn n32 exact", lambda: _patched(A, "ATTENTION_BLOCK_N", {**A.ATTENTION_BLOCK_N, 256: 32},
+                                            lambda: stage_exact(m, out, exact_rows))),
         ("x f32", lambda: _patched(tr, "HEAD_X_HALF", False, lambda: bench_runner(
             m, "triton_head_x_f32", SLOTS, out, rows, bw))),
         ("q8f16 x f32", lambda: _patched(tr, "HEAD_X_HALF", False, lambda: bench_runner(

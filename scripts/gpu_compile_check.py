@@ -108,6 +108,8 @@ VARIANTS = {
     "persistent_atomic": "persistent_atomic",
     "early": "early",  # kernels/pdl.py EARLY: release the next kernel before the wait
     "attn_prefetch": "attn_prefetch",  # attention.ATTENTION_PREFETCH: K/V lines to L2 before the wait
+    "attn_n32": "attn_n32",  # 32 keys per attention block at D = 256 (one block per 32-key segment)
+    "attn_n64": "attn_n64",  # 64-key segments in one 64-key block
     "q5k256": "q5k256",  # Q5_0 products in one 256-weight K step per program
     "preload": "preload",  # Q5_0 products fetch their second step's bytes before the wait
     "preload_k128": "preload_k128",  # the same, and Q4_K / Q6_K in two 128-weight steps
@@ -125,6 +127,8 @@ VARIANTS = {
 STEP_OPTIONS = {  # variant -> [(module, name, value)], set for the variant's forwards
     "early": [("pdl", "EARLY", True)],
     "attn_prefetch": [("attention", "ATTENTION_PREFETCH", True)],
+    "attn_n32": [("attention", "ATTENTION_BLOCK_N", {256: 32})],  # (merged into the table by _patch)
+    "attn_n64": [("attention", "ATTENTION_BLOCK_N", {256: 64}), ("runner", "ATTN_SEGMENT", 64)],
     "q5k256": [("qmma", "QMMA_CONFIGS", "q5k256")],
     "preload": [("qmma", "QMMA_CONFIGS", "preload")],
     "preload_k128": [("qmma", "QMMA_CONFIGS", "preload_k128")],
@@ -170,10 +174,11 @@ def check(model, name: str, kw) -> float:
             for k, cfg in table.items():
                 table[k] = replace(cfg, block_m=32)
         kw = {}
+    from workbench import triton_runner
     from workbench.kernels import attention, pdl, qmatmul
     from workbench.kernels import persistent as ps
 
-    mods = {"pdl": pdl, "attention": attention, "qmma": qmma, "qmatmul": qmatmul}
+    mods = {"pdl": pdl, "attention": attention, "qmma": qmma, "qmatmul": qmatmul, "runner": triton_runner}
     undo = []
     for mod, attr, value in STEP_OPTIONS.get(kw, []) if isinstance(kw, str) else []:
         undo.append((mods[mod], attr, getattr(mods[mod], attr)))
