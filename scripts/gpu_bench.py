@@ -768,6 +768,7 @@ def main_stage(args) -> None:
     from workbench.model import load_model
 
     FOLDS = {"FUSE_ADD_NORM": True, "FUSE_QK_ROPE": True}  # the two close (not bitwise) folds together
+    N64 = [(A, "ATTENTION_BLOCK_N", {**A.ATTENTION_BLOCK_N, 256: 64}), (tr, "ATTN_SEGMENT", 64)]  # (session 9)
     from workbench.kernels import pdl
     from workbench.kernels import qmatmul as QMm
     from workbench.kernels import qmma as QM
@@ -889,6 +890,13 @@ def main_stage(args) -> None:
         ("attn sweep", lambda: stage_attn_sweep(m, out, rows, bw)),
         ("attn n32 exact", lambda: _patched(A, "ATTENTION_BLOCK_N", {**A.ATTENTION_BLOCK_N, 256: 32},
                                             lambda: stage_exact(m, out, exact_rows))),
+        ("attn n64", lambda: _with(N64, lambda: bench_runner(m, "triton_attn_n64_seg64", SLOTS, out, rows, bw))),
+        ("attn n64 more", lambda: stage_sweep(m, out, rows, bw, "s9", [
+            ("attn n64 seg64 w8", N64 + [(tr, "ATTN_WARPS", 8)], {}),
+            ("attn n64 seg128", [(A, "ATTENTION_BLOCK_N", {**A.ATTENTION_BLOCK_N, 256: 64}), (tr, "ATTN_SEGMENT", 128)],
+             {})])),
+        ("attn n64 exact", lambda: _with(N64, lambda: stage_exact(m, out, exact_rows))),
+        ("attn n64 profile", lambda: _with(N64, lambda: stage_profile(m, out, prof_rows))),
         ("x f32", lambda: _patched(tr, "HEAD_X_HALF", False, lambda: bench_runner(
             m, "triton_head_x_f32", SLOTS, out, rows, bw))),
         ("q8f16 x f32", lambda: _patched(tr, "HEAD_X_HALF", False, lambda: bench_runner(
