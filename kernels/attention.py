@@ -45,9 +45,12 @@ from . import qmma as _qmma
 from .qmma import dot_acc, l2_prefetch_lines
 from .step_fused import qk_rope_kv_row, qk_rope_row_args
 
-# Keys per block, by padded head dim: keeps the product tiles near 16K floats. Fixed per model
-# shape, never per batch or chunk.
-ATTENTION_BLOCK_N: dict[int, int] = {16: 32, 32: 32, 64: 32, 128: 32, 256: 16, 512: 8}
+# Keys per block, by padded head dim, at most the segment (a shorter segment is one block):
+# fixed per model shape and runner, never per batch or chunk. D = 256 (Gemma 3): 64, so a
+# 64-key segment is one block rather than four serial ones (H200, session 9, runs 47-48: with
+# 64-key segments the step went 0.622 / 0.690 -> 0.613 / 0.669 ms at 1 / 16 slots; 16 was the
+# table's value since session 1, sized for float32 tiles near 16K floats).
+ATTENTION_BLOCK_N: dict[int, int] = {16: 32, 32: 32, 64: 32, 128: 32, 256: 64, 512: 8}
 ATTENTION_SEGMENT = 256  # keys per partial program (a multiple of every BLOCK_N)
 ATTENTION_SMALL_TILE = 8192  # QROWS * BLOCK_N * D_P up to this: 4 warps, above: 8
 # tl.dot precision on a GPU: "tf32x3" (about fp32; on an H200 1.5-2.5x faster than "ieee" for
@@ -69,7 +72,7 @@ def _attention_config(qrows: int, d_p: int) -> tuple[int, int]:
     """(BLOCK_N, num_warps): a function of the model's head shape only."""
     if d_p not in ATTENTION_BLOCK_N:
         raise ValueError(f"head dim up to {max(ATTENTION_BLOCK_N)} supported, got padded {d_p}")
-    block_n = ATTENTION_BLOCK_N[d_p]
+    block_n = min(ATTENTION_BLOCK_N[d_p], ATTENTION_SEGMENT)
     if ATTENTION_SEGMENT % block_n:
         raise ValueError(f"ATTENTION_SEGMENT={ATTENTION_SEGMENT} must be a multiple of BLOCK_N={block_n}")
     return block_n, (4 if qrows * block_n * d_p <= ATTENTION_SMALL_TILE else 8)

@@ -769,6 +769,7 @@ def main_stage(args) -> None:
 
     FOLDS = {"FUSE_ADD_NORM": True, "FUSE_QK_ROPE": True}  # the two close (not bitwise) folds together
     N64 = [(A, "ATTENTION_BLOCK_N", {**A.ATTENTION_BLOCK_N, 256: 64}), (tr, "ATTN_SEGMENT", 64)]  # (session 9)
+    OLD_ATTN = [(A, "ATTENTION_BLOCK_N", {**A.ATTENTION_BLOCK_N, 256: 16}), (tr, "ATTN_SEGMENT", 32)]  # (session 8)
     from workbench.kernels import pdl
     from workbench.kernels import qmatmul as QMm
     from workbench.kernels import qmma as QM
@@ -891,6 +892,7 @@ def main_stage(args) -> None:
         ("attn n32 exact", lambda: _patched(A, "ATTENTION_BLOCK_N", {**A.ATTENTION_BLOCK_N, 256: 32},
                                             lambda: stage_exact(m, out, exact_rows))),
         ("attn n64", lambda: _with(N64, lambda: bench_runner(m, "triton_attn_n64_seg64", SLOTS, out, rows, bw))),
+        ("attn old", lambda: _with(OLD_ATTN, lambda: bench_runner(m, "triton_attn_n16_seg32", SLOTS, out, rows, bw))),
         ("attn n64 more", lambda: stage_sweep(m, out, rows, bw, "s9", [
             ("attn n64 seg64 w8", N64 + [(tr, "ATTN_WARPS", 8)], {}),
             ("attn n64 seg128", [(A, "ATTENTION_BLOCK_N", {**A.ATTENTION_BLOCK_N, 256: 64}), (tr, "ATTN_SEGMENT", 128)],
