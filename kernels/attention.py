@@ -45,12 +45,15 @@ from . import qmma as _qmma
 from .qmma import dot_acc, l2_prefetch_lines
 from .step_fused import qk_rope_kv_row, qk_rope_row_args
 
-# Keys per block, by padded head dim, at most the segment (a shorter segment is one block):
-# fixed per model shape and runner, never per batch or chunk. D = 256 (Gemma 3): 64, so a
-# 64-key segment is one block rather than four serial ones (H200, session 9, runs 47-48: with
-# 64-key segments the step went 0.622 / 0.690 -> 0.613 / 0.669 ms at 1 / 16 slots; 16 was the
-# table's value since session 1, sized for float32 tiles near 16K floats).
-ATTENTION_BLOCK_N: dict[int, int] = {16: 32, 32: 32, 64: 32, 128: 32, 256: 64, 512: 8}
+# Keys per block, by padded head dim and the KV cache's element size, at most the segment (a
+# shorter segment is one block): fixed per model shape and runner, never per batch or chunk.
+# 4-byte K/V (a float32 engine's pool): tiles near 16K floats.
+ATTENTION_BLOCK_N: dict[int, int] = {16: 32, 32: 32, 64: 32, 128: 32, 256: 16, 512: 8}
+# 2-byte K/V (the bfloat16 pool): at D = 256 (Gemma 3) 64, so a 64-key segment is one block
+# rather than four serial ones (H200, session 9, runs 47-48: with the runner's 64-key segments
+# the step went 0.615 / 0.642 / 0.692 / 0.875 -> 0.609 / 0.626 / 0.668 / 0.843 ms at 1 / 4 / 16 /
+# 32 slots; 141 KB of shared memory at 4 warps, so float32 K/V keeps 16).
+ATTENTION_BLOCK_N_16BIT: dict[int, int] = {**ATTENTION_BLOCK_N, 256: 64}
 ATTENTION_SEGMENT = 256  # keys per partial program (a multiple of every BLOCK_N)
 ATTENTION_SMALL_TILE = 8192  # QROWS * BLOCK_N * D_P up to this: 4 warps, above: 8
 # tl.dot precision on a GPU: "tf32x3" (about fp32; on an H200 1.5-2.5x faster than "ieee" for
@@ -68,11 +71,12 @@ _LOG2E = 1.4426950408889634
 ATTENTION_PREFETCH = False
 
 
-def _attention_config(qrows: int, d_p: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps): a function of the model's head shape only."""
-    if d_p not in ATTENTION_BLOCK_N:
-        raise ValueError(f"head dim up to {max(ATTENTION_BLOCK_N)} supported, got padded {d_p}")
-    block_n = min(ATTENTION_BLOCK_N[d_p], ATTENTION_SEGMENT)
+def _attention_config(qrows: int, d_p: int, kv_bytes: int = 4) -> tuple[int, int]:
+    """(BLOCK_N, num_warps): a function of the model's head shape and KV element size only."""
+    table = ATTENTION_BLOCK_N_16BIT if kv_bytes == 2 else ATTENTION_BLOCK_N
+    if d_p not in table:
+        raise ValueError(f"head dim up to {max(table)} supported, got padded {d_p}")
+    block_n = min(table[d_p], ATTENTION_SEGMENT)
     if ATTENTION_SEGMENT % block_n:
         raise ValueError(f"ATTENTION_SEGMENT={ATTENTION_SEGMENT} must be a multiple of BLOCK_N={block_n}")
     return block_n, (4 if qrows * block_n * d_p <= ATTENTION_SMALL_TILE else 8)
@@ -361,7 +365,7 @@ def attention_rows(
     group = Hq // Hkv
     qrows = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
     d_p = max(16, triton.next_power_of_2(D))
-    block_n, warps = _attention_config(qrows, d_p)
+    block_n, warps = _attention_config(qrows, d_p, k_cache.element_size())
     num_warps = num_warps or warps
     num_seg = triton.cdiv(min(L_max, L_max if max_pos is None else max_pos + 1), ATTENTION_SEGMENT)
     ws_m = torch.empty((R, Hkv, num_seg, qrows), dtype=torch.float32, device=q.device)

@@ -710,13 +710,12 @@ def stage_attn_sweep(m, out: Path, rows: list, bw: float) -> None:
 
     from workbench.kernels import attention as A
 
-    def n(bn):
-        return A, "ATTENTION_BLOCK_N", {**A.ATTENTION_BLOCK_N, 256: bn}
+    def n(bn, seg=32):  # (run 47 against session 8's defaults: 16-key blocks, 32-key segments)
+        return [(A, "ATTENTION_BLOCK_N_16BIT", {**A.ATTENTION_BLOCK_N_16BIT, 256: bn}), (tr, "ATTN_SEGMENT", seg)]
 
     stage_sweep(m, out, rows, bw, "s9", [
-        ("attn n32", n(32), {}), ("attn n32 w8", [n(32), (tr, "ATTN_WARPS", 8)], {}),
-        ("seg64", None, {"attn_segment": 64}), ("attn n32 seg64", n(32), {"attn_segment": 64}),
-        ("attn n64 seg64", n(64), {"attn_segment": 64})])
+        ("attn n32", n(32), {}), ("attn n32 w8", [*n(32), (tr, "ATTN_WARPS", 8)], {}),
+        ("seg64", n(16, 64), {}), ("attn n32 seg64", n(32, 64), {}), ("attn n64 seg64", n(64, 64), {})])
 
 
 def stage_torch_path(path: str, out: Path, rows: list, device: str = "cuda", slots=(1, 4, 16), gen: int = 32) -> None:
@@ -768,8 +767,8 @@ def main_stage(args) -> None:
     from workbench.model import load_model
 
     FOLDS = {"FUSE_ADD_NORM": True, "FUSE_QK_ROPE": True}  # the two close (not bitwise) folds together
-    N64 = [(A, "ATTENTION_BLOCK_N", {**A.ATTENTION_BLOCK_N, 256: 64}), (tr, "ATTN_SEGMENT", 64)]  # (session 9)
-    OLD_ATTN = [(A, "ATTENTION_BLOCK_N", {**A.ATTENTION_BLOCK_N, 256: 16}), (tr, "ATTN_SEGMENT", 32)]  # (session 8)
+    N64 = [(A, "ATTENTION_BLOCK_N_16BIT", {**A.ATTENTION_BLOCK_N_16BIT, 256: 64}), (tr, "ATTN_SEGMENT", 64)]  # (s9)
+    OLD_ATTN = [(A, "ATTENTION_BLOCK_N_16BIT", {**A.ATTENTION_BLOCK_N_16BIT, 256: 16}), (tr, "ATTN_SEGMENT", 32)]  # (s8)
     from workbench.kernels import pdl
     from workbench.kernels import qmatmul as QMm
     from workbench.kernels import qmma as QM
@@ -889,13 +888,14 @@ def main_stage(args) -> None:
         ("q8f16", lambda: bench_runner(m, "triton_q8f16_head", SLOTS, out, rows, bw, head_matmul="q8f16")),
         ("q8f16 sweep", lambda: stage_q8f16_sweep(m, out, rows, bw)),
         ("attn sweep", lambda: stage_attn_sweep(m, out, rows, bw)),
-        ("attn n32 exact", lambda: _patched(A, "ATTENTION_BLOCK_N", {**A.ATTENTION_BLOCK_N, 256: 32},
-                                            lambda: stage_exact(m, out, exact_rows))),
+        ("attn n32 exact", lambda: _with([(A, "ATTENTION_BLOCK_N_16BIT", {**A.ATTENTION_BLOCK_N_16BIT, 256: 32}),
+                                          (tr, "ATTN_SEGMENT", 32)], lambda: stage_exact(m, out, exact_rows))),
         ("attn n64", lambda: _with(N64, lambda: bench_runner(m, "triton_attn_n64_seg64", SLOTS, out, rows, bw))),
         ("attn old", lambda: _with(OLD_ATTN, lambda: bench_runner(m, "triton_attn_n16_seg32", SLOTS, out, rows, bw))),
         ("attn n64 more", lambda: stage_sweep(m, out, rows, bw, "s9", [
             ("attn n64 seg64 w8", N64 + [(tr, "ATTN_WARPS", 8)], {}),
-            ("attn n64 seg128", [(A, "ATTENTION_BLOCK_N", {**A.ATTENTION_BLOCK_N, 256: 64}), (tr, "ATTN_SEGMENT", 128)],
+            ("attn n64 seg128", [(A, "ATTENTION_BLOCK_N_16BIT", {**A.ATTENTION_BLOCK_N_16BIT, 256: 64}),
+                                 (tr, "ATTN_SEGMENT", 128)],
              {})])),
         ("attn n64 exact", lambda: _with(N64, lambda: stage_exact(m, out, exact_rows))),
         ("attn n64 profile", lambda: _with(N64, lambda: stage_profile(m, out, prof_rows))),

@@ -108,8 +108,8 @@ VARIANTS = {
     "persistent_atomic": "persistent_atomic",
     "early": "early",  # kernels/pdl.py EARLY: release the next kernel before the wait
     "attn_prefetch": "attn_prefetch",  # attention.ATTENTION_PREFETCH: K/V lines to L2 before the wait
-    "attn_n32": "attn_n32",  # 32 keys per attention block at D = 256 (one block per 32-key segment)
-    "attn_n64": "attn_n64",  # 64-key segments in one 64-key block
+    "attn_n32": "attn_n32",  # 32-key segments in one 32-key block (D = 256, bf16 K/V)
+    "attn_old": "attn_old",  # session 8: 32-key segments in two 16-key blocks
     "q5k256": "q5k256",  # Q5_0 products in one 256-weight K step per program
     "preload": "preload",  # Q5_0 products fetch their second step's bytes before the wait
     "preload_k128": "preload_k128",  # the same, and Q4_K / Q6_K in two 128-weight steps
@@ -127,8 +127,8 @@ VARIANTS = {
 STEP_OPTIONS = {  # variant -> [(module, name, value)], set for the variant's forwards
     "early": [("pdl", "EARLY", True)],
     "attn_prefetch": [("attention", "ATTENTION_PREFETCH", True)],
-    "attn_n32": [("attention", "ATTENTION_BLOCK_N", {256: 32})],  # (merged into the table by _patch)
-    "attn_n64": [("attention", "ATTENTION_BLOCK_N", {256: 64}), ("runner", "ATTN_SEGMENT", 64)],
+    "attn_n32": [("attention", "ATTENTION_BLOCK_N_16BIT", {256: 32}), ("runner", "ATTN_SEGMENT", 32)],
+    "attn_old": [("attention", "ATTENTION_BLOCK_N_16BIT", {256: 16}), ("runner", "ATTN_SEGMENT", 32)],
     "q5k256": [("qmma", "QMMA_CONFIGS", "q5k256")],
     "preload": [("qmma", "QMMA_CONFIGS", "preload")],
     "preload_k128": [("qmma", "QMMA_CONFIGS", "preload_k128")],

@@ -92,7 +92,7 @@ LAYER_FORMS: dict[str, str] = {"Q8_0": "gemv"}
 # Keys per attention partial program, one value per runner (prefill and decode alike). Small
 # segments give a decode row at a short context several programs instead of one: on an H200
 # 32 vs 256 took the 1-slot step from 1.74 to 1.18 ms (docs/GPU_NOTES.md). 64 since session 9,
-# with 64-key blocks at D = 256 (kernels/attention.ATTENTION_BLOCK_N): one block per segment.
+# with 64-key blocks at D = 256 for bf16 K/V (kernels/attention.ATTENTION_BLOCK_N_16BIT): one block per segment.
 ATTN_SEGMENT = 64
 # The attention combine folded into the partial kernel (the last program of a row merges it):
 # one launch per layer instead of two, bitwise the same result.

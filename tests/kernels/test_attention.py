@@ -240,3 +240,20 @@ def test_rope_prologue_is_the_separate_kernel(norm, device, monkeypatch):
     assert not counters.any()
     with pytest.raises(ValueError, match="rope prologue needs the fused combine"):
         attention_rows(got[True][0], kp, vp, seq, pos, win, 0.2, rope=RopePrologue(part, qn, kn, inv, 1e-6))
+
+
+def test_keys_per_block_follow_shape_kv_size_and_segment(monkeypatch):
+    """Keys per block: by padded head dim and K/V element size (bf16 pools at D = 256 take 64,
+    float32 ones 16: their shared memory), never more than the segment; a segment that is not a
+    multiple of the block is refused."""
+    from workbench.kernels.attention import _attention_config
+
+    monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", 64)
+    assert _attention_config(16, 256, 2)[0] == 64 and _attention_config(16, 256, 4)[0] == 16
+    monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", 32)
+    assert _attention_config(16, 256, 2)[0] == 32 and _attention_config(16, 64, 4)[0] == 32
+    monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", 24)
+    with pytest.raises(ValueError, match="must be a multiple of BLOCK_N"):
+        _attention_config(16, 256, 4)
+    with pytest.raises(ValueError, match="head dim up to 512"):
+        _attention_config(16, 1024, 2)
