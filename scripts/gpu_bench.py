@@ -1053,6 +1053,8 @@ def load_rows(d: Path) -> list[dict]:
         except Exception:  # noqa: BLE001
             continue
         if isinstance(obj, list):  # (a run's row files; other JSON, e.g. gpu_sync_bench's, stays raw)
+            if f.name == "head_bench.json":  # (scripts/head_bench.py: the head alone)
+                obj = [{"stage": "head", **r} for r in obj]
             rows += obj
     return rows + llamacpp_rows(d / "llamacpp.jsonl")
 
@@ -1087,10 +1089,10 @@ def table(args) -> None:
 
 def to_parquet(args) -> None:
     """Tidy parquet of every run directory's bench rows (one row per variant x slots x run, with
-    the run's hardware fingerprint), plus the exactness and profile rows beside it."""
+    the run's hardware fingerprint), plus the exactness, profile and head-bench rows beside it."""
     import polars as pl
 
-    bench, exact, prof = [], [], []
+    bench, exact, prof, head = [], [], [], []
     for dname in args.dirs:
         d = Path(dname)
         fp = json.loads((d / "fingerprint.json").read_text()) if (d / "fingerprint.json").exists() else {}
@@ -1099,7 +1101,7 @@ def to_parquet(args) -> None:
                  "fingerprint": json.dumps(fp, default=str)}
             if "error" in r:
                 r["error"] = r["error"][-300:]
-            {"bench": bench, "copy_bw": bench, "profile": prof}.get(r.get("stage"), exact).append(r)
+            {"bench": bench, "copy_bw": bench, "profile": prof, "head": head}.get(r.get("stage"), exact).append(r)
     dest = Path(args.dest)
 
     def frame(rows):
@@ -1112,6 +1114,8 @@ def to_parquet(args) -> None:
     df = frame(bench)
     atomic_write_parquet(dest, df)
     atomic_write_parquet(dest.with_name(dest.stem.replace("bench", "profile") + ".parquet"), frame(prof))
+    if head:
+        atomic_write_parquet(dest.with_name(dest.stem.replace("bench", "head") + ".parquet"), frame(head))
     atomic_write_text(dest.with_name(dest.stem.replace("bench", "exact") + ".json"), json.dumps(exact, indent=1, default=str))
     print(df.select([c for c in ("run", "variant", "slots", "tok_s", "step_ms", "launches_per_step", "x_floor") if c in df.columns])
           .filter(pl.col("variant").is_not_null()).sort("variant", "slots", "run"))
