@@ -704,8 +704,8 @@ def stage_q8f16_sweep(m, out: Path, rows: list, bw: float) -> None:
 
 
 def stage_attn_sweep(m, out: Path, rows: list, bw: float) -> None:
-    """Session 9: keys per attention block at D = 256 (16 now: a 32-key segment is two serial
-    blocks) and per segment, and the attention warps."""
+    """Session 9 (run 47, against session 8's attention: 16-key blocks, two per 32-key segment):
+    keys per block at D = 256 and per segment, and the attention warps."""
     import workbench.triton_runner as tr
 
     from workbench.kernels import attention as A

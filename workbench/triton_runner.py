@@ -5,7 +5,8 @@ Same interface as `runner.TorchRunner` (the engine picks it with EngineConfig(ba
 * Weights (`device_weights.py`): the GGUF blocks go to the device ("cuda" if available, else
   "cpu" under TRITON_INTERPRET=1), regrouped once into packed planes (same bits); each weight
   takes one product kernel for its lifetime, chosen by format and role (MATMUL, LAYER_FORMS,
-  HEAD_MATMUL: the FMA GEMV or the tensor-core `kernels.qmma`), never by the row count.
+  HEAD_MATMUL: the FMA GEMV, the tensor-core `kernels.qmma`, or for the head `kernels.dense_mma`
+  on its dequantized copy or its Q8_0 planes), never by the row count.
   Same-format projections of one input are fused (q|k|v, gate|up). The tied embedding keeps its
   raw bytes for the gather. Llama's adjacent-pair rope becomes the kernels' NEOX rope by a row
   permutation of W_q and W_k.
@@ -14,7 +15,9 @@ Same interface as `runner.TorchRunner` (the engine picks it with EngineConfig(ba
 * Each step: embedding -> per layer [qkv product -> fused QK-norm + rope + KV write ->
   attention_rows (combine folded in) -> wo product -> fused (post-norm, residual add, next
   pre-norm) -> gate|up product with the GeGLU/SwiGLU folded in (its last program per column
-  pair) -> down product -> fused add+norm] -> head: 160 launches for Gemma 3 270M. The products
+  pair) -> down product -> fused add+norm] -> head -> argmax (two launches, the second also
+  writing the next step's inputs): 149 launches for Gemma 3 270M (the q|k|v of mixed formats as
+  one launch, PAIR_LAUNCH). The products
   write their fixed split-K partials and the consumer adds them in slice order, so no separate
   sum launch. On sm_90+ every kernel is chained to the previous one by programmatic dependent
   launch (kernels/pdl.py), and a product decodes its first weights before waiting for x. Every kernel computes a row from that row alone, with
