@@ -10,7 +10,9 @@ values that decode produces (``bf16(d * q)``, dequantized once at load: 335 MB i
 * Operands swapped as in ``qmma``: a program owns BLOCK_N outputs x a fixed tile of BLOCK_M rows
   (32; ``DenseConfig.block_m``) and computes ``y^T[BLOCK_N, BM] = W[BLOCK_N, K] @ x^T[K, BM]``.
 * Precision as ``qmma``'s: "bf16" (x rounded to bfloat16, products exact in float32, float32
-  accumulation; W bfloat16) or "tf32x3" (float32 W and x, three TF32 products).
+  accumulation; W bfloat16) or "tf32x3" (float32 W and x, three TF32 products); or "f16" (W and
+  x in float16, products exact in float32: for a head whose operands provably fit float16).
+  x may come already rounded to the operand type (the same bits, half the bytes read).
 * Invariance: tiles, K steps and their order are fixed by the weight's shape, M is not
   specialized, a row is one column of the MMA's output. Under the CPU interpreter the same
   products are a broadcast multiply + ``tl.sum`` (``qmma._plane_dot``'s reason).
@@ -71,9 +73,10 @@ def _w_tile(w_rows, d_rows, k0, K, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.con
         dd = tl.load(d_rows + j[None, :], mask=nmask[:, None] & (j * 32 < K)[None, :], other=0.0)
         if PREC == "f16":
             # q exactly, in float16 arithmetic: the bits 0x6400 | (q + 128) are 1024 + q + 128, so
-            # one OR and one subtraction replace the integer-to-float conversion (a quarter-rate
-            # instruction on sm_90, which bound the bf16 form at ~2.1 TB/s); then the scale in
-            # float16 (d is float16: one rounding, to nearest, on both paths)
+            # an OR and a (packed) subtraction replace the integer-to-float conversion, a
+            # quarter-rate instruction on sm_90; then the scale in float16 (d is float16: one
+            # rounding, to nearest, on both paths). On the H200 the conversion turned out not to
+            # be the bound: this form and the bf16 one both stay near 2 TB/s (GPU_NOTES, session 9)
             q = ((u.to(tl.uint16) ^ 0x80) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
             dq = dd.to(tl.float16)
         else:
@@ -151,8 +154,8 @@ def dense_config(device: torch.device | str = "cuda") -> DenseConfig:
 
 def dense_mma(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16", out: torch.Tensor | None = None,
               config: DenseConfig | None = None, use_dot: bool | None = None) -> torch.Tensor:
-    """float32 [M, N] = x[M, K] @ w^T. w: bfloat16 [N, K] for prec "bf16", float32 for
-    "tf32x3", unit stride along K; x float32 or bfloat16 [M, K]. Row i equals the product of
+    """float32 [M, N] = x[M, K] @ w^T. w: bfloat16 [N, K] for prec "bf16", float16 for "f16",
+    float32 for "tf32x3", unit stride along K; x float32, bfloat16 or float16 [M, K]. Row i equals the product of
     x[i:i+1] alone, bitwise. ``use_dot``: tl.dot (default on a GPU) or the tl.sum form."""
     if prec not in DENSE_PRECISIONS:
         raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(DENSE_PRECISIONS)}")
@@ -170,7 +173,7 @@ def dense_mma(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16", out: torch.T
 
 
 def _x_out(x: torch.Tensor, N: int, K: int, out: torch.Tensor | None) -> torch.Tensor:
-    """x checked (float32/bfloat16 [M, K], unit stride); out checked, or a new float32 [M, N]."""
+    """x checked (float32/bfloat16/float16 [M, K], unit stride); out checked, or a new float32 [M, N]."""
     if x.dim() != 2 or x.shape[1] != K or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16,
                                                                                torch.float16):
         raise ValueError(f"x must be float32/bfloat16/float16 [M, {K}] with unit stride, got {x.dtype} {tuple(x.shape)}")

@@ -80,8 +80,8 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None,
     elif out.shape != (R,) or out.dtype != torch.int64 or out.device != logits.device:
         raise ValueError(f"out must be int64 [{R}] on {logits.device}")
     if feed is not None and any(t.shape != (R,) or t.dtype not in (torch.int32, torch.int64) or t.device != logits.device
-                                for t in feed):
-        raise ValueError(f"feed must be two int32/int64 [{R}] tensors on {logits.device}")
+                                or not t.is_contiguous() for t in feed):
+        raise ValueError(f"feed must be two contiguous int32/int64 [{R}] tensors on {logits.device}")
     if R == 0:
         return out
     pval = torch.empty((R, num_chunks), dtype=torch.float32, device=logits.device)

@@ -74,13 +74,15 @@ MATMUL_FORMS = ("mma", "gemv", "raw")
 # invariant whichever form each weight takes.
 HEAD_MATMUL: str | None = "dense"
 # The head's forms on tensor cores beside the layers' (kernels/dense_mma.py): "dense" (above),
-# "q8dense" (the same products from the Q8_0 planes, d * q formed per K step: no faster, bound
-# by the per-weight int-to-float conversion, session 7) and "q8f16": the Q8_0 planes with float16
-# operands (float16(d * q) formed in float16 arithmetic from the bits of q, x rounded to
-# float16, exact float32 products and sums): no conversion instruction per weight, 178 MB read
-# instead of 335, and closer to the exact product than bfloat16 operands. Taken only by a
-# bfloat16 engine whose head provably fits float16 (device_weights.f16_head_refusal); asked
-# for explicitly otherwise it is refused, as the default it falls back to "dense".
+# "q8dense" (the same products from the Q8_0 planes, d * q formed per K step) and "q8f16": the
+# Q8_0 planes with float16 operands (float16(d * q) formed in float16 arithmetic from the bits
+# of q, x rounded to float16, exact float32 products and sums): no conversion instruction per
+# weight, 178 MB read instead of 335, closer to the exact product than bfloat16 operands, and
+# 157 MB less device memory. Neither Q8_0 form is faster than the dense copy on an H200: they
+# stay near 2 TB/s, latency-bound (session 9: the head alone 91 us at 16 rows for q8f16, 85 for
+# the dense copy at its copy bandwidth). "q8f16" is taken only by a bfloat16 engine whose head
+# provably fits float16 (device_weights.f16_head_refusal); asked for explicitly otherwise it is
+# refused; were it the default, it would fall back to "dense" there.
 HEAD_DENSE_FORMS = ("dense", "q8dense", "q8f16")
 # The output norm writes the head's input already rounded to the head's operand precision
 # (float16 for "q8f16"; bfloat16 for a bfloat16 "dense"/"q8dense" head, on a GPU only, where the

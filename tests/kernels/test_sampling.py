@@ -42,7 +42,9 @@ def test_argmax_feeds_the_next_inputs(device):
     tok = argmax(x, feed=(inputs[0], inputs[1]))
     assert torch.equal(tok, argmax_ref(x))
     assert inputs[0].tolist() == tok.tolist() and inputs[1].tolist() == [11, 1, 100]
-    with pytest.raises(ValueError, match="feed must be two int32/int64"):
+    with pytest.raises(ValueError, match="feed must be two contiguous int32/int64"):
         argmax(x, feed=(inputs[0, :2], inputs[1]))
-    with pytest.raises(ValueError, match="feed must be two int32/int64"):
+    with pytest.raises(ValueError, match="feed must be two contiguous int32/int64"):
         argmax(x, feed=(inputs[0].float(), inputs[1]))
+    with pytest.raises(ValueError, match="feed must be two contiguous int32/int64"):
+        argmax(x, feed=(inputs.T.contiguous()[:, 0], inputs[1]))
