@@ -69,6 +69,17 @@ _LOG2E = 1.4426950408889634
 # read from L2, the point of coherence, anyway: the wait still orders every load. Off: within
 # a lease's spread on an H200 (session 7, run 32: -5 to -8 us per step at 1-16 slots, +3 at 32).
 ATTENTION_PREFETCH = False
+# Software-pipelining stages of the partial kernel's key-block loop (None: Triton's default, 3 on
+# sm_90). With the runner's one-block segments the loop has one iteration, so the extra stages
+# only hold shared memory: at D = 256 in 64-key bf16 blocks 141 KB (one program per SM) with the
+# default, 43 KB with 1 stage (187 registers instead of 146: two programs per SM). Not measured
+# yet; the same arithmetic either way (gpu_bench stages "attn stages", "attn stages same bits").
+ATTENTION_NUM_STAGES: int | None = None
+
+
+def _stages() -> dict:
+    """The partial kernels' num_stages launch option, where ATTENTION_NUM_STAGES sets one."""
+    return {} if ATTENTION_NUM_STAGES is None else {"num_stages": ATTENTION_NUM_STAGES}
 
 
 def _attention_config(qrows: int, d_p: int, kv_bytes: int = 4) -> tuple[int, int]:
@@ -384,7 +395,7 @@ def attention_rows(
         _launch_rope(common, consts, rope, q, k_cache, v_cache, num_seg)
         return out
     _attention_partial_kernel[(R, Hkv, num_seg)](
-        *common, **consts, PREFETCH=ATTENTION_PREFETCH and _qmma._native(q), **launch_kw(q),
+        *common, **consts, PREFETCH=ATTENTION_PREFETCH and _qmma._native(q), **launch_kw(q), **_stages(),
     )
     if not fused:
         _attention_combine_kernel[(R, Hkv)](
@@ -402,7 +413,7 @@ def _launch_rope(common: tuple, consts: dict, rope: RopePrologue, q, k_cache, v_
     args, row = qk_rope_row_args(rope.part, q, k_cache, rope.q_norm, rope.k_norm, rope.inv_freq, rope.eps)
     row["HD"] = row.pop("D")  # (the partial kernel's D is its runtime head dim)
     _attention_rope_kernel[(q.shape[0], k_cache.shape[2], num_seg)](
-        *common, rope.part, *args, **consts, **row, **launch_kw(q),
+        *common, rope.part, *args, **consts, **row, **launch_kw(q), **_stages(),
     )
 
 

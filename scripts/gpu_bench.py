@@ -898,6 +898,10 @@ def main_stage(args) -> None:
                                  (tr, "ATTN_SEGMENT", 128)],
              {})])),
         ("attn n64 exact", lambda: _with(N64, lambda: stage_exact(m, out, exact_rows))),
+        ("attn stages", lambda: stage_sweep(m, out, rows, bw, "s10", [
+            (f"attn stages {n}", (A, "ATTENTION_NUM_STAGES", n), {}) for n in (1, 2)], slots=SLOTS)),
+        ("attn stages same bits", lambda: stage_same_bits(m, out, exact_rows, "attention at 1 pipelining stage",
+                                                          lambda fn: _patched(A, "ATTENTION_NUM_STAGES", 1, fn))),
         ("attn n64 profile", lambda: _with(N64, lambda: stage_profile(m, out, prof_rows))),
         ("x f32", lambda: _patched(tr, "HEAD_X_HALF", False, lambda: bench_runner(
             m, "triton_head_x_f32", SLOTS, out, rows, bw))),

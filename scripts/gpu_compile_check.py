@@ -110,6 +110,8 @@ VARIANTS = {
     "attn_prefetch": "attn_prefetch",  # attention.ATTENTION_PREFETCH: K/V lines to L2 before the wait
     "attn_n32": "attn_n32",  # 32-key segments in one 32-key block (D = 256, bf16 K/V)
     "attn_old": "attn_old",  # session 8: 32-key segments in two 16-key blocks
+    "attn_s1": "attn_s1",  # the attention partial kernel at 1 / 2 pipelining stages
+    "attn_s2": "attn_s2",
     "q5k256": "q5k256",  # Q5_0 products in one 256-weight K step per program
     "preload": "preload",  # Q5_0 products fetch their second step's bytes before the wait
     "preload_k128": "preload_k128",  # the same, and Q4_K / Q6_K in two 128-weight steps
@@ -129,6 +131,8 @@ STEP_OPTIONS = {  # variant -> [(module, name, value)], set for the variant's fo
     "attn_prefetch": [("attention", "ATTENTION_PREFETCH", True)],
     "attn_n32": [("attention", "ATTENTION_BLOCK_N_16BIT", {256: 32}), ("runner", "ATTN_SEGMENT", 32)],
     "attn_old": [("attention", "ATTENTION_BLOCK_N_16BIT", {256: 16}), ("runner", "ATTN_SEGMENT", 32)],
+    "attn_s1": [("attention", "ATTENTION_NUM_STAGES", 1)],
+    "attn_s2": [("attention", "ATTENTION_NUM_STAGES", 2)],
     "q5k256": [("qmma", "QMMA_CONFIGS", "q5k256")],
     "preload": [("qmma", "QMMA_CONFIGS", "preload")],
     "preload_k128": [("qmma", "QMMA_CONFIGS", "preload_k128")],

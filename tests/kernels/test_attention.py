@@ -257,3 +257,12 @@ def test_keys_per_block_follow_shape_kv_size_and_segment(monkeypatch):
         _attention_config(16, 256, 4)
     with pytest.raises(ValueError, match="head dim up to 512"):
         _attention_config(16, 1024, 2)
+
+
+def test_pipelining_stages_leave_the_bits(device, monkeypatch):
+    """ATTENTION_NUM_STAGES (a launch option: how many key blocks are fetched ahead) changes no
+    bit of the result; here the option's path on this device (on a GPU the stage's own check)."""
+    q, k, v, lens, window = _decode_case(3, 4, 1, 64, 70, torch.float32, device, seed=4)
+    base = decode_attention(q, k, v, lens, window, 0.125)
+    monkeypatch.setattr(attention_mod, "ATTENTION_NUM_STAGES", 1)
+    assert torch.equal(decode_attention(q, k, v, lens, window, 0.125), base)
