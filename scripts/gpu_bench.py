@@ -900,6 +900,7 @@ def main_stage(args) -> None:
         ("attn n64 exact", lambda: _with(N64, lambda: stage_exact(m, out, exact_rows))),
         ("attn stages", lambda: stage_sweep(m, out, rows, bw, "s10", [
             (f"attn stages {n}", (A, "ATTENTION_NUM_STAGES", n), {}) for n in (1, 2)], slots=SLOTS)),
+        ("v mma", lambda: bench_runner(m, "s10 Q8_0 layers on tensor cores", SLOTS, out, rows, bw, layer_forms={})),
         ("attn stages same bits", lambda: stage_same_bits(m, out, exact_rows, "attention at 1 pipelining stage",
                                                           lambda fn: _patched(A, "ATTENTION_NUM_STAGES", 1, fn))),
         ("attn n64 profile", lambda: _with(N64, lambda: stage_profile(m, out, prof_rows))),
