@@ -900,8 +900,12 @@ def main_stage(args) -> None:
         ("attn n64 exact", lambda: _with(N64, lambda: stage_exact(m, out, exact_rows))),
         ("attn stages", lambda: stage_sweep(m, out, rows, bw, "s10", [
             (f"attn stages {n}", (A, "ATTENTION_NUM_STAGES", n), {}) for n in (1, 2)], slots=SLOTS)),
-        ("narrow 2048", lambda: _patched(QMm, "QMATMUL_NARROW_N", 2048, lambda: bench_runner(
-            m, "s10 q|k|v in 128-weight slices too", SLOTS, out, rows, bw))),
+        ("narrow 2048", lambda: stage_sweep(m, out, rows, bw, "s10", [
+            ("q|k|v in 128-weight slices", (QMm, "QMATMUL_NARROW_N", 2048), {}),
+            ("every product in 128-weight slices", (QMm, "QMATMUL_NARROW_N", 4096), {}),
+            ("every product in 128-weight slices, Q5_0 64-output tiles", [
+                (QMm, "QMATMUL_NARROW_N", 4096), (QM, "QMMA_CONFIGS", cfgs(Q5_0={"block_n": 64}))], {}),
+        ], slots=SLOTS)),
         ("narrow 2048 exact", lambda: _patched(QMm, "QMATMUL_NARROW_N", 2048, lambda: stage_exact(m, out, exact_rows))),
         ("v mma", lambda: bench_runner(m, "s10 Q8_0 layers on tensor cores", SLOTS, out, rows, bw, layer_forms={})),
         ("attn stages same bits", lambda: stage_same_bits(m, out, exact_rows, "attention at 1 pipelining stage",
