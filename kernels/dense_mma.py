@@ -28,6 +28,7 @@ import triton.language as tl
 
 from .pdl import enter, launch_kw
 from .qmma import DENSE_PRECISIONS, dot_acc
+from .sampling import best_of, running_best
 
 
 @dataclass(frozen=True)
@@ -128,13 +129,18 @@ def _dense_mma_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _dense_stream_kernel(
-    x_ptr, w_ptr, d_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_dn, stride_ym,
+    x_ptr, w_ptr, d_ptr, y_ptr, bv_ptr, bi_ptr, M, N, K, stride_xm, stride_wn, stride_dn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PREC: tl.constexpr, USE_DOT: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr,
+    PREC: tl.constexpr, USE_DOT: tl.constexpr, Q8: tl.constexpr, BEST: tl.constexpr, PDL: tl.constexpr,
 ):
     """``_dense_mma_kernel``'s tiles (same products, same K order), program p taking tiles p,
-    p + P, ... in one flattened loop that Triton pipelines across tile boundaries."""
+    p + P, ... in one flattened loop that Triton pipelines across tile boundaries. BEST (one row
+    tile: M <= BLOCK_M, so a program's tiles run in increasing n): each program also keeps every
+    lane's running (value, index) best and stores, per row, its best over its tiles at
+    bv/bi[row, p] (``sampling.argmax_from_partials`` finishes the argmax)."""
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    bv = tl.full([BLOCK_N, BLOCK_M], float("-inf"), tl.float32)
+    bi = tl.full([BLOCK_N, BLOCK_M], 2147483647, tl.int32)
     enter(PDL)
     for t in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True, num_stages=NUM_STAGES):
         n, nmask, m, mmask, w_rows, d_rows = _tile(t, M, N, w_ptr, d_ptr, stride_wn, stride_dn, BLOCK_M, BLOCK_N)
@@ -143,6 +149,15 @@ def _dense_stream_kernel(
             acc = _k_step(acc, k0, K, x_ptr, stride_xm, m, mmask, w_rows, d_rows, nmask, BLOCK_N, BLOCK_K, PREC,
                           USE_DOT, Q8)
         tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc, mask=nmask[:, None] & mmask[None, :])
+        if BEST:
+            bv, bi = running_best(bv, bi, acc, (n[:, None] + 0 * m[None, :]).to(tl.int32),
+                                  nmask[:, None] & mmask[None, :])
+    if BEST:
+        rows = tl.arange(0, BLOCK_M)
+        v, i = best_of(bv, bi, bi != 2147483647)
+        P = tl.num_programs(0)
+        tl.store(bv_ptr + rows * P + tl.program_id(0), v, mask=rows < M)
+        tl.store(bi_ptr + rows * P + tl.program_id(0), i, mask=rows < M)
 
 
 def dense_config(device: torch.device | str = "cuda") -> DenseConfig:
@@ -153,10 +168,11 @@ def dense_config(device: torch.device | str = "cuda") -> DenseConfig:
 
 
 def dense_mma(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16", out: torch.Tensor | None = None,
-              config: DenseConfig | None = None, use_dot: bool | None = None) -> torch.Tensor:
+              config: DenseConfig | None = None, use_dot: bool | None = None, best=None) -> torch.Tensor:
     """float32 [M, N] = x[M, K] @ w^T. w: bfloat16 [N, K] for prec "bf16", float16 for "f16",
     float32 for "tf32x3", unit stride along K; x float32, bfloat16 or float16 [M, K]. Row i equals the product of
-    x[i:i+1] alone, bitwise. ``use_dot``: tl.dot (default on a GPU) or the tl.sum form."""
+    x[i:i+1] alone, bitwise. ``use_dot``: tl.dot (default on a GPU) or the tl.sum form.
+    ``best`` (``best_partials``' buffers): also each program's running argmax per row."""
     if prec not in DENSE_PRECISIONS:
         raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(DENSE_PRECISIONS)}")
     want = {"bf16": torch.bfloat16, "f16": torch.float16}.get(prec, torch.float32)
@@ -168,7 +184,7 @@ def dense_mma(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16", out: torch.T
     if x.shape[0] == 0:
         return out
     cfg = config or dense_config(x.device)
-    _launch(x, w, None, out, cfg, prec, use_dot)
+    _launch(x, w, None, out, cfg, prec, use_dot, best)
     return out
 
 
@@ -185,28 +201,50 @@ def _x_out(x: torch.Tensor, N: int, K: int, out: torch.Tensor | None) -> torch.T
     return out
 
 
-def _launch(x, w, d, out, cfg: DenseConfig, prec: str, use_dot: bool | None) -> None:
+def _programs(device: torch.device, M: int, N: int, cfg: DenseConfig) -> int:
+    """The launch's grid: one program per tile, or the streaming form's programs."""
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    if cfg.programs_per_sm > 0:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
+            else STREAM_INTERPRETER_PROGRAMS
+        tiles = min(tiles, sms * cfg.programs_per_sm)
+    return tiles
+
+
+def best_partials(M: int, N: int, device: torch.device | str,
+                  config: DenseConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Buffers for ``best=`` (float32 values, int32 indices [M, programs]) where an M-row launch
+    can keep the running argmax (the streaming form, one row tile: M <= block_m), else None."""
+    device = torch.device(device)
+    if config.programs_per_sm <= 0 or not 0 < M <= config.block_m:
+        return None
+    P = _programs(device, M, N, config)
+    return (torch.empty((M, P), dtype=torch.float32, device=device),
+            torch.empty((M, P), dtype=torch.int32, device=device))
+
+
+def _launch(x, w, d, out, cfg: DenseConfig, prec: str, use_dot: bool | None, best=None) -> None:
     M, N, K = x.shape[0], out.shape[1], x.shape[1]
     if cfg.block_m not in (16, 32) or (d is not None and cfg.block_k % 32):
         raise ValueError(f"bad dense config {cfg}: block_m must be 16 or 32 (and block_k a multiple of 32 for Q8_0)")
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    kernel = _dense_mma_kernel
+    P = _programs(x.device, M, N, cfg)
+    if best is not None and (cfg.programs_per_sm <= 0 or M > cfg.block_m or best[0].shape != (M, P)):
+        raise ValueError(f"best= needs the streaming form, at most {cfg.block_m} rows and [M, {P}] buffers "
+                         f"(dense_mma.best_partials)")
+    common = (x, w, w if d is None else d, out)
+    strides = (M, N, K, x.stride(0), w.stride(0), 0 if d is None else d.stride(0), out.stride(0))
+    consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, PREC=prec,
+                  USE_DOT=x.is_cuda if use_dot is None else use_dot, Q8=d is not None, num_warps=cfg.num_warps,
+                  **launch_kw(x))
     if cfg.programs_per_sm > 0:
-        kernel = _dense_stream_kernel
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda \
-            else STREAM_INTERPRETER_PROGRAMS
-        tiles = min(tiles, sms * cfg.programs_per_sm)
-    grid = (tiles,)
-    kernel[grid](
-        x, w, w if d is None else d, out, M, N, K, x.stride(0), w.stride(0), 0 if d is None else d.stride(0),
-        out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, PREC=prec,
-        USE_DOT=x.is_cuda if use_dot is None else use_dot, Q8=d is not None, num_warps=cfg.num_warps, **launch_kw(x),
-    )
+        bv, bi = best if best is not None else (out, out)
+        _dense_stream_kernel[(P,)](*common, bv, bi, *strides, BEST=best is not None, **consts)
+    else:
+        _dense_mma_kernel[(P,)](*common, *strides, **consts)
 
 
 def q8_dense_mma(x: torch.Tensor, w, prec: str = "bf16", out: torch.Tensor | None = None,
-                 config: DenseConfig | None = None, use_dot: bool | None = None) -> torch.Tensor:
+                 config: DenseConfig | None = None, use_dot: bool | None = None, best=None) -> torch.Tensor:
     """``dense_mma`` of a Q8_0 weight read as its packed planes (``qmatmul.PackedWeight``: int8
     quants [N, K], float16 scales [N, K/32]): each K step forms d * q in float32 (exact) and the
     product rounds it as ``dense_mma`` rounds its operands, so the operands are the bf16(d * q)
@@ -222,11 +260,14 @@ def q8_dense_mma(x: torch.Tensor, w, prec: str = "bf16", out: torch.Tensor | Non
     out = _x_out(x, N, K, out)
     if x.shape[0] == 0:
         return out
-    if config is None:
-        config = dense_config(x.device)
-        config = replace(config, programs_per_sm=Q8_PROGRAMS_PER_SM) if config.programs_per_sm else config
-    _launch(x, w.qs, w.d, out, config, prec, use_dot)
+    _launch(x, w.qs, w.d, out, config or q8_config(x.device), prec, use_dot, best)
     return out
+
+
+def q8_config(device: torch.device | str = "cuda") -> DenseConfig:
+    """The Q8_0-plane forms' configuration: ``dense_config`` at Q8_PROGRAMS_PER_SM."""
+    cfg = dense_config(device)
+    return replace(cfg, programs_per_sm=Q8_PROGRAMS_PER_SM) if cfg.programs_per_sm else cfg
 
 
 def dense_mma_ref(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16") -> torch.Tensor:

@@ -34,6 +34,23 @@ def _best(vals, idx, valid):
 
 
 @triton.jit
+def running_best(bv, bi, vals, idx, valid):
+    """Elementwise running (value, index) best for entries met in increasing index order per
+    lane: a lane's first valid entry, then the first NaN, else a strictly larger value, so each
+    lane ends with what ``_best`` would pick among its entries (ties: the lowest index)."""
+    vnan = vals != vals
+    bnan = bv != bv
+    take = valid & ((bi == 2147483647) | (vnan & ~bnan) | ((vals > bv) & ~bnan))
+    return tl.where(take, vals, bv), tl.where(take, idx, bi)
+
+
+@triton.jit
+def best_of(vals, idx, valid):
+    """``_best`` along axis 0 (also of 2-D tiles: one (value, index) per column)."""
+    return _best(vals, idx, valid)
+
+
+@triton.jit
 def _argmax_chunks_kernel(x_ptr, pval_ptr, pidx_ptr, V, stride_x, num_chunks, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)
     r = tl.program_id(0)
@@ -92,6 +109,28 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None,
     ids, pos = feed if feed is not None else (out, out)
     _argmax_rows_kernel[(R,)](pval, pidx, out, ids, pos, num_chunks, CHUNKS_P=triton.next_power_of_2(num_chunks),
                               FEED=feed is not None, num_warps=ARGMAX_NUM_WARPS, **launch_kw(logits))
+    return out
+
+
+def argmax_from_partials(pval: torch.Tensor, pidx: torch.Tensor, out: torch.Tensor,
+                         feed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """``argmax``'s second launch on partials made elsewhere (the head's streaming programs,
+    ``dense_mma(..., best=)``): float32 values and int32 indices [R, P], index 2^31 - 1 where a
+    partial saw no entry; the same tie and NaN rules."""
+    R, P = pval.shape
+    if pidx.shape != (R, P) or pval.dtype != torch.float32 or pidx.dtype != torch.int32 or not (
+            pval.is_contiguous() and pidx.is_contiguous()):
+        raise ValueError(f"partials must be contiguous float32 and int32 [R, P], got {tuple(pval.shape)} {tuple(pidx.shape)}")
+    if out.shape != (R,) or out.dtype != torch.int64:
+        raise ValueError(f"out must be int64 [{R}]")
+    if feed is not None and any(t.shape != (R,) or t.dtype not in (torch.int32, torch.int64) or not t.is_contiguous()
+                                for t in feed):
+        raise ValueError(f"feed must be two contiguous int32/int64 [{R}] tensors")
+    if R == 0:
+        return out
+    ids, pos = feed if feed is not None else (out, out)
+    _argmax_rows_kernel[(R,)](pval, pidx, out, ids, pos, P, CHUNKS_P=triton.next_power_of_2(P),
+                              FEED=feed is not None, num_warps=ARGMAX_NUM_WARPS, **launch_kw(pval))
     return out
 
 

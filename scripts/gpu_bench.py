@@ -192,6 +192,33 @@ def stage_same_bits(m, out: Path, rows: list, label: str, patched) -> None:
     dump(out, "exact.json", rows)
 
 
+def stage_same_tokens(m, out: Path, rows: list, label: str, patched, slots: int = 16, steps: int = 32) -> None:
+    """Options that claim the same greedy tokens from the graph's device argmax: the defaults'
+    decode-loop tokens (16 slots after prompts 3..700) against ``patched(fn)``'s, equal?"""
+    import torch
+
+    from workbench.scheduler import Segment
+    from workbench.triton_runner import TritonRunner
+
+    V = m.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    lens = [600, 5, 37, 128, 300, 64, 17, 520, 200, 90, 3, 256, 700, 45, 11, 150][:slots]
+    prompts = [torch.randint(10, V, (n,), generator=g).tolist() for n in lens]
+
+    def tokens():
+        r = TritonRunner(m, 1024)
+        first = [int(r.run([Segment(sl, f"p{sl}", tuple(p), 0, True)], {sl: 1024})[sl].argmax())
+                 for sl, p in enumerate(prompts)]
+        return r.decode_loop(list(range(slots)), first, steps).cpu(), r.launches
+
+    (base, nb), (got, ng) = tokens(), patched(tokens)
+    row = dict(stage="same tokens", check=f"{label} vs defaults, {slots} slots x {steps} graphed greedy steps",
+               tokens_equal=bool(torch.equal(base, got)), launches=ng, launches_default=nb)
+    log("EXACT", row)
+    rows.append(row)
+    dump(out, "exact.json", rows)
+
+
 def stage_vs_torch(path: str, m, out: Path, rows: list) -> None:
     """Teacher-forced triton (bf16 KV, GGUF weights) vs the torch reference in float32 (CPU)."""
     import torch
@@ -907,6 +934,10 @@ def main_stage(args) -> None:
                 (QMm, "QMATMUL_NARROW_N", 4096), (QM, "QMMA_CONFIGS", cfgs(Q5_0={"block_n": 64}))], {}),
         ], slots=SLOTS)),
         ("narrow 2048 exact", lambda: _patched(QMm, "QMATMUL_NARROW_N", 2048, lambda: stage_exact(m, out, exact_rows))),
+        ("argmax head", lambda: _patched(tr, "ARGMAX_IN_HEAD", True, lambda: bench_runner(
+            m, "s10 argmax kept by the head's programs", SLOTS, out, rows, bw))),
+        ("argmax head same tokens", lambda: stage_same_tokens(m, out, exact_rows, "argmax kept by the head's programs",
+                                                              lambda fn: _patched(tr, "ARGMAX_IN_HEAD", True, fn))),
         ("v mma", lambda: bench_runner(m, "s10 Q8_0 layers on tensor cores", SLOTS, out, rows, bw, layer_forms={})),
         ("attn stages same bits", lambda: stage_same_bits(m, out, exact_rows, "attention at 1 pipelining stage",
                                                           lambda fn: _patched(A, "ATTENTION_NUM_STAGES", 1, fn))),

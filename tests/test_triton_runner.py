@@ -108,6 +108,25 @@ def test_decode_loop_matches_engine_steps(tiny_model):
     assert a.launches > 0
 
 
+@pytest.mark.parametrize("head", ["dense", "q8f16"])
+def test_argmax_in_head_gives_the_same_tokens(tiny_model, monkeypatch, head):
+    """ARGMAX_IN_HEAD: the head's streaming programs keep the greedy argmax's first stage (one
+    launch fewer per decode graph); the decode loop's tokens and last logits are the separate
+    argmax's, for the dense and the float16 Q8_0 head."""
+    m = tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW)
+    graphs = True if torch.cuda.is_available() else "emulate"
+    a, b = _tokens(m, 21, 6, 11)
+    got = {}
+    for on in (False, True):
+        monkeypatch.setattr(triton_runner, "ARGMAX_IN_HEAD", on)
+        r = TritonRunner(m, 256, graphs=graphs, head_matmul=head)
+        first = [int(r.run([Segment(sl, sl, tuple(p), 0, True)], {sl: 32})[sl].argmax()) for sl, p in enumerate((a, b))]
+        got[on] = (r.decode_loop([0, 1], first, 4).tolist(), r.launches, r._g_logits[:2].clone())
+    assert got[True][0] == got[False][0]
+    assert torch.equal(got[True][2], got[False][2])
+    assert got[True][1] == got[False][1] - 1
+
+
 def test_unsupported_weights_raise(tiny_model):
     m = tiny_model("gemma3", "float32", "F32")
     with pytest.raises(WorkbenchError, match="quant type F32"):

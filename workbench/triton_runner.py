@@ -90,6 +90,12 @@ HEAD_DENSE_FORMS = ("dense", "q8dense", "q8f16")
 # same logits, bitwise, and the head's programs read half the bytes of x from L2 (every output
 # tile reads all of x: 4,096 tiles x 80 KB at 32 rows in float32, as much as the weights).
 HEAD_X_HALF = True
+# A decode graph's greedy argmax kept by the head's streaming programs (each its running best per
+# row over its tiles, kernels/dense_mma.py best=), finished by one small launch: the argmax's
+# first launch (a read of every logit) goes. Bucket rows up to the head's row tile (32); the
+# same tokens (the same tie and NaN rules, exact comparisons). Written in session 9 after the
+# last device call: not measured, so off.
+ARGMAX_IN_HEAD = False
 # Per-format overrides of the layers' form: again fixed per weight. Q8_0 layer weights (Gemma 3
 # 270M's V projections and some others) on the FMA GEMV: faster at every slot count in three
 # leases (session 5, H200: 0.794 -> 0.767 ms at 1 slot, 1.221 -> 1.186 at 32).
@@ -337,6 +343,7 @@ class TritonRunner:
         self._zeros = torch.zeros(BUCKETS[-1], dtype=torch.int32, device=self.device)
         self._wins = torch.full((BUCKETS[-1],), max(c.sliding_window, 0), dtype=torch.int32, device=self.device)
         self.launches = 0  # kernel launches of the last forward (counted where they are issued)
+        self._head_best = None  # the head's running-argmax buffers while a decode graph is built
         self._ahead: tuple | None = None  # (segments key,) of a decode step launched early
         self._tok_host: torch.Tensor | None = None
 
@@ -461,12 +468,14 @@ class TritonRunner:
             return part
         for off, w in p.parts:
             if w.form == "dense":  # (the head) the dequantized weight on tensor cores
-                self._dense.dense_mma(x, w.dense, self.mma_prec, out=part[0, :, off:], use_dot=self.use_dot)
+                self._dense.dense_mma(x, w.dense, self.mma_prec, out=part[0, :, off:], use_dot=self.use_dot,
+                                      best=self._head_best)
                 self.launches += 1
                 continue
             if w.form in ("q8dense", "q8f16"):  # (a Q8_0 head) dense_mma's products from the packed planes
                 prec = "f16" if w.form == "q8f16" else self.mma_prec
-                self._dense.q8_dense_mma(x, w.packed, prec, out=part[0, :, off:], use_dot=self.use_dot)
+                self._dense.q8_dense_mma(x, w.packed, prec, out=part[0, :, off:], use_dot=self.use_dot,
+                                         best=self._head_best)
                 self.launches += 1
                 continue
             if w.packed is not None:
@@ -759,20 +768,34 @@ class TritonRunner:
         self._g_in[2, :bucket] = self._pool_slots  # the scratch slot
 
     def _graph_body(self, bucket: int, max_pos: int) -> None:
-        from .kernels.sampling import argmax
+        from .kernels.sampling import argmax, argmax_from_partials
 
         self.launches = 0
         ids, pos, seq = self._g_in[0, :bucket], self._g_in[1, :bucket], self._g_in[2, :bucket]
-        self._persist_now, self._plan, self._decode_graph = self.persistent, None, True
+        best = self._argmax_partials(bucket)
+        self._persist_now, self._plan, self._decode_graph, self._head_best = self.persistent, None, True, best
         try:
             self._forward(ids, pos, seq, bucket, max_pos, logits_out=self._g_logits[:bucket])
         finally:
             self._persist_now = self._decode_graph = False
+            self._head_best = None
         # greedy fast path: the next step's inputs (token, position + 1) written on the device by
         # the argmax's second launch (the engine overwrites them where it feeds other inputs)
         with self._pdl.enabled(self.pdl):
-            argmax(self._g_logits[:bucket], out=self._g_tok[:bucket], feed=(ids, pos))
-        self.launches += 2
+            if best is not None:  # (ARGMAX_IN_HEAD: the head's programs kept the first stage)
+                argmax_from_partials(*best, out=self._g_tok[:bucket], feed=(ids, pos))
+            else:
+                argmax(self._g_logits[:bucket], out=self._g_tok[:bucket], feed=(ids, pos))
+        self.launches += 1 if best is not None else 2
+
+    def _argmax_partials(self, bucket: int):
+        """The head's running-argmax buffers for a decode graph of ``bucket`` rows, or None
+        (ARGMAX_IN_HEAD off, a head form without the streaming kernel, or two row tiles)."""
+        w = self.head.parts[0][1]
+        if not ARGMAX_IN_HEAD or self.dense != "quant" or w.form not in HEAD_DENSE_FORMS:
+            return None
+        cfg = self._dense.dense_config(self.device) if w.form == "dense" else self._dense.q8_config(self.device)
+        return self._dense.best_partials(bucket, self.vocab, self.device, cfg)
 
     def _graph_for(self, rows: int, max_pos: int) -> _Graph:
         bucket = next(b for b in BUCKETS if b >= rows)

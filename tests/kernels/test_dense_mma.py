@@ -3,9 +3,10 @@ against a float64 reference, rows bitwise invariant, bad inputs refused."""
 
 import pytest
 import torch
-
+import triton
+import triton.language as tl
 from workbench.kernels.dense_mma import DenseConfig, dense_mma, dense_mma_ref
-
+from workbench.kernels.sampling import best_of, running_best
 
 OPERAND = {"bf16": torch.bfloat16, "f16": torch.float16, "tf32x3": torch.float32}  # w's dtype per precision
 
@@ -50,10 +51,9 @@ def test_q8_dense_mma_reads_the_packed_planes(prec, device, quant_rows):
     float16 arithmetic from q's bits, the float16 copy's values). Under the interpreter bitwise
     ``dense_mma`` on that copy (same operands, same order); anywhere close to the float64
     reference and rows bitwise invariant; non-Q8_0 weights refused."""
+    from workbench.kernels.dense_mma import q8_dense_mma
     from workbench.kernels.qmatmul import pack_weights
     from workbench.kernels.quant_tiles import FORMATS, dequant_ref
-
-    from workbench.kernels.dense_mma import q8_dense_mma
 
     fmt = FORMATS["Q8_0"]
     N, K = 200, 160  # a partial N tile and a partial K step
@@ -84,3 +84,68 @@ def test_q8_dense_mma_reads_the_packed_planes(prec, device, quant_rows):
         q8_dense_mma(x[:, :64], q5)
     with pytest.raises(ValueError, match="multiple of 32"):
         q8_dense_mma(x, pw, config=DenseConfig(block_k=16))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_streaming_head_keeps_the_argmax(rows, device, quant_rows):
+    """best=: each streaming program's running (value, index) best per row, finished by
+    ``sampling.argmax_from_partials``: torch.argmax of the logits (ties across tiles and
+    programs to the lowest index, the first NaN, all -inf), the logits unchanged, both forms."""
+    from workbench.kernels.dense_mma import (
+        best_partials,
+        dense_config,
+        q8_config,
+        q8_dense_mma,
+    )
+    from workbench.kernels.qmatmul import pack_weights
+    from workbench.kernels.quant_tiles import FORMATS, dequant_ref
+    from workbench.kernels.sampling import argmax_from_partials
+
+    N, K = 1000, 64  # 8 tiles of 128 under the interpreter: 3 programs take 3, 3 and 2
+    raw = quant_rows(FORMATS["Q8_0"], N, K, 7, "cpu")
+    pw = pack_weights(raw.to(device), "Q8_0", N, K)
+    w = dequant_ref(raw, "Q8_0", K).reshape(N, K).to(torch.bfloat16).to(device)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(9)).to(device)
+    for fn, wt, cfg in ((dense_mma, w, None), (q8_dense_mma, pw, q8_config(device))):
+        plain = fn(x, wt, "bf16", config=cfg)
+        out = torch.empty_like(plain)
+        best = best_partials(rows, N, device, cfg or dense_config(device))
+        y = fn(x, wt, "bf16", out=out, config=cfg, best=best)
+        assert torch.equal(y, plain)
+        tok = argmax_from_partials(*best, torch.empty(rows, dtype=torch.int64, device=device))
+        assert torch.equal(tok, torch.argmax(y, dim=-1))
+    with pytest.raises(ValueError, match="best= needs the streaming form"):
+        dense_mma(x, w, "bf16", config=DenseConfig(block_n=128, programs_per_sm=0), best=best)
+    assert best_partials(33, N, device, DenseConfig()) is None  # (two row tiles: the separate argmax)
+
+
+@triton.jit
+def _running_best_kernel(v_ptr, o_ptr, T, BN: tl.constexpr, BM: tl.constexpr):
+    """Tiles t = 0..T-1 of [BN, BM] values (index t * BN + lane) through running_best, then best_of."""
+    lane = tl.arange(0, BN)[:, None]
+    col = tl.arange(0, BM)[None, :]
+    bv = tl.full([BN, BM], float("-inf"), tl.float32)
+    bi = tl.full([BN, BM], 2147483647, tl.int32)
+    for t in range(T):
+        vals = tl.load(v_ptr + (t * BN + lane) * BM + col)
+        bv, bi = running_best(bv, bi, vals, (t * BN + lane + 0 * col).to(tl.int32), (lane + 0 * col) < BN)
+    _, i = best_of(bv, bi, bi != 2147483647)
+    tl.store(o_ptr + tl.arange(0, BM), i)
+
+
+def test_running_best_follows_torch_argmax(device):
+    """The streaming head's per-lane running best + column reduce: torch.argmax's rules (ties to
+    the lowest index, also across lanes and tiles; the first NaN wins; all -inf: index 0)."""
+    T, BN, BM = 3, 4, 8
+    v = torch.randn(T * BN, BM, generator=torch.Generator().manual_seed(2))
+    v[[1, 6, 11], 0] = 7.0  # a tie across lanes and tiles: index 1
+    v[[9, 2], 1] = float("nan")  # NaNs: the first (2)
+    v[5, 1] = float("inf")
+    v[:, 2] = float("-inf")  # all -inf: 0
+    v[:, 3] = 1.0  # all equal: 0
+    v[10, 4] = float("inf")  # the last tile
+    v[[4, 0], 5] = 9.0  # same lane, later tile first in index order: 0
+    v = v.to(device)
+    out = torch.empty(BM, dtype=torch.int32, device=device)
+    _running_best_kernel[(1,)](v, out, T, BN=BN, BM=BM)
+    assert out.tolist() == torch.argmax(v, dim=0).tolist()
