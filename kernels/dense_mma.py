@@ -51,6 +51,7 @@ class DenseConfig:
 
 
 DENSE_CONFIG = DenseConfig()
+OPERAND_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "tf32x3": torch.float32}  # by precision
 # The Q8_0-plane forms (``q8_dense_mma``): 3 programs per multiprocessor. Half the weight bytes
 # per tile means half the bytes in flight per program, and the head alone ran latency-bound
 # (H200, session 9, scripts/head_bench.py, 16 rows, x in float16: 129 us at 2 programs, 91 at 3;
@@ -175,7 +176,7 @@ def dense_mma(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16", out: torch.T
     ``best`` (``best_partials``' buffers): also each program's running argmax per row."""
     if prec not in DENSE_PRECISIONS:
         raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(DENSE_PRECISIONS)}")
-    want = {"bf16": torch.bfloat16, "f16": torch.float16}.get(prec, torch.float32)
+    want = OPERAND_DTYPES[prec]
     if w.dim() != 2 or w.dtype != want or w.stride(1) != 1:
         raise ValueError(f"w must be {want} [N, K] with unit stride along K for prec={prec!r}, "
                          f"got {w.dtype} {tuple(w.shape)}")
@@ -272,5 +273,5 @@ def q8_config(device: torch.device | str = "cuda") -> DenseConfig:
 
 def dense_mma_ref(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16") -> torch.Tensor:
     """float64 reference of the same product (x rounded to bfloat16 for "bf16", float16 for "f16")."""
-    xr = x.to({"bf16": torch.bfloat16, "f16": torch.float16}.get(prec, x.dtype))
+    xr = x.to(OPERAND_DTYPES[prec])
     return xr.double() @ w.double().T

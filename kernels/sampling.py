@@ -22,8 +22,9 @@ _NO_INDEX = 2**31 - 1
 
 
 @triton.jit
-def _best(vals, idx, valid):
-    """(value, index) of the first NaN if any, else of the max (lowest index among ties)."""
+def best_of(vals, idx, valid):
+    """(value, index) of the first NaN if any, else of the max (lowest index among ties), along
+    axis 0 (of a 2-D tile: one pair per column)."""
     is_nan = valid & (vals != vals)
     nan_idx = tl.min(tl.where(is_nan, idx, 2147483647), axis=0)
     clean = tl.where(valid & (vals == vals), vals, float("-inf"))
@@ -37,17 +38,11 @@ def _best(vals, idx, valid):
 def running_best(bv, bi, vals, idx, valid):
     """Elementwise running (value, index) best for entries met in increasing index order per
     lane: a lane's first valid entry, then the first NaN, else a strictly larger value, so each
-    lane ends with what ``_best`` would pick among its entries (ties: the lowest index)."""
+    lane ends with what ``best_of`` would pick among its entries (ties: the lowest index)."""
     vnan = vals != vals
     bnan = bv != bv
     take = valid & ((bi == 2147483647) | (vnan & ~bnan) | ((vals > bv) & ~bnan))
     return tl.where(take, vals, bv), tl.where(take, idx, bi)
-
-
-@triton.jit
-def best_of(vals, idx, valid):
-    """``_best`` along axis 0 (also of 2-D tiles: one (value, index) per column)."""
-    return _best(vals, idx, valid)
 
 
 @triton.jit
@@ -58,7 +53,7 @@ def _argmax_chunks_kernel(x_ptr, pval_ptr, pidx_ptr, V, stride_x, num_chunks, BL
     idx = c * BLOCK_V + tl.arange(0, BLOCK_V)
     valid = idx < V
     vals = tl.load(x_ptr + r.to(tl.int64) * stride_x + idx, mask=valid, other=float("-inf")).to(tl.float32)
-    v, i = _best(vals, idx, valid)
+    v, i = best_of(vals, idx, valid)
     tl.store(pval_ptr + r * num_chunks + c, v)
     tl.store(pidx_ptr + r * num_chunks + c, i)
 
@@ -72,7 +67,7 @@ def _argmax_rows_kernel(pval_ptr, pidx_ptr, o_ptr, ids_ptr, pos_ptr, num_chunks,
     valid = c < num_chunks
     vals = tl.load(pval_ptr + r * num_chunks + c, mask=valid, other=float("-inf"))
     idx = tl.load(pidx_ptr + r * num_chunks + c, mask=valid, other=2147483647)
-    _, i = _best(vals, idx, valid)
+    _, i = best_of(vals, idx, valid)
     tl.store(o_ptr + r, i.to(tl.int64))
     if FEED:  # the row's next decode input: this token at the next position
         tl.store(ids_ptr + r, i.to(ids_ptr.dtype.element_ty))
@@ -96,9 +91,7 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None,
         out = torch.empty(R, dtype=torch.int64, device=logits.device)
     elif out.shape != (R,) or out.dtype != torch.int64 or out.device != logits.device:
         raise ValueError(f"out must be int64 [{R}] on {logits.device}")
-    if feed is not None and any(t.shape != (R,) or t.dtype not in (torch.int32, torch.int64) or t.device != logits.device
-                                or not t.is_contiguous() for t in feed):
-        raise ValueError(f"feed must be two contiguous int32/int64 [{R}] tensors on {logits.device}")
+    _check_feed(feed, R, logits.device)
     if R == 0:
         return out
     pval = torch.empty((R, num_chunks), dtype=torch.float32, device=logits.device)
@@ -106,10 +99,7 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None,
     _argmax_chunks_kernel[(R, num_chunks)](
         logits, pval, pidx, V, logits.stride(0), num_chunks, BLOCK_V=ARGMAX_BLOCK_V, num_warps=ARGMAX_NUM_WARPS, **launch_kw(logits),
     )
-    ids, pos = feed if feed is not None else (out, out)
-    _argmax_rows_kernel[(R,)](pval, pidx, out, ids, pos, num_chunks, CHUNKS_P=triton.next_power_of_2(num_chunks),
-                              FEED=feed is not None, num_warps=ARGMAX_NUM_WARPS, **launch_kw(logits))
-    return out
+    return argmax_from_partials(pval, pidx, out, feed)
 
 
 def argmax_from_partials(pval: torch.Tensor, pidx: torch.Tensor, out: torch.Tensor,
@@ -121,17 +111,21 @@ def argmax_from_partials(pval: torch.Tensor, pidx: torch.Tensor, out: torch.Tens
     if pidx.shape != (R, P) or pval.dtype != torch.float32 or pidx.dtype != torch.int32 or not (
             pval.is_contiguous() and pidx.is_contiguous()):
         raise ValueError(f"partials must be contiguous float32 and int32 [R, P], got {tuple(pval.shape)} {tuple(pidx.shape)}")
-    if out.shape != (R,) or out.dtype != torch.int64:
-        raise ValueError(f"out must be int64 [{R}]")
-    if feed is not None and any(t.shape != (R,) or t.dtype not in (torch.int32, torch.int64) or not t.is_contiguous()
-                                for t in feed):
-        raise ValueError(f"feed must be two contiguous int32/int64 [{R}] tensors")
+    if out.shape != (R,) or out.dtype != torch.int64 or out.device != pval.device:
+        raise ValueError(f"out must be int64 [{R}] on {pval.device}")
+    _check_feed(feed, R, pval.device)
     if R == 0:
         return out
     ids, pos = feed if feed is not None else (out, out)
     _argmax_rows_kernel[(R,)](pval, pidx, out, ids, pos, P, CHUNKS_P=triton.next_power_of_2(P),
                               FEED=feed is not None, num_warps=ARGMAX_NUM_WARPS, **launch_kw(pval))
     return out
+
+
+def _check_feed(feed: tuple[torch.Tensor, torch.Tensor] | None, R: int, device: torch.device) -> None:
+    if feed is not None and any(t.shape != (R,) or t.dtype not in (torch.int32, torch.int64) or t.device != device
+                                or not t.is_contiguous() for t in feed):
+        raise ValueError(f"feed must be two contiguous int32/int64 [{R}] tensors on {device}")
 
 
 def argmax_ref(logits: torch.Tensor) -> torch.Tensor:

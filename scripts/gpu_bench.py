@@ -148,6 +148,21 @@ def stage_persistent_exact(m, out: Path, rows: list, slots: int = 16, steps: int
     dump(out, "exact.json", rows)
 
 
+def _prefill(m, r, slots: int) -> tuple[list[int], list[int]]:
+    """Prefill slots 0..slots-1 of runner r with seeded prompts of 3..700 tokens: (their
+    lengths, each slot's first greedy token)."""
+    import torch
+
+    from workbench.scheduler import Segment
+
+    g = torch.Generator().manual_seed(0)
+    lens = [600, 5, 37, 128, 300, 64, 17, 520, 200, 90, 3, 256, 700, 45, 11, 150][:slots]
+    prompts = [torch.randint(10, m.config.vocab_size, (n,), generator=g).tolist() for n in lens]
+    toks = [int(r.run([Segment(sl, f"p{sl}", tuple(p), 0, True)], {sl: 1024})[sl].argmax())
+            for sl, p in enumerate(prompts)]
+    return lens, toks
+
+
 def _graphed_logits(m, slots: int = 16, steps: int = 8, uniform_warps: int | None = None, **kw):
     """Logits [steps, slots, vocab] of graphed decode steps after prefilling prompts 3..700
     (a TritonRunner(**kw)), and the runner's launches / persistent state; ``uniform_warps``
@@ -157,15 +172,10 @@ def _graphed_logits(m, slots: int = 16, steps: int = 8, uniform_warps: int | Non
     from workbench.scheduler import Segment
     from workbench.triton_runner import TritonRunner
 
-    V = m.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    lens = [600, 5, 37, 128, 300, 64, 17, 520, 200, 90, 3, 256, 700, 45, 11, 150][:slots]
-    prompts = [torch.randint(10, V, (n,), generator=g).tolist() for n in lens]
     r = TritonRunner(m, 1024, **kw)
     if uniform_warps:
         r.uniform_warps = uniform_warps
-    toks = [int(r.run([Segment(sl, f"p{sl}", tuple(p), 0, True)], {sl: 1024})[sl].argmax())
-            for sl, p in enumerate(prompts)]
+    lens, toks = _prefill(m, r, slots)
     logits = []
     for t in range(steps):
         o = r.run([Segment(sl, f"p{sl}", (toks[sl],), lens[sl] + t, True) for sl in range(slots)],
@@ -197,18 +207,11 @@ def stage_same_tokens(m, out: Path, rows: list, label: str, patched, slots: int 
     decode-loop tokens (16 slots after prompts 3..700) against ``patched(fn)``'s, equal?"""
     import torch
 
-    from workbench.scheduler import Segment
     from workbench.triton_runner import TritonRunner
-
-    V = m.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    lens = [600, 5, 37, 128, 300, 64, 17, 520, 200, 90, 3, 256, 700, 45, 11, 150][:slots]
-    prompts = [torch.randint(10, V, (n,), generator=g).tolist() for n in lens]
 
     def tokens():
         r = TritonRunner(m, 1024)
-        first = [int(r.run([Segment(sl, f"p{sl}", tuple(p), 0, True)], {sl: 1024})[sl].argmax())
-                 for sl, p in enumerate(prompts)]
+        _, first = _prefill(m, r, slots)
         return r.decode_loop(list(range(slots)), first, steps).cpu(), r.launches
 
     (base, nb), (got, ng) = tokens(), patched(tokens)

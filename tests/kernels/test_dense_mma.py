@@ -5,17 +5,16 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from workbench.kernels.dense_mma import DenseConfig, dense_mma, dense_mma_ref
+from workbench.kernels.dense_mma import OPERAND_DTYPES, DenseConfig, dense_mma, dense_mma_ref
 from workbench.kernels.sampling import best_of, running_best
 
-OPERAND = {"bf16": torch.bfloat16, "f16": torch.float16, "tf32x3": torch.float32}  # w's dtype per precision
 
 
 @pytest.mark.parametrize("prec", ["bf16", "tf32x3", "f16"])
 def test_dense_mma_matches_reference_and_rows_are_invariant(prec, device):
     gen = torch.Generator().manual_seed(3)
     N, K = 200, 160  # a partial N tile and a partial K step
-    w = (0.05 * torch.randn(N, K, generator=gen)).to(OPERAND[prec]).to(device)
+    w = (0.05 * torch.randn(N, K, generator=gen)).to(OPERAND_DTYPES[prec]).to(device)
     x = torch.randn(18, K, generator=gen).to(device)  # two 16-row tiles
     y = dense_mma(x, w, prec)
     torch.testing.assert_close(y.double(), dense_mma_ref(x, w, prec), rtol=1e-5, atol=1e-5)
@@ -60,7 +59,7 @@ def test_q8_dense_mma_reads_the_packed_planes(prec, device, quant_rows):
     raw = quant_rows(fmt, N, K, 5, "cpu")
     pw = pack_weights(raw.to(device), "Q8_0", N, K)
     wf = dequant_ref(raw, "Q8_0", K).reshape(N, K)
-    w = wf.to(OPERAND[prec]).to(device)
+    w = wf.to(OPERAND_DTYPES[prec]).to(device)
     x = torch.randn(18, K, generator=torch.Generator().manual_seed(6)).to(device)
     cfg = DenseConfig(block_n=64, block_k=64, num_stages=2, block_m=32)
     y = q8_dense_mma(x, pw, prec, config=cfg)
