@@ -102,19 +102,50 @@ def _tile(t, M, N, w_ptr, d_ptr, stride_wn, stride_dn, BLOCK_M: tl.constexpr, BL
 
 
 @triton.jit
-def _k_step(acc, k0, K, x_ptr, stride_xm, m, mmask, w_rows, d_rows, nmask,
+def _k_step_i8(acc, k0, K, xq_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
+               BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+    """PREC "i8": acc += the K step at k0, one Q8_0 block (32 weights) at a time: the int8 quants
+    of W and of x (``quantize_rows_q8``) in one integer MMA (exact: |sum| <= 32 * 127 * 128 <
+    2^22), that int32 made float32 without a conversion instruction (its bits added to those of
+    1.5 * 2^23, then 1.5 * 2^23 subtracted: exact below 2^22), times d_w * d_x (float32)."""
+    for j in tl.static_range(BLOCK_K // 32):
+        kb = k0 // 32 + j
+        k = kb * 32 + tl.arange(0, 32)
+        kmask = k < K
+        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0).to(tl.int8, bitcast=True)
+        xt = tl.load(xq_ptr + m[None, :] * stride_xm + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0)
+        if USE_DOT:
+            p = tl.dot(w, xt, out_dtype=tl.int32)
+        else:  # (the interpreter) the same integer sums
+            p = tl.sum(w.to(tl.int32)[:, :, None] * xt.to(tl.int32)[None, :, :], axis=1)
+        pf = (p + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        inside = (kb * 32 + tl.zeros([1], tl.int32)) < K  # (a [1] tensor: a scalar mask fails the interpreter)
+        dw = tl.load(d_rows + kb, mask=nmask[:, None] & inside[None, :], other=0.0).to(tl.float32)
+        dx = tl.load(xd_ptr + m * stride_xdm + kb, mask=mmask & inside, other=0.0)
+        acc += pf * (dw * dx[None, :])
+    return acc
+
+
+@triton.jit
+def _k_step(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, USE_DOT: tl.constexpr,
             Q8: tl.constexpr):
-    """acc += the K step at k0 of the tile's product (the weight tile, x^T, one dot_acc)."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    w = _w_tile(w_rows, d_rows, k0, K, nmask, BLOCK_N, BLOCK_K, Q8, PREC)
-    xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=(k < K)[:, None] & mmask[None, :], other=0.0)
-    return dot_acc(acc, w, xt, PREC, USE_DOT)
+    """acc += the K step at k0 of the tile's product (the weight tile, x^T, one dot_acc; PREC
+    "i8": ``_k_step_i8``)."""
+    if PREC == "i8":
+        acc = _k_step_i8(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
+                         BLOCK_K, USE_DOT)
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = _w_tile(w_rows, d_rows, k0, K, nmask, BLOCK_N, BLOCK_K, Q8, PREC)
+        xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=(k < K)[:, None] & mmask[None, :], other=0.0)
+        acc = dot_acc(acc, w, xt, PREC, USE_DOT)
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
 def _dense_mma_kernel(
-    x_ptr, w_ptr, d_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_dn, stride_ym,
+    x_ptr, w_ptr, d_ptr, y_ptr, xd_ptr, M, N, K, stride_xm, stride_wn, stride_dn, stride_ym, stride_xdm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     PREC: tl.constexpr, USE_DOT: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -123,14 +154,14 @@ def _dense_mma_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     enter(PDL)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        acc = _k_step(acc, k0, K, x_ptr, stride_xm, m, mmask, w_rows, d_rows, nmask, BLOCK_N, BLOCK_K, PREC,
-                      USE_DOT, Q8)
+        acc = _k_step(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
+                      BLOCK_N, BLOCK_K, PREC, USE_DOT, Q8)
     tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc, mask=nmask[:, None] & mmask[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
 def _dense_stream_kernel(
-    x_ptr, w_ptr, d_ptr, y_ptr, bv_ptr, bi_ptr, M, N, K, stride_xm, stride_wn, stride_dn, stride_ym,
+    x_ptr, w_ptr, d_ptr, y_ptr, xd_ptr, bv_ptr, bi_ptr, M, N, K, stride_xm, stride_wn, stride_dn, stride_ym, stride_xdm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     PREC: tl.constexpr, USE_DOT: tl.constexpr, Q8: tl.constexpr, BEST: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -147,8 +178,8 @@ def _dense_stream_kernel(
         n, nmask, m, mmask, w_rows, d_rows = _tile(t, M, N, w_ptr, d_ptr, stride_wn, stride_dn, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            acc = _k_step(acc, k0, K, x_ptr, stride_xm, m, mmask, w_rows, d_rows, nmask, BLOCK_N, BLOCK_K, PREC,
-                          USE_DOT, Q8)
+            acc = _k_step(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
+                          BLOCK_N, BLOCK_K, PREC, USE_DOT, Q8)
         tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc, mask=nmask[:, None] & mmask[None, :])
         if BEST:
             bv, bi = running_best(bv, bi, acc, (n[:, None] + 0 * m[None, :]).to(tl.int32),
@@ -224,7 +255,7 @@ def best_partials(M: int, N: int, device: torch.device | str,
             torch.empty((M, P), dtype=torch.int32, device=device))
 
 
-def _launch(x, w, d, out, cfg: DenseConfig, prec: str, use_dot: bool | None, best=None) -> None:
+def _launch(x, w, d, out, cfg: DenseConfig, prec: str, use_dot: bool | None, best=None, xd=None) -> None:
     M, N, K = x.shape[0], out.shape[1], x.shape[1]
     if cfg.block_m not in (16, 32) or (d is not None and cfg.block_k % 32):
         raise ValueError(f"bad dense config {cfg}: block_m must be 16 or 32 (and block_k a multiple of 32 for Q8_0)")
@@ -232,8 +263,9 @@ def _launch(x, w, d, out, cfg: DenseConfig, prec: str, use_dot: bool | None, bes
     if best is not None and (cfg.programs_per_sm <= 0 or M > cfg.block_m or best[0].shape != (M, P)):
         raise ValueError(f"best= needs the streaming form, at most {cfg.block_m} rows and [M, {P}] buffers "
                          f"(dense_mma.best_partials)")
-    common = (x, w, w if d is None else d, out)
-    strides = (M, N, K, x.stride(0), w.stride(0), 0 if d is None else d.stride(0), out.stride(0))
+    common = (x, w, w if d is None else d, out, x if xd is None else xd)
+    strides = (M, N, K, x.stride(0), w.stride(0), 0 if d is None else d.stride(0), out.stride(0),
+               0 if xd is None else xd.stride(0))
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, PREC=prec,
                   USE_DOT=x.is_cuda if use_dot is None else use_dot, Q8=d is not None, num_warps=cfg.num_warps,
                   **launch_kw(x))
@@ -263,6 +295,92 @@ def q8_dense_mma(x: torch.Tensor, w, prec: str = "bf16", out: torch.Tensor | Non
         return out
     _launch(x, w.qs, w.d, out, config or q8_config(x.device), prec, use_dot, best)
     return out
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, d_ptr, K, stride_x, stride_q, stride_d, NB: tl.constexpr, PDL: tl.constexpr):
+    """Row r of ``quantize_rows_q8``: per block of 32, d = amax / 127 and q = rint(x * (127 /
+    amax)) (both divisions correctly rounded; rint by the 1.5 * 2^23 trick: ties to even)."""
+    r = tl.program_id(0)
+    b = tl.arange(0, NB)
+    k = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+    mask = k < K
+    enter(PDL)
+    x = tl.load(x_ptr + r * stride_x + k, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    safe = tl.where(amax > 0, amax, 1.0)
+    inv = tl.where(amax > 0, tl.math.div_rn(tl.full([NB], 127.0, tl.float32), safe), 0.0)
+    v = (x * inv[:, None] + 12582912.0) - 12582912.0
+    tl.store(q_ptr + r * stride_q + k, v.to(tl.int8), mask=mask)
+    tl.store(d_ptr + r * stride_d + b, tl.math.div_rn(amax, tl.full([NB], 127.0, tl.float32)), mask=b * 32 < K)
+
+
+def quantize_rows_q8(x: torch.Tensor, q: torch.Tensor | None = None,
+                     d: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (float32/bfloat16/float16 [M, K], K a multiple of 32) as Q8_0 blocks per row: int8 quants
+    [M, K] and float32 scales [M, K / 32] (d = amax / 127; the q8i8 head's input, as llama.cpp
+    quantizes activations for its quantized products). Row by row, so batch-invariant."""
+    if x.dim() != 2 or x.shape[1] % 32 or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16,
+                                                                                torch.float16):
+        raise ValueError(f"x must be float32/bfloat16/float16 [M, K] with K a multiple of 32 and unit stride, "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=torch.int8, device=x.device) if q is None else q
+    d = torch.empty((M, K // 32), dtype=torch.float32, device=x.device) if d is None else d
+    if q.shape != (M, K) or q.dtype != torch.int8 or d.shape != (M, K // 32) or d.dtype != torch.float32:
+        raise ValueError(f"q must be int8 [{M}, {K}] and d float32 [{M}, {K // 32}]")
+    if M:
+        _quantize_rows_kernel[(M,)](x, q, d, K, x.stride(0), q.stride(0), d.stride(0),
+                                    NB=triton.next_power_of_2(K // 32), num_warps=4, **launch_kw(x))
+    return q, d
+
+
+def quantize_rows_q8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows_q8`` in torch (the same float32 operations, so the same bits)."""
+    M, K = x.shape
+    xb = x.float().reshape(M, K // 32, 32)
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, 1.0), 0.0)
+    v = (xb * inv[..., None] + 12582912.0) - 12582912.0
+    return v.to(torch.int8).reshape(M, K), amax / 127.0
+
+
+def q8i8_mma(xq: torch.Tensor, xd: torch.Tensor, w, out: torch.Tensor | None = None,
+             config: DenseConfig | None = None, use_dot: bool | None = None, best=None) -> torch.Tensor:
+    """float32 [M, N] = x @ W^T for a Q8_0 weight (its packed planes) and x given as its Q8_0 blocks
+    (``quantize_rows_q8``): per block of 32, an exact integer MMA of the two int8 quants, scaled by
+    d_w * d_x in float32 (``_k_step_i8``). No decode of W at all: the quants go to the tensor cores
+    as stored (1.06 bytes per weight). ``dense_mma``'s tiles, streaming and ``best=``; batch-invariant
+    as it; the same bits with tl.dot or with the interpreter's sums (integer products are exact)."""
+    if getattr(w, "fmt", None) is None or w.fmt.name != "Q8_0":
+        raise ValueError("q8i8_mma takes a Q8_0 PackedWeight (kernels.qmatmul.pack_weights)")
+    N, K = w.N, w.K
+    if xq.dim() != 2 or xq.dtype != torch.int8 or xq.shape[1] != K or xq.stride(1) != 1 \
+            or xd.shape != (xq.shape[0], K // 32) or xd.dtype != torch.float32 or xd.stride(1) != 1:
+        raise ValueError(f"xq must be int8 [M, {K}] and xd float32 [M, {K // 32}] (quantize_rows_q8), "
+                         f"got {xq.dtype} {tuple(xq.shape)} and {xd.dtype} {tuple(xd.shape)}")
+    M = xq.shape[0]
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.float32, device=xq.device)
+    elif out.shape != (M, N) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out must be float32 [{M}, {N}] with unit stride")
+    if M == 0:
+        return out
+    _launch(xq, w.qs, w.d, out, config or q8_config(xq.device), "i8", use_dot, best, xd=xd)
+    return out
+
+
+def q8i8_mma_ref(xq: torch.Tensor, xd: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``q8i8_mma`` in torch from int8 quants qs [N, K] and scales d [N, K / 32]: the same float32
+    operations in the same block order, so the same bits as the kernel under the interpreter."""
+    M, K = xq.shape
+    qs = qs.view(torch.int8) if qs.dtype == torch.uint8 else qs  # (the planes store the quants' bytes)
+    acc = torch.zeros((M, qs.shape[0]), dtype=torch.float32, device=xq.device)
+    for kb in range(K // 32):
+        sl = slice(kb * 32, kb * 32 + 32)
+        p = (xq[:, sl].long() @ qs[:, sl].long().T).float()
+        acc += p * (d[:, kb].float()[None, :] * xd[:, kb][:, None])
+    return acc
 
 
 def q8_config(device: torch.device | str = "cuda") -> DenseConfig:

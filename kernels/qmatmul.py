@@ -103,8 +103,11 @@ QMATMUL_SPLIT_MAX_N = 16384  # wider weights (the 262144-row head) are not split
 # programs, twice the partials for the consumer. H200 (session 8, runs 42-43): 0.726 -> 0.695-0.698
 # ms per step at 16 slots, 0.898 -> 0.880 at 32, 1 and 4 slots unchanged; slices of 128 for the
 # wide products too (q|k|v, gate|up) were slower at 32 slots (0.940), narrow slices of 64 slower
-# at every count (docs/GPU_NOTES.md, session 8).
-QMATMUL_NARROW_N = 1024
+# at every count (docs/GPU_NOTES.md, session 8). Since session 10 the bound is 2048, which takes
+# q|k|v (N = 1536) in 128-weight slices too: one K step per program, 5 partials instead of 3
+# (H200, run 50: 0.668 -> 0.644 ms at 16 slots, 0.613 -> 0.584 at 1, 0.843 -> 0.850 at 32; gate|up,
+# N = 4096, stays at 256: every product at 128 was 0.671 at 16 slots, 0.899 at 32).
+QMATMUL_NARROW_N = 2048
 QMATMUL_NARROW_SPLIT_K = 128
 # Per-format slices (at most these; for measurements): a product's slice is the smallest of its
 # members' (a fused q|k|v is one product, one slice). Every slice is fixed at load by the weights'

@@ -733,6 +733,21 @@ def stage_q8f16_sweep(m, out: Path, rows: list, bw: float) -> None:
             ("p1", dict(programs_per_sm=1)), ("w8 n128", dict(block_n=128, num_warps=8)))])
 
 
+def stage_q8i8_sweep(m, out: Path, rows: list, bw: float) -> None:
+    """Session 10: the Q8_0 head as integer MMAs on x's Q8_0 blocks (``head_matmul="q8i8"``) in
+    tilings around the Q8_0 forms' (64 outputs x 128 weights, 3 stages, 3 programs per SM)."""
+    from workbench.kernels import dense_mma as DM
+
+    def cfg(p=None, **kw):
+        return [(DM, "DENSE_CONFIG", replace(DM.DenseConfig(), **kw))] + (
+            [(DM, "Q8_PROGRAMS_PER_SM", p)] if p else [])
+
+    stage_sweep(m, out, rows, bw, "s10 q8i8", [
+        (label, cfg(**kw), {"head_matmul": "q8i8"}) for label, kw in (
+            ("p2", dict(p=2)), ("p4", dict(p=4)), ("n128 p2", dict(block_n=128, p=2)), ("k256", dict(block_k=256)),
+            ("k64 s4", dict(block_k=64, num_stages=4)), ("s4", dict(num_stages=4)), ("m16", dict(block_m=16)))])
+
+
 def stage_attn_sweep(m, out: Path, rows: list, bw: float) -> None:
     """Session 9 (run 47, against session 8's attention: 16-key blocks, two per 32-key segment):
     keys per block at D = 256 and per segment, and the attention warps."""
@@ -806,6 +821,8 @@ def main_stage(args) -> None:
     from workbench.kernels import step_fused as SFm
 
     cfgs, gemv_cfgs = _mma_configs, _gemv_configs
+    S10_QKV = [(QMm, "QMATMUL_NARROW_N", 2048)]  # q|k|v in 128-weight slices (s10)
+    S10_ARG = [(tr, "ARGMAX_IN_HEAD", True)]
 
     # K slices of 128 weights (every format's step at 128, so one step per program)
     split128 = [(QMm, "QMATMUL_SPLIT_K", 128),
@@ -936,6 +953,18 @@ def main_stage(args) -> None:
             ("every product in 128-weight slices, Q5_0 64-output tiles", [
                 (QMm, "QMATMUL_NARROW_N", 4096), (QM, "QMMA_CONFIGS", cfgs(Q5_0={"block_n": 64}))], {}),
         ], slots=SLOTS)),
+        ("q8i8", lambda: bench_runner(m, "s10 q8i8 head", SLOTS, out, rows, bw, head_matmul="q8i8")),
+        ("q8i8 sweep", lambda: stage_q8i8_sweep(m, out, rows, bw)),
+        ("q8i8 exact", lambda: _patched(tr, "HEAD_MATMUL", "q8i8", lambda: stage_exact(m, out, exact_rows))),
+        ("q8i8 profile", lambda: _patched(tr, "HEAD_MATMUL", "q8i8", lambda: stage_profile(m, out, prof_rows))),
+        ("s10 combos", lambda: stage_sweep(m, out, rows, bw, "s10", [
+            ("q|k|v 128 + argmax head", S10_QKV + S10_ARG, {}),
+            ("q|k|v 128 + argmax head + Q5_0 n64", S10_QKV + S10_ARG + [(QM, "QMMA_CONFIGS", cfgs(Q5_0={"block_n": 64}))], {}),
+            ("all 128 + Q5_0 n64 + argmax head", [(QMm, "QMATMUL_NARROW_N", 4096), (QM, "QMMA_CONFIGS", cfgs(
+                Q5_0={"block_n": 64}))] + S10_ARG, {}),
+            ("q|k|v 128 + argmax head + Q5_0 n16", S10_QKV + S10_ARG + [(QM, "QMMA_CONFIGS", cfgs(Q5_0={"block_n": 16}))], {}),
+        ], slots=SLOTS)),
+        ("s10 combo exact", lambda: _with(S10_QKV + S10_ARG, lambda: stage_exact(m, out, exact_rows))),
         ("narrow 2048 exact", lambda: _patched(QMm, "QMATMUL_NARROW_N", 2048, lambda: stage_exact(m, out, exact_rows))),
         ("argmax head", lambda: _patched(tr, "ARGMAX_IN_HEAD", True, lambda: bench_runner(
             m, "s10 argmax kept by the head's programs", SLOTS, out, rows, bw))),

@@ -121,6 +121,7 @@ VARIANTS = {
     "tuned": "tuned",  # the three above together
     "q8head": {"head_matmul": "q8dense"},  # the head's products from its Q8_0 planes
     "q8f16": {"head_matmul": "q8f16"},  # the same with float16 operands
+    "q8i8": {"head_matmul": "q8i8"},  # the Q8_0 planes against x's Q8_0 blocks, integer MMAs
     "pair": {"pair_launch": True},  # the mixed-format q|k|v as one launch
     "rope_attn": {"rope_in_attention": True},  # QK-norm/rope/KV as the attention programs' prologue
     "q8stream": "q8stream",  # the same, streaming form (DenseConfig.programs_per_sm)
@@ -257,6 +258,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded default model)")
     ap.add_argument("--report", action="store_true", help="registers / spills / shared memory per kernel")
+    ap.add_argument("--ptx", default=None, metavar="DIR", help="write each compiled specialization's PTX into DIR")
     ap.add_argument("--variants", default="default,qkrope,m32,q8gemv",
                     help=f"comma-separated, of: {', '.join(VARIANTS)}")
     args = ap.parse_args()
@@ -296,6 +298,11 @@ def main() -> int:
                   f"({', '.join(kernels)})")
             if args.report:
                 report()
+            if args.ptx:
+                os.makedirs(args.ptx, exist_ok=True)
+                for (kname, h), k in KERNELS.items():
+                    with open(os.path.join(args.ptx, f"{name}.{kname}.{h[:8]}.ptx"), "w") as f:
+                        f.write(k.asm.get("ptx", ""))
         except Exception:  # noqa: BLE001
             failed += 1
             print(f"{name}: FAILED\n{traceback.format_exc()[-3000:]}")

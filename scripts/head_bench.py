@@ -32,6 +32,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="1,16,32")
     ap.add_argument("--n", type=int, default=0, help="only the first n vocabulary rows (a CPU dry run)")
+    ap.add_argument("--forms", default="dense,q8f16,q8bf16,q8i8", help="comma-separated: dense, q8f16, q8bf16, q8i8")
     args = ap.parse_args()
     from workbench.kernels import dense_mma as DM
     from workbench.kernels.qmatmul import pack_weights
@@ -52,25 +53,44 @@ def main() -> int:
             "p3 s4": replace(base, programs_per_sm=3, num_stages=4), "k64 s6 p3": replace(base, block_k=64, num_stages=6,
                                                                                            programs_per_sm=3),
             "n128 k64 s6": replace(base, block_n=128, block_k=64, num_stages=6), "m16": replace(base, block_m=16)}
+    forms = set(args.forms.split(","))
     variants = []
     for label, cfg in cfgs.items():
         for xdt in (torch.float32, torch.bfloat16):
-            variants.append((f"dense bf16 x{str(xdt)[6:]} {label}", DM.dense_mma, dense, "bf16", xdt, cfg, 2 * N * K))
+            if "dense" in forms:
+                variants.append((f"dense bf16 x{str(xdt)[6:]} {label}", DM.dense_mma, dense, "bf16", xdt, cfg, 2 * N * K))
         for xdt in (torch.float32, torch.float16):
-            variants.append((f"q8f16 x{str(xdt)[6:]} {label}", DM.q8_dense_mma, pw, "f16", xdt, cfg, N * K * 34 // 32))
-        if label in ("base", "n128"):
+            if "q8f16" in forms:
+                variants.append((f"q8f16 x{str(xdt)[6:]} {label}", DM.q8_dense_mma, pw, "f16", xdt, cfg, N * K * 34 // 32))
+        if label in ("base", "n128") and "q8bf16" in forms:
             variants.append((f"q8 bf16 xbfloat16 {label}", DM.q8_dense_mma, pw, "bf16", torch.bfloat16, cfg, N * K * 34 // 32))
+    # q8i8: x quantized per row to Q8_0 blocks (its own launch, timed with the product and without)
+    q8 = DM.q8_config(dev)
+    i8_cfgs = {"p3": q8, "p2": replace(q8, programs_per_sm=2), "p4": replace(q8, programs_per_sm=4),
+               "n128 p2": replace(q8, block_n=128, programs_per_sm=2), "k256": replace(q8, block_k=256),
+               "k64 s4": replace(q8, block_k=64, num_stages=4), "s4": replace(q8, num_stages=4),
+               "m16": replace(q8, block_m=16), "m16 p4": replace(q8, block_m=16, programs_per_sm=4)}
+
+    def q8i8(x, w, prec, out, config):
+        return DM.q8i8_mma(*DM.quantize_rows_q8(x), w, out=out, config=config)
+
+    if "q8i8" in forms:
+        for label, cfg in i8_cfgs.items():
+            variants.append((f"q8i8 {label}", q8i8, pw, "i8", torch.float32, cfg, N * K * 34 // 32))
+            variants.append((f"q8i8 product only {label}", lambda x, w, prec, out, config: DM.q8i8_mma(
+                *x, w, out=out, config=config), pw, "i8", "pre", cfg, N * K * 34 // 32))
     rows = []
     gen = torch.Generator().manual_seed(0)
     for M in [int(r) for r in args.rows.split(",")]:
         x32 = torch.randn(M, K, generator=gen)
         x32 = (x32 / x32.pow(2).mean(-1, keepdim=True).sqrt()).to(dev)
         out = torch.empty(M, N, device=dev)
+        xq = DM.quantize_rows_q8(x32)
         for vname, fn, w, prec, xdt, cfg, nbytes in variants:
-            x = x32.to(xdt)
+            x = xq if xdt == "pre" else x32.to(xdt)  # ("pre": q8i8's product alone, x already quantized)
             try:
                 same = None
-                if xdt != torch.float32:  # x pre-rounded: the same logits as from float32 x, bitwise
+                if xdt not in (torch.float32, "pre"):  # x pre-rounded: the same logits as from float32 x, bitwise
                     fn(x32, w, prec, out=out, config=cfg)
                     ref = out.clone()
                     fn(x, w, prec, out=out, config=cfg)

@@ -108,7 +108,7 @@ def test_decode_loop_matches_engine_steps(tiny_model):
     assert a.launches > 0
 
 
-@pytest.mark.parametrize("head", ["dense", "q8f16"])
+@pytest.mark.parametrize("head", ["dense", "q8f16", "q8i8"])
 def test_argmax_in_head_gives_the_same_tokens(tiny_model, monkeypatch, head):
     """ARGMAX_IN_HEAD: the head's streaming programs keep the greedy argmax's first stage (one
     launch fewer per decode graph); the decode loop's tokens and last logits are the separate
@@ -304,7 +304,7 @@ def test_dense_head_is_close_and_invariant(tiny_model, dtype, monkeypatch):
     m = tiny_model("gemma3", dtype, "Q8_0", sliding_window=WINDOW)
     a, b = _tokens(m, 13, 11, 5)
     runs = {}
-    heads = ("mma", "dense", "q8dense", "q8f16") if dtype == "bfloat16" else ("mma", "dense", "q8dense")
+    heads = ("mma", "dense", "q8dense", "q8i8", "q8f16") if dtype == "bfloat16" else ("mma", "dense", "q8dense", "q8i8")
     for head in heads:
         r = TritonRunner(m, 256, graphs=False, matmul="mma", head_matmul=head)
         runs[head] = (_solo(r, a, 10), r.launches, r)
@@ -314,6 +314,10 @@ def test_dense_head_is_close_and_invariant(tiny_model, dtype, monkeypatch):
     assert torch.equal(runs["q8dense"][0], runs["dense"][0])
     assert runs["dense"][2].head.parts[0][1].form == "dense" and runs["dense"][2].head.parts[0][1].packed is None
     assert runs["q8dense"][2].head.parts[0][1].form == "q8dense" and runs["q8dense"][2].head.parts[0][1].dense is None
+    # q8i8: x as Q8_0 blocks, integer products: close (x's int8 steps), one launch more (x's quantization)
+    assert runs["q8i8"][2].head.parts[0][1].form == "q8i8" and runs["q8i8"][1] == runs["dense"][1] + 1
+    y, ref = runs["q8i8"][0], runs["mma"][0]
+    assert (y - ref).abs().max() < 0.02 * ref.abs().max()
     for head in heads[1:]:
         _assert_batched_is_solo(runs[head][2], a, b, 10, runs[head][0])
     if dtype == "bfloat16":  # float16 operands: closer to the exact product than bfloat16's
@@ -324,11 +328,13 @@ def test_dense_head_is_close_and_invariant(tiny_model, dtype, monkeypatch):
         monkeypatch.setattr(triton_runner, "HEAD_X_HALF", False)
         r = TritonRunner(m, 256, graphs=False, matmul="mma", head_matmul="q8f16")
         assert r.head_x_dtype is None and torch.equal(_solo(r, a, 10), runs["q8f16"][0])
-    with pytest.raises(WorkbenchError, match="allowed mma, gemv, dense, q8dense, q8f16"):
+    with pytest.raises(WorkbenchError, match="allowed mma, gemv, dense, q8dense, q8f16, q8i8"):
         TritonRunner(m, 64, graphs=False, matmul="mma", head_matmul="cublas")
     m5 = tiny_model("gemma3", dtype, "Q5_0", sliding_window=WINDOW)
     with pytest.raises(WorkbenchError, match="reads a Q8_0 head; this head is Q5_0"):
         TritonRunner(m5, 64, graphs=False, matmul="mma", head_matmul="q8dense")
+    with pytest.raises(WorkbenchError, match="reads a Q8_0 head; this head is Q5_0"):
+        TritonRunner(m5, 64, graphs=False, matmul="mma", head_matmul="q8i8")
 
 
 def test_f16_head_only_where_float16_provably_holds(tiny_model, monkeypatch):

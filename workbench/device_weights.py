@@ -78,7 +78,8 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
     """Every weight of ``model`` on ``device`` in the runner's layout. ``matmul``: the layers'
     form ("raw" keeps GGUF bytes, else packed planes), ``layer_forms``: per-format overrides,
     ``head_form``: the head's ("dense": dequantized once, for ``kernels.dense_mma``; "q8dense" and
-    "q8f16": a Q8_0 head's packed planes for ``kernels.dense_mma.q8_dense_mma``).
+    "q8f16": a Q8_0 head's packed planes for ``kernels.dense_mma.q8_dense_mma``; "q8i8": the same
+    planes for ``kernels.dense_mma.q8i8_mma``).
     ``dense="cublas_bf16"`` also keeps bf16 copies for the non-invariant comparison variant."""
     from .kernels import qmatmul as qm
     from .kernels.quant_tiles import FORMATS
@@ -188,7 +189,7 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
         head.dense = model.head.to(device).contiguous()  # (the model's compute dtype: the products' precision)
         head.form = "dense"
         nbytes += head.dense.numel() * head.dense.element_size()
-    elif packed and head_form in ("q8dense", "q8f16") and head.fmt.name != "Q8_0":
+    elif packed and head_form in ("q8dense", "q8f16", "q8i8") and head.fmt.name != "Q8_0":
         raise WorkbenchError(f"head_matmul={head_form!r} reads a Q8_0 head; this head is {head.fmt.name}: "
                              f"allowed dense, mma, gemv")
     elif packed:  # (tied: a packed copy beside the embedding's raw bytes)

@@ -15,9 +15,9 @@ Same interface as `runner.TorchRunner` (the engine picks it with EngineConfig(ba
 * Each step: embedding -> per layer [qkv product -> fused QK-norm + rope + KV write ->
   attention_rows (combine folded in) -> wo product -> fused (post-norm, residual add, next
   pre-norm) -> gate|up product with the GeGLU/SwiGLU folded in (its last program per column
-  pair) -> down product -> fused add+norm] -> head -> argmax (two launches, the second also
-  writing the next step's inputs): 149 launches for Gemma 3 270M (the q|k|v of mixed formats as
-  one launch, PAIR_LAUNCH). The products
+  pair) -> down product -> fused add+norm] -> head, whose programs keep each row's running
+  argmax (ARGMAX_IN_HEAD) -> one launch finishing the argmax and writing the next step's inputs:
+  148 launches for Gemma 3 270M (the q|k|v of mixed formats as one launch, PAIR_LAUNCH). The products
   write their fixed split-K partials and the consumer adds them in slice order, so no separate
   sum launch. On sm_90+ every kernel is chained to the previous one by programmatic dependent
   launch (kernels/pdl.py), and a product decodes its first weights before waiting for x. Every kernel computes a row from that row alone, with
@@ -82,8 +82,13 @@ HEAD_MATMUL: str | None = "dense"
 # stay near 2 TB/s, latency-bound (session 9: the head alone 91 us at 16 rows for q8f16, 85 for
 # the dense copy at its copy bandwidth). "q8f16" is taken only by a bfloat16 engine whose head
 # provably fits float16 (device_weights.f16_head_refusal); asked for explicitly otherwise it is
-# refused; were it the default, it would fall back to "dense" there.
-HEAD_DENSE_FORMS = ("dense", "q8dense", "q8f16")
+# refused; were it the default, it would fall back to "dense" there. "q8i8": the Q8_0 planes
+# against x quantized per row to Q8_0 blocks (int8 quants, a float32 scale per 32 values, as
+# llama.cpp quantizes activations for its quantized products), one exact integer MMA per block
+# scaled by d_w * d_x (kernels/dense_mma.q8i8_mma): no decode of W at all, 178 MB read; x's
+# int8 steps are its one extra rounding (the weights' products are exact, where the other forms
+# round d * q to the operand type). Row by row, so batch-invariant like every form.
+HEAD_DENSE_FORMS = ("dense", "q8dense", "q8f16", "q8i8")
 # The output norm writes the head's input already rounded to the head's operand precision
 # (float16 for "q8f16"; bfloat16 for a bfloat16 "dense"/"q8dense" head, on a GPU only, where the
 # store rounds to nearest as the products' own rounding does; the CPU interpreter truncates): the
@@ -93,9 +98,10 @@ HEAD_X_HALF = True
 # A decode graph's greedy argmax kept by the head's streaming programs (each its running best per
 # row over its tiles, kernels/dense_mma.py best=), finished by one small launch: the argmax's
 # first launch (a read of every logit) goes. Bucket rows up to the head's row tile (32); the
-# same tokens (the same tie and NaN rules, exact comparisons). Written in session 9 after the
-# last device call: not measured, so off.
-ARGMAX_IN_HEAD = False
+# same tokens (the same tie and NaN rules, exact comparisons). H200 (session 10, run 50): 0.668 ->
+# 0.659 ms at 16 slots, 0.843 -> 0.829 at 32, 148 launches; the same tokens as the two-launch
+# argmax over 16 slots x 32 graphed steps.
+ARGMAX_IN_HEAD = True
 # Per-format overrides of the layers' form: again fixed per weight. Q8_0 layer weights (Gemma 3
 # 270M's V projections and some others) on the FMA GEMV: faster at every slot count in three
 # leases (session 5, H200: 0.794 -> 0.767 ms at 1 slot, 1.221 -> 1.186 at 32).
@@ -471,6 +477,12 @@ class TritonRunner:
                 self._dense.dense_mma(x, w.dense, self.mma_prec, out=part[0, :, off:], use_dot=self.use_dot,
                                       best=self._head_best)
                 self.launches += 1
+                continue
+            if w.form == "q8i8":  # (a Q8_0 head) x as Q8_0 blocks, one integer MMA per block
+                xq, xd = self._dense.quantize_rows_q8(x)
+                self._dense.q8i8_mma(xq, xd, w.packed, out=part[0, :, off:], use_dot=self.use_dot,
+                                     best=self._head_best)
+                self.launches += 2
                 continue
             if w.form in ("q8dense", "q8f16"):  # (a Q8_0 head) dense_mma's products from the packed planes
                 prec = "f16" if w.form == "q8f16" else self.mma_prec

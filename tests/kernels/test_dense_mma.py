@@ -85,6 +85,68 @@ def test_q8_dense_mma_reads_the_packed_planes(prec, device, quant_rows):
         q8_dense_mma(x, pw, config=DenseConfig(block_k=16))
 
 
+def test_quantize_rows_q8_matches_reference(device):
+    """quantize_rows_q8: per block of 32, d = amax / 127 and q = rint(x * 127 / amax), bitwise
+    the torch reference (zero blocks give q = 0, d = 0); each row's blocks alone; bad shapes refused."""
+    from workbench.kernels.dense_mma import quantize_rows_q8, quantize_rows_q8_ref
+
+    gen = torch.Generator().manual_seed(8)
+    x = (torch.randn(5, 96, generator=gen) * torch.tensor([0.01, 1.0, 300.0]).repeat_interleave(32)).to(device)
+    x[2, 32:64] = 0.0
+    q, d = quantize_rows_q8(x)
+    qr, dr = quantize_rows_q8_ref(x)
+    assert torch.equal(q, qr) and torch.equal(d, dr)
+    assert q[2, 32:64].abs().sum() == 0 and d[2, 1] == 0 and int(q.abs().max()) == 127
+    deq = (q.float().reshape(5, 3, 32) * d[..., None]).reshape(5, 96)
+    assert ((deq - x).abs() <= d.repeat_interleave(32, dim=1) / 2 + 1e-6).all()  # within half a step
+    q1, d1 = quantize_rows_q8(x[3:4].clone())
+    assert torch.equal(q1, q[3:4]) and torch.equal(d1, d[3:4])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_rows_q8(torch.zeros(2, 40, device=device))
+
+
+def test_q8i8_mma_integer_blocks(device, quant_rows):
+    """q8i8_mma: the Q8_0 quants of W and of x in one exact integer product per 32-weight block,
+    scaled by d_w * d_x: bitwise the torch reference under the interpreter and close to it on a
+    GPU (the scaling may fuse into FMAs there); close to the float product of the dequantized
+    weight (x's int8 steps being the only rounding of note); rows bitwise invariant, in the tiled
+    and the streaming form (which also keeps the argmax); bad inputs refused."""
+    from workbench.kernels.dense_mma import best_partials, q8i8_mma, q8i8_mma_ref, quantize_rows_q8
+    from workbench.kernels.qmatmul import pack_weights
+    from workbench.kernels.quant_tiles import FORMATS, dequant_ref
+    from workbench.kernels.sampling import argmax_from_partials
+
+    fmt = FORMATS["Q8_0"]
+    N, K = 200, 160  # a partial N tile and a partial K step
+    raw = quant_rows(fmt, N, K, 5, "cpu")
+    pw = pack_weights(raw.to(device), "Q8_0", N, K)
+    wf = dequant_ref(raw, "Q8_0", K).reshape(N, K).to(device)
+    x = torch.randn(18, K, generator=torch.Generator().manual_seed(6)).to(device)
+    xq, xd = quantize_rows_q8(x)
+    ref = q8i8_mma_ref(xq, xd, pw.qs, pw.d)
+    exact = (x.double() @ wf.double().T)
+    for cfg in (DenseConfig(block_n=64, block_k=64, num_stages=2, block_m=32),
+                DenseConfig(block_n=64, block_k=64, num_stages=2, block_m=16, programs_per_sm=1)):
+        y = q8i8_mma(xq, xd, pw, config=cfg)
+        if device.type == "cpu":
+            assert torch.equal(y, ref)
+        torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-5)
+        assert (y.double() - exact).abs().max() < 0.02 * exact.abs().max()
+        for i in (0, 9, 17):
+            assert torch.equal(q8i8_mma(xq[i : i + 1].clone(), xd[i : i + 1].clone(), pw, config=cfg), y[i : i + 1])
+    stream = DenseConfig(block_n=64, block_k=64, num_stages=2, block_m=32, programs_per_sm=1)
+    best = best_partials(5, N, device, stream)
+    y5 = q8i8_mma(xq[:5], xd[:5], pw, config=stream, best=best)
+    tok = torch.empty(5, dtype=torch.int64, device=device)
+    argmax_from_partials(*best, out=tok)
+    assert torch.equal(tok, y5.argmax(-1))
+    with pytest.raises(ValueError, match="xq must be"):
+        q8i8_mma(x, xd, pw)
+    q5 = pack_weights(quant_rows(FORMATS["Q5_0"], 8, 64, 1, device), "Q5_0", 8, 64)
+    with pytest.raises(ValueError, match="Q8_0 PackedWeight"):
+        q8i8_mma(xq[:, :64], xd[:, :2], q5)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 32])
 def test_streaming_head_keeps_the_argmax(rows, device, quant_rows):
     """best=: each streaming program's running (value, index) best per row, finished by

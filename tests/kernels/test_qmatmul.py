@@ -208,9 +208,9 @@ def test_k_slices_follow_the_product(monkeypatch):
     from workbench.kernels.qmatmul import k_slice, num_k_splits
 
     assert (k_slice(640, 1024), k_slice(640, 2048)) == (128, 128)  # attention output, FFN down
-    assert (k_slice(1536, 640), k_slice(4096, 640)) == (256, 256)  # q|k|v, gate|up
+    assert (k_slice(1536, 640), k_slice(4096, 640)) == (128, 256)  # q|k|v, gate|up
     assert k_slice(262144, 640) == 640 and num_k_splits(262144, 640) == 1  # the head
     assert k_slice(640, 96) == 96 and num_k_splits(640, 96) == 1
-    assert (num_k_splits(640, 2048), num_k_splits(1536, 640)) == (16, 3)
+    assert (num_k_splits(640, 2048), num_k_splits(1536, 640), num_k_splits(4096, 640)) == (16, 5, 3)
     monkeypatch.setattr(qmatmul_mod, "QMATMUL_FORMAT_SPLIT_K", {"Q5_0": 64})
-    assert k_slice(1536, 640, ("Q5_0", "Q8_0")) == 64 and k_slice(1536, 640, ("Q8_0",)) == 256
+    assert k_slice(4096, 640, ("Q5_0", "Q8_0")) == 64 and k_slice(4096, 640, ("Q8_0",)) == 256
