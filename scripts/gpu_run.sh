@@ -25,7 +25,7 @@ stamp kernel_tests
 timeout ${KT_S:-90} python3 -m pytest -q -x -p no:cacheprovider ${KT_ARGS:-tests/kernels} 2>&1 | tail -5
 if [ "${HB_S:-0}" -gt 0 ]; then  # the head alone, each form and tiling (scripts/head_bench.py)
   stamp head_bench
-  timeout $HB_S python3 scripts/head_bench.py --model "$MODEL" --out "$OUT" 2>&1 | tail -${HB_TAIL:-3}
+  timeout $HB_S python3 scripts/head_bench.py --model "$MODEL" --out "$OUT" ${HB_ARGS:-} 2>&1 | tail -${HB_TAIL:-3}
 fi
 stamp main
 export STAGES=${STAGES:-mma graphs,cublas bf16 graphs,gemv graphs,mma seg64,mma seg32,mma exact,mma engine,mma profile,mma sweep}
