@@ -42,6 +42,7 @@ from .pdl import enter_or_wait, launch_kw
 from .qmatmul import (
     _GEMV_GEOMETRY,
     NORM_FOLD_MAX_N,
+    GLU_ACTS,
     GluEpilogue,
     HeadsEpilogue,
     NormEpilogue,
@@ -64,7 +65,7 @@ from .qmatmul import (
     steps_fit,
     sum_splits,
 )
-from .step_fused import add_norm_epilogue, glu_pair_epilogue, heads_epilogue
+from .step_fused import _glu_math, _sum_parts, add_norm_epilogue, glu_pair_epilogue, heads_epilogue
 
 QMMA_BLOCK_M = 16  # rows of x per program (the MMA's narrow side) unless a config says otherwise
 
@@ -138,11 +139,30 @@ def _round_bf16(v, EXPLICIT: tl.constexpr):
 
 
 @triton.jit
-def _plane_dot(acc, w, x_ptr, xoff, xmask, m, mmask, stride_xm,
-               GS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, USE_DOT: tl.constexpr):
-    """acc[BN, BM] += W_plane[BN, GS] @ x^T[GS, BM], x^T gathered at K offsets ``xoff`` [GS]."""
+def _x_tile(x_ptr, offs, mask, stride_xs, XF, XGLU: tl.constexpr, XSPLIT: tl.constexpr):
+    """x at ``offs``: as stored, or (XGLU = 1 + the activation's index in GLU_ACTS) act(gate) * up
+    formed from a fused [gate | up] product's split-K partials (x_ptr: split 0's gate columns,
+    XF: where up's start, stride_xs: the split stride): both added in slice order, then
+    ``_glu_math``, the arithmetic of the GLU fold and kernel, so the values their float32 output
+    held, bitwise."""
+    if XGLU > 0:
+        g = _sum_parts(x_ptr, offs, mask, stride_xs, XSPLIT, "")
+        u = _sum_parts(x_ptr + XF, offs, mask, stride_xs, XSPLIT, "")
+        xt = _glu_math(g, u, XGLU - 1)
+    else:
+        xt = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    return xt
+
+
+@triton.jit
+def _plane_dot(acc, w, x_ptr, xoff, xmask, m, mmask, stride_xm, stride_xs, XF,
+               GS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, USE_DOT: tl.constexpr,
+               XGLU: tl.constexpr, XSPLIT: tl.constexpr):
+    """acc[BN, BM] += W_plane[BN, GS] @ x^T[GS, BM], x^T gathered at K offsets ``xoff`` [GS]
+    (``_x_tile``: x, or the GLU of the partials it points at)."""
     w = tl.reshape(w, [BLOCK_N, GS])
-    xt = tl.load(x_ptr + m[None, :] * stride_xm + xoff[:, None], mask=xmask[:, None] & mmask[None, :], other=0.0)
+    xt = _x_tile(x_ptr, m[None, :] * stride_xm + xoff[:, None], xmask[:, None] & mmask[None, :], stride_xs, XF,
+                 XGLU, XSPLIT)
     return dot_acc(acc, w, xt, PREC, USE_DOT)
 
 
@@ -219,7 +239,7 @@ def _qmma_program(
     QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     PREC: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr,
-    PRELOAD: tl.constexpr,
+    PRELOAD: tl.constexpr, stride_xs, XF, XGLU: tl.constexpr, XSPLIT: tl.constexpr,
 ):
     """Program (pid, pid_k)'s product over its K slice, stored as its split-K partial of y: its
     outputs x its rows. Returns (pid_m, m, mmask, n, nmask) for the kernels' epilogues. PREFETCH
@@ -228,7 +248,8 @@ def _qmma_program(
     kernel of the chain waits for its predecessor (``pdl.enter_or_wait``). PRELOAD
     (``MmaConfig.preload``): each step's bytes are fetched one step ahead, the second step's
     before the wait, and decoded when the step comes: the same decode and products in the same
-    order, so the same bits."""
+    order, so the same bits. XGLU > 0 (``_qmma_glu_x_kernel``): x is act(gate) * up of a fused
+    [gate | up] product's partials, formed as each step gathers it (``_x_tile``)."""
     G: tl.constexpr = BLOCK_K // GW
     GS: tl.constexpr = G * S
     pid_m, n, nmask, k_begin, k_end, qs_rows, qh_rows, sc_rows, d_rows = _packed_program(
@@ -256,12 +277,16 @@ def _qmma_program(
         gval = k0 + g * GW < k_end
         xo = tl.reshape(_x_offsets(gg, s, QTYPE, GW), [GS])
         xm = tl.reshape(gval[:, None] & (s[None, :] >= 0), [GS])
-        acc = _plane_dot(acc, w0, x_ptr, xo, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
+        acc = _plane_dot(acc, w0, x_ptr, xo, xm, m, mmask, stride_xm, stride_xs, XF, GS, BLOCK_N, PREC, USE_DOT,
+                         XGLU, XSPLIT)
         if NPLANE > 1:
-            acc = _plane_dot(acc, w1, x_ptr, xo + PSTEP, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
+            acc = _plane_dot(acc, w1, x_ptr, xo + PSTEP, xm, m, mmask, stride_xm, stride_xs, XF, GS, BLOCK_N, PREC,
+                             USE_DOT, XGLU, XSPLIT)
         if NPLANE > 2:
-            acc = _plane_dot(acc, w2, x_ptr, xo + 2 * PSTEP, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
-            acc = _plane_dot(acc, w3, x_ptr, xo + 3 * PSTEP, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
+            acc = _plane_dot(acc, w2, x_ptr, xo + 2 * PSTEP, xm, m, mmask, stride_xm, stride_xs, XF, GS, BLOCK_N,
+                             PREC, USE_DOT, XGLU, XSPLIT)
+            acc = _plane_dot(acc, w3, x_ptr, xo + 3 * PSTEP, xm, m, mmask, stride_xm, stride_xs, XF, GS, BLOCK_N,
+                             PREC, USE_DOT, XGLU, XSPLIT)
         if k0 + BLOCK_K < k_end:  # the next step's weights
             if PRELOAD:
                 w0, w1, w2, w3 = _decode_loaded(r0, r1, r2, r3, r4, s3, QTYPE)
@@ -291,6 +316,23 @@ def _qmma_kernel(
               NSPLIT, PDL, PREFETCH, PRELOAD, 0)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _qmma_glu_x_kernel(
+    x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr,
+    M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row, stride_xs,
+    QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PREC: tl.constexpr, USE_DOT: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr,
+    XGLU: tl.constexpr, XSPLIT: tl.constexpr,
+):
+    """``_qmma_kernel`` whose x is act(gate) * up of the [gate | up] partials at x_ptr (``GluPrologue``:
+    the FFN down product forming its input from gate|up's partials, K = F; up at column K)."""
+    _qmma_program(tl.program_id(0), tl.program_id(1), y_ptr, 0,
+                  x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
+                  qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                  PREC, USE_DOT, PDL, -1, 0, PRELOAD, stride_xs, K, XGLU, XSPLIT)
+
+
 @triton.jit
 def qmma_item(
     pid, pid_k, wait_ptr, wait_need,
@@ -307,7 +349,7 @@ def qmma_item(
         pid, pid_k, wait_ptr, wait_need,
         x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
         qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC,
-        USE_DOT, PDL, PREFETCH, WAIT, PRELOAD)
+        USE_DOT, PDL, PREFETCH, WAIT, PRELOAD, 0, 0, 0, 1)
     if GLU > 0:  # a fused [gate | up] weight: the pair's last program writes act(gate) * up
         pairs = (N // 2) // BLOCK_N
         pid_n = pid // tl.cdiv(M, BLOCK_M)
@@ -330,7 +372,7 @@ def _qmma_heads_kernel(
         tl.program_id(0), tl.program_id(1), count_ptr, 0,
         x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
         qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC,
-        USE_DOT, PDL, -1, 0, False)
+        USE_DOT, PDL, -1, 0, False, 0, 0, 0, 1)
     heads = N // D
     head = (tl.program_id(0) // tl.cdiv(M, BLOCK_M)) * BLOCK_N // D
     heads_epilogue(y_ptr, stride_ys, stride_ym, count_ptr, pid_m * heads + head, head, m, mmask, col0,
@@ -356,7 +398,7 @@ def _qmma_norm_kernel(
         tl.program_id(0), tl.program_id(1), count_ptr, 0,
         x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
         qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC,
-        USE_DOT, PDL, -1, 0, False)
+        USE_DOT, PDL, -1, 0, False, 0, 0, 0, 1)
     ntiles = tl.cdiv(N, BLOCK_N)
     pid_n = tl.program_id(0) // tl.cdiv(M, BLOCK_M)
     add_norm_epilogue(y_ptr, stride_ys, stride_ym, count_ptr, pid_m * ntiles + pid_n,
@@ -433,13 +475,16 @@ def _native(x: torch.Tensor) -> bool:
 def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, stride_ys: int,
                 prec: str = "bf16", config: MmaConfig | None = None, use_dot: bool | None = None,
                 glu: GluEpilogue | None = None, heads: HeadsEpilogue | None = None, col0: int = 0,
-                norm: NormEpilogue | None = None) -> None:
+                norm: NormEpilogue | None = None, glu_x: str | None = None) -> None:
     """Launch ``_qmma_kernel``: y[s, m, n] (s < splits, at stride_ys; y's row stride is
     y.stride(-2)) = the K slice s of x[m] @ W[n]^T; with ``glu`` also act(gate) * up into glu.out
     (``step_fused.glu_pair_epilogue``); with ``heads`` (this weight's columns start at column
     ``col0`` of q|k|v) also q, k, v as ``step_fused.qk_rope_kv`` makes them
     (``step_fused.heads_epilogue``); with ``norm`` also the residual add + next norm
-    (``step_fused.add_norm_epilogue``). No value checks: callers check."""
+    (``step_fused.add_norm_epilogue``). ``glu_x`` (an activation of GLU_ACTS): x is not the
+    product's input but a fused [gate | up] product's partials [splits', M, 2K] (float32), and
+    each program forms act(gate) * up from them as it gathers x (``_x_tile``): the GLU's values,
+    bitwise, without its launch or fold. No value checks: callers check."""
     if prec not in QMMA_PRECISIONS:
         raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(QMMA_PRECISIONS)}")
     cfg = config or mma_config(w.fmt.name, w.N, w.K, x.device, w.slice_k)
@@ -447,6 +492,13 @@ def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, 
     groups = cfg.block_k // gw
     if not steps_fit(w, splits, cfg.block_k) or cfg.block_k % gw or groups & (groups - 1) or groups * s < 16:
         raise ValueError(f"bad qmma config {cfg} for {w.fmt.name}")
+    xparts = None
+    if glu_x is not None:
+        if glu_x not in GLU_ACTS or x.dim() != 3 or x.shape[2] != 2 * w.K or x.dtype != torch.float32 \
+                or x.stride(2) != 1 or (glu, heads, norm) != (None, None, None):
+            raise ValueError(f"glu_x takes float32 [gate | up] partials [splits, M, {2 * w.K}] with unit stride, "
+                             f"an activation of {', '.join(GLU_ACTS)} and no epilogue")
+        xparts, x = x, x[0]
     M = x.shape[0]
     if cfg.block_m not in (16, 32):
         raise ValueError(f"bad qmma config {cfg} for {w.fmt.name}: block_m must be 16 or 32")
@@ -459,6 +511,10 @@ def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, 
         return
     if heads is not None:
         _launch_heads(packed_launch_args(x, w, y, splits, stride_ys), common, M, w.N, cfg, heads, col0, grid)
+        return
+    if xparts is not None:
+        _qmma_glu_x_kernel[grid](*packed_launch_args(x, w, y, splits, stride_ys), xparts.stride(0),
+                                 PRELOAD=cfg.preload, XGLU=1 + GLU_ACTS.index(glu_x), XSPLIT=xparts.shape[0], **common)
         return
     prefetch = cfg.prefetch if cfg.prefetch is not None and splits == 1 and _native(x) else -1
     _qmma_kernel[grid](

@@ -823,6 +823,7 @@ def main_stage(args) -> None:
     cfgs, gemv_cfgs = _mma_configs, _gemv_configs
     S10_QKV = [(QMm, "QMATMUL_NARROW_N", 2048)]  # q|k|v in 128-weight slices (s10)
     S10_ARG = [(tr, "ARGMAX_IN_HEAD", True)]
+    S10_GLU = [(tr, "GLU_IN_DOWN", True)]  # the down product forms the GLU from gate|up's partials (s10)
 
     # K slices of 128 weights (every format's step at 128, so one step per program)
     split128 = [(QMm, "QMATMUL_SPLIT_K", 128),
@@ -953,6 +954,17 @@ def main_stage(args) -> None:
             ("every product in 128-weight slices, Q5_0 64-output tiles", [
                 (QMm, "QMATMUL_NARROW_N", 4096), (QM, "QMMA_CONFIGS", cfgs(Q5_0={"block_n": 64}))], {}),
         ], slots=SLOTS)),
+        ("glu down", lambda: stage_sweep(m, out, rows, bw, "s10", [
+            ("GLU formed by the down product", S10_GLU, {}),
+            ("GLU by down, gate|up in 128-weight slices", S10_GLU + [(QMm, "QMATMUL_NARROW_N", 4096)], {}),
+            ("GLU by down, gate|up 128, Q5_0 n64", S10_GLU + [(QMm, "QMATMUL_NARROW_N", 4096), (QM, "QMMA_CONFIGS", cfgs(
+                Q5_0={"block_n": 64}))], {}),
+            ("GLU by down + rope in attention", S10_GLU + [(tr, "ROPE_IN_ATTENTION", True)], {}),
+        ], slots=SLOTS)),
+        ("glu down same bits", lambda: stage_same_bits(m, out, exact_rows, "GLU formed by the down product",
+                                                       lambda fn: _with(S10_GLU, fn))),
+        ("glu down exact", lambda: _with(S10_GLU, lambda: stage_exact(m, out, exact_rows))),
+        ("glu down profile", lambda: _with(S10_GLU, lambda: stage_profile(m, out, prof_rows))),
         ("q8i8", lambda: bench_runner(m, "s10 q8i8 head", SLOTS, out, rows, bw, head_matmul="q8i8")),
         ("q8i8 sweep", lambda: stage_q8i8_sweep(m, out, rows, bw)),
         ("q8i8 exact", lambda: _patched(tr, "HEAD_MATMUL", "q8i8", lambda: stage_exact(m, out, exact_rows))),

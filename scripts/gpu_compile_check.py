@@ -121,6 +121,7 @@ VARIANTS = {
     "tuned": "tuned",  # the three above together
     "q8head": {"head_matmul": "q8dense"},  # the head's products from its Q8_0 planes
     "q8f16": {"head_matmul": "q8f16"},  # the same with float16 operands
+    "glu_down": {"glu_in_down": True},  # the FFN down product forms the GLU from gate|up's partials
     "q8i8": {"head_matmul": "q8i8"},  # the Q8_0 planes against x's Q8_0 blocks, integer MMAs
     "pair": {"pair_launch": True},  # the mixed-format q|k|v as one launch
     "rope_attn": {"rope_in_attention": True},  # QK-norm/rope/KV as the attention programs' prologue

@@ -119,6 +119,13 @@ ATTN_COUNTER_ROWS = 8192  # rows of a forward the fused form covers (more: the t
 # writes act(gate) * up: kernels/step_fused.glu_pair_epilogue): one launch less per layer,
 # bitwise the same result as the separate kernel.
 FUSE_GLU = True
+# The GLU formed by the FFN down product itself (kernels/qmma.launch_qmma(glu_x=...)): each down
+# program forms act(gate) * up for its own K slice from gate|up's split-K partials as it gathers
+# its x, so neither a GLU launch nor the fold's serial last-program tail remains (the fold costs
+# what a launch costs: session 9, run 46). The same values as the fold's output, bitwise (same sums
+# in slice order, same arithmetic), so every path may take either. Tensor-core down products only
+# (the others keep the fold). Written in session 10: measured below before it is the default.
+GLU_IN_DOWN = False
 # column groups x row tiles a folded launch may count (GLU pairs, q|k|v heads, add+norm tiles; more:
 # the separate kernel)
 EPILOGUE_COUNTERS = 1 << 16
@@ -207,7 +214,7 @@ class TritonRunner:
                  fuse_qk_rope: bool | None = None, attn_dot: bool | None = None,
                  fuse_add_norm: bool | None = None, attn_bf16: bool | None = None,
                  persistent: bool | None = None, pair_launch: bool | None = None,
-                 rope_in_attention: bool | None = None):
+                 rope_in_attention: bool | None = None, glu_in_down: bool | None = None):
         from .kernels import pdl as _pdl
         from .kernels import qmatmul as qm
 
@@ -324,6 +331,7 @@ class TritonRunner:
         self._attn_counters = torch.zeros(ATTN_COUNTER_ROWS * c.n_kv_heads, dtype=torch.int32,
                                           device=self.device) if fuse else None
         self.fuse_glu = (FUSE_GLU if fuse_glu is None else bool(fuse_glu)) and dense == "quant"
+        self.glu_in_down = (GLU_IN_DOWN if glu_in_down is None else bool(glu_in_down)) and dense == "quant"
         self.pair_launch = (PAIR_LAUNCH if pair_launch is None else bool(pair_launch)) and dense == "quant"
         self._glu_counters = torch.zeros(EPILOGUE_COUNTERS, dtype=torch.int32, device=self.device) if self.fuse_glu else None
         self.fuse_qk_rope = (FUSE_QK_ROPE if fuse_qk_rope is None else bool(fuse_qk_rope)) and dense == "quant"
@@ -415,6 +423,15 @@ class TritonRunner:
             need = self._qm.glu_counters(M, w.N, cfg.block_n, cfg.m_tile)
         return need is not None and need <= self._glu_counters.numel()
 
+    def _glu_in_down(self, gate_up: Proj, down: Proj, M: int) -> bool:
+        """Whether the down product forms the GLU from gate|up's partials (``GLU_IN_DOWN``)."""
+        if not self.glu_in_down or self._persist_now or gate_up.dense is not None or down.dense is not None:
+            return False
+        if len(down.parts) != 1 or self._norm_fold(down, M):
+            return False
+        w = down.parts[0][1]
+        return w.packed is not None and w.form == "mma"
+
     def _heads_fold(self, p: Proj, M: int) -> bool:
         """Whether QK-norm + rope + the KV write can ride on this q|k|v product's launches."""
         if not self.fuse_qk_rope or p.dense is not None:
@@ -447,13 +464,15 @@ class TritonRunner:
         return a.form == "mma" and b.form == "gemv" and a.packed is not None and b.packed is not None
 
     def _project(self, x: torch.Tensor, p: Proj, out: torch.Tensor | None = None, glu=None,
-                 heads=None, norm=None) -> torch.Tensor:
+                 heads=None, norm=None, glu_x: str | None = None) -> torch.Tensor:
         """Partials [splits, M, N] of x @ W^T (float32; bf16 [1, M, N] for the dense variant).
         ``out`` (float32 [M, N], an unsplit product: the head): written in place and returned.
         ``glu`` (a kernels GluEpilogue, where ``_glu_fold``): also act(gate) * up into glu.out;
         ``heads`` (a kernels HeadsEpilogue, where ``_heads_fold``): also q, k, v as qk_rope_kv;
-        ``norm`` (a kernels NormEpilogue, where ``_norm_fold``): also add_rmsnorm's x and h."""
-        M = x.shape[0]
+        ``norm`` (a kernels NormEpilogue, where ``_norm_fold``): also add_rmsnorm's x and h.
+        ``glu_x`` (where ``_glu_in_down``): x is gate|up's partials [splits, M, 2K], the product's
+        input act(gate) * up of them."""
+        M = x.shape[0] if glu_x is None else x.shape[1]
         if p.dense is not None:
             self.launches += 2
             y = x.to(torch.bfloat16) @ p.dense.T
@@ -492,7 +511,7 @@ class TritonRunner:
                 continue
             if w.packed is not None:
                 self._launch_packed(x, w.packed, part[:, :, off:], w.splits, part.stride(0), w.form, glu, heads, off,
-                                    norm)
+                                    norm, glu_x)
                 continue
             cfg = qm.QMATMUL_CONFIGS[w.fmt.name]
             grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(w.N, cfg.block_n), w.splits)
@@ -507,10 +526,10 @@ class TritonRunner:
         return part if out is None else out
 
     def _launch_packed(self, x, pw, y, splits: int, stride_ys: int, form: str, glu=None, heads=None,
-                       col0: int = 0, norm=None) -> None:
+                       col0: int = 0, norm=None, glu_x: str | None = None) -> None:
         if form == "mma":
             self._qmma.launch_qmma(x, pw, y, splits, stride_ys, self.mma_prec, use_dot=self.use_dot, glu=glu,
-                                   heads=heads, col0=col0, norm=norm)
+                                   heads=heads, col0=col0, norm=norm, glu_x=glu_x)
         else:
             cfg = self._qm.gemv_config(pw.fmt.name, pw.N, pw.K, self.device, pw.slice_k)
             if self.uniform_warps:
@@ -518,9 +537,15 @@ class TritonRunner:
             self._qm.launch_qgemv(x, pw, y, splits, stride_ys, config=cfg, glu=glu)
         self.launches += 1
 
-    def _project_add_norm(self, a, p: Proj, x, w_post, w_next, h) -> None:
+    def _project_add_norm(self, a, p: Proj, x, w_post, w_next, h, glu_x: str | None = None) -> None:
         """x += post_norm(a @ W^T); h = rmsnorm(x) * w_next: folded into the product's launch
-        where ``_norm_fold``, else the product then ``add_rmsnorm``."""
+        where ``_norm_fold``, else the product then ``add_rmsnorm``. ``glu_x``: a is gate|up's
+        partials and the product forms its input act(gate) * up (``_glu_in_down``)."""
+        if glu_x is not None:
+            part = self._project(a, p, glu_x=glu_x)
+            self._fused.add_rmsnorm(x, part, w_post, w_next, h, self.cfg.rms_eps, num_warps=self.uniform_warps)
+            self.launches += 1
+            return
         if self._norm_fold(p, a.shape[0]):
             self._project(a, p, norm=self._qm.NormEpilogue(x, h, w_post, w_next, self.cfg.rms_eps,
                                                            self._norm_counters))
@@ -626,6 +651,12 @@ class TritonRunner:
             self.launches += 1 if counters is not None else 2
             a = attn.view(R, Hq * D)
             self._project_add_norm(a, L.wo, x, L.post_attn_norm, L.ffn_norm, h)
+            last = li + 1 == len(self.layers)
+            nxt = self.output_norm if last else self.layers[li + 1].attn_norm
+            if self._glu_in_down(L.gate_up, L.down, R):  # down forms act(gate) * up from the partials
+                part = self._project(h, L.gate_up)
+                self._project_add_norm(part, L.down, x, L.post_ffw_norm, nxt, hx if last else h, glu_x=act)
+                continue
             g = torch.empty((R, c.n_ff), dtype=hdt, device=dev)
             if self._glu_fold(L.gate_up, R):
                 self._project(h, L.gate_up, glu=self._qm.GluEpilogue(g, self._glu_counters, act))
@@ -633,8 +664,6 @@ class TritonRunner:
                 part = self._project(h, L.gate_up)
                 self._fused.glu_from_parts(part, g, act)
                 self.launches += 1
-            last = li + 1 == len(self.layers)
-            nxt = self.output_norm if last else self.layers[li + 1].attn_norm
             self._project_add_norm(g, L.down, x, L.post_ffw_norm, nxt, hx if last else h)
 
     # -- bookkeeping ----------------------------------------------------------------------------
