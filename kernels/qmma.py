@@ -143,8 +143,9 @@ def _x_tile(x_ptr, offs, mask, stride_xs, XF, XGLU: tl.constexpr, XSPLIT: tl.con
     """x at ``offs``: as stored, or (XGLU = 1 + the activation's index in GLU_ACTS) act(gate) * up
     formed from a fused [gate | up] product's split-K partials (x_ptr: split 0's gate columns,
     XF: where up's start, stride_xs: the split stride): both added in slice order, then
-    ``_glu_math``, the arithmetic of the GLU fold and kernel, so the values their float32 output
-    held, bitwise."""
+    ``_glu_math``, the arithmetic of the GLU fold and kernel: the values their float32 output
+    held, bitwise under the interpreter (on a GPU the compiler may contract either kernel's
+    expression into FMAs its own way)."""
     if XGLU > 0:
         g = _sum_parts(x_ptr, offs, mask, stride_xs, XSPLIT, "")
         u = _sum_parts(x_ptr + XF, offs, mask, stride_xs, XSPLIT, "")
@@ -483,8 +484,8 @@ def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, 
     (``step_fused.heads_epilogue``); with ``norm`` also the residual add + next norm
     (``step_fused.add_norm_epilogue``). ``glu_x`` (an activation of GLU_ACTS): x is not the
     product's input but a fused [gate | up] product's partials [splits', M, 2K] (float32), and
-    each program forms act(gate) * up from them as it gathers x (``_x_tile``): the GLU's values,
-    bitwise, without its launch or fold. No value checks: callers check."""
+    each program forms act(gate) * up from them as it gathers x (``_x_tile``): the GLU's
+    arithmetic without its launch or fold. No value checks: callers check."""
     if prec not in QMMA_PRECISIONS:
         raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(QMMA_PRECISIONS)}")
     cfg = config or mma_config(w.fmt.name, w.N, w.K, x.device, w.slice_k)

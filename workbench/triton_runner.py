@@ -122,9 +122,12 @@ FUSE_GLU = True
 # The GLU formed by the FFN down product itself (kernels/qmma.launch_qmma(glu_x=...)): each down
 # program forms act(gate) * up for its own K slice from gate|up's split-K partials as it gathers
 # its x, so neither a GLU launch nor the fold's serial last-program tail remains (the fold costs
-# what a launch costs: session 9, run 46). The same values as the fold's output, bitwise (same sums
-# in slice order, same arithmetic), so every path may take either. Tensor-core down products only
-# (the others keep the fold). Written in session 10: measured below before it is the default.
+# what a launch costs: session 9, run 46). The same sums in slice order and the same arithmetic as
+# the fold, but one form per runner all the same: on a GPU the compiler may contract the two
+# kernels' GLU into FMAs differently (a float32 engine's logits differed in the last bits, run 53;
+# a bfloat16 engine's 16 slots x 8 graphed steps were bitwise the fold's). Tensor-core down
+# products only (the others keep the fold). Off: H200 (session 10, run 53) 0.641 -> 0.652 ms at 16
+# slots, 0.818 -> 0.800 at 32, 1 and 4 slots unchanged; exact vs solo (prompts 3..700).
 GLU_IN_DOWN = False
 # column groups x row tiles a folded launch may count (GLU pairs, q|k|v heads, add+norm tiles; more:
 # the separate kernel)
@@ -425,7 +428,8 @@ class TritonRunner:
 
     def _glu_in_down(self, gate_up: Proj, down: Proj, M: int) -> bool:
         """Whether the down product forms the GLU from gate|up's partials (``GLU_IN_DOWN``)."""
-        if not self.glu_in_down or self._persist_now or gate_up.dense is not None or down.dense is not None:
+        # (not with the persistent step, which has no such item: one form for every path of a runner)
+        if not self.glu_in_down or self.persistent or gate_up.dense is not None or down.dense is not None:
             return False
         if len(down.parts) != 1 or self._norm_fold(down, M):
             return False
