@@ -823,6 +823,7 @@ def main_stage(args) -> None:
     cfgs, gemv_cfgs = _mma_configs, _gemv_configs
     S10_QKV = [(QMm, "QMATMUL_NARROW_N", 2048)]  # q|k|v in 128-weight slices (s10)
     S10_ARG = [(tr, "ARGMAX_IN_HEAD", True)]
+    S10_ROPE8 = [(tr, "ROPE_IN_ATTENTION", True), (tr, "ATTN_WARPS", 8)]  # (s10)
     S10_GLU = [(tr, "GLU_IN_DOWN", True)]  # the down product forms the GLU from gate|up's partials (s10)
 
     # K slices of 128 weights (every format's step at 128, so one step per program)
@@ -974,6 +975,11 @@ def main_stage(args) -> None:
             ("q8i8 head, 16-row tiles, 4 programs per SM", [(dm, "DENSE_CONFIG", replace(dm.DenseConfig(), block_m=16)),
                                                             (dm, "Q8_PROGRAMS_PER_SM", 4)], {"head_matmul": "q8i8"}),
         ], slots=SLOTS)),
+        ("rope attn w8", lambda: stage_sweep(m, out, rows, bw, "s10", [
+            ("rope in attention, attention at 8 warps", S10_ROPE8, {}),
+            ("rope in attention", (tr, "ROPE_IN_ATTENTION", True), {}),
+        ], slots=SLOTS)),
+        ("rope attn w8 exact", lambda: _with(S10_ROPE8, lambda: stage_exact(m, out, exact_rows))),
         ("q8i8", lambda: bench_runner(m, "s10 q8i8 head", SLOTS, out, rows, bw, head_matmul="q8i8")),
         ("q8i8 sweep", lambda: stage_q8i8_sweep(m, out, rows, bw)),
         ("q8i8 exact", lambda: _patched(tr, "HEAD_MATMUL", "q8i8", lambda: stage_exact(m, out, exact_rows))),
