@@ -1060,6 +1060,7 @@ def main_stage(args) -> None:
         ("folds", lambda: bench_runner(m, "triton_folds", SLOTS, out, rows, bw, fuse_add_norm=True, fuse_qk_rope=True)),
         ("folds fma", lambda: bench_runner(m, "triton_folds_attention_fma", SLOTS, out, rows, bw, fuse_add_norm=True,
                                            fuse_qk_rope=True, attn_dot=False)),
+        ("addnorm exact", lambda: _patched(tr, "FUSE_ADD_NORM", True, lambda: stage_exact(m, out, exact_rows))),
         ("folds exact", lambda: _patched_all(tr, FOLDS, lambda: stage_exact(m, out, exact_rows))),
         ("folds profile", lambda: _patched_all(tr, FOLDS, lambda: stage_profile(m, out, prof_rows))),
         ("alt q8 gemv", lambda: bench_runner(m, "alt_Q8_0_gemv", SLOTS, out, rows, bw, layer_forms={"Q8_0": "gemv"})),

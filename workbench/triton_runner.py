@@ -12,12 +12,14 @@ Same interface as `runner.TorchRunner` (the engine picks it with EngineConfig(ba
   permutation of W_q and W_k.
 * KV: one pool per layer [S, L_max, Hkv, D] (slot id = pool index, the last index a scratch
   slot that padded rows write into); it grows (copying) when a slot id or a reservation needs it.
-* Each step: embedding -> per layer [qkv product -> fused QK-norm + rope + KV write ->
+* Each step: embedding -> per layer [qkv product -> fused QK-norm + rope + KV write (in a
+  graphed decode step the attention programs' prologue, ROPE_IN_ATTENTION) ->
   attention_rows (combine folded in) -> wo product -> fused (post-norm, residual add, next
   pre-norm) -> gate|up product with the GeGLU/SwiGLU folded in (its last program per column
   pair) -> down product -> fused add+norm] -> head, whose programs keep each row's running
   argmax (ARGMAX_IN_HEAD) -> one launch finishing the argmax and writing the next step's inputs:
-  148 launches for Gemma 3 270M (the q|k|v of mixed formats as one launch, PAIR_LAUNCH). The products
+  130 launches per graphed decode step for Gemma 3 270M (the q|k|v of mixed formats as one launch,
+  PAIR_LAUNCH; 148 with the separate QK-norm/rope kernel). The products
   write their fixed split-K partials and the consumer adds them in slice order, so no separate
   sum launch. On sm_90+ every kernel is chained to the previous one by programmatic dependent
   launch (kernels/pdl.py), and a product decodes its first weights before waiting for x. Every kernel computes a row from that row alone, with
@@ -164,14 +166,19 @@ PAIR_LAUNCH = True
 # separate kernel's body, kernels/attention._attention_rope_kernel) in graphed decode steps, where
 # each row's slot has one row: one launch fewer per layer. Prefill and mixed steps keep the
 # separate kernel (a chunk's rows read each other's keys), so the two forms must give the same
-# bits: same function, same warps (the separate kernel then takes attention's). Off: bitwise the
-# separate kernel on an H200 but slower (session 8, run 38: 0.639 / 0.737 -> 0.681 / 0.761 ms at
-# 1 / 16 slots; every program of a row redoes the row's norm and rope before its own loads).
-ROPE_IN_ATTENTION = False
-# Warps of the attention partial kernel, one value per runner (prefill and decode alike). H200
-# (session 7, run 36): 4 instead of the kernel's tile-size default (8 for Gemma's 16-row x 256
-# tiles) took 0.693 / 0.791 ms to 0.679 / 0.780 at 1 / 16 slots.
-ATTN_WARPS = 4
+# bits: same function, same warps (the separate kernel then takes attention's). Session 8 (run 38)
+# measured it slower (0.639 / 0.737 -> 0.681 / 0.761 ms at 1 / 16 slots: every program of a row
+# redoes the row's norm and rope before its own loads, and a row then had 4-8 programs of 32-key
+# segments). With one 64-key block per segment (session 9) a row has 2-4, and it pays: H200
+# (session 10, runs 54-56) 0.588 / 0.644 / 0.821 -> 0.575 / 0.636 / 0.805 ms at 1 / 16 / 32 slots
+# at attention's 4 warps, 0.574 / 0.628 / 0.798 at 8 (ATTN_WARPS); exact vs solo (prompts 3..700).
+ROPE_IN_ATTENTION = True
+# Warps of the attention partial kernel, one value per runner (prefill and decode alike; the
+# separate QK-norm/rope kernel takes them too where ROPE_IN_ATTENTION). H200: 4 instead of the
+# kernel's tile-size default (8 for Gemma's 16-row x 256 tiles) took 0.693 / 0.791 ms to 0.679 /
+# 0.780 at 1 / 16 slots (session 7, run 36); with the rope prologue 8 is faster again (session 10,
+# run 56: 0.636 -> 0.628 ms at 16 slots, 0.805 -> 0.798 at 32).
+ATTN_WARPS = 8
 # The graphed decode step's layer loop as ONE persistent launch (kernels/persistent.py): the
 # launches are recorded, not run, and their programs become work items that wait on counters
 # instead of kernel boundaries; every item runs its kernel's body with the same constexprs, so
