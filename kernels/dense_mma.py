@@ -58,6 +58,11 @@ OPERAND_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "tf32x3": torch.
 # 4 does not fit the registers). The dense copy stays at 2 (85 us at 2, 91 at 3).
 Q8_PROGRAMS_PER_SM = 3
 STREAM_INTERPRETER_PROGRAMS = 3  # the streaming form's grid under the CPU interpreter
+# q8i8: a K step's four Q8_0 blocks as one batched integer dot (``_k_step_i8_batched``: the MMAs of
+# a step in flight together) instead of four dots each scaled before the next (session 10, run 52:
+# the per-block form stops at ~2.2 TB/s alone, its programs waiting on each block). The same bits.
+# Written after the last device call of session 10: compiled for sm_90 here, not measured, so off.
+I8_BATCHED = False
 DENSE_INTERPRETER_MIN_BLOCK_N = 128  # fewer, wider programs under the CPU interpreter
 
 
@@ -127,14 +132,49 @@ def _k_step_i8(acc, k0, K, xq_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_ro
 
 
 @triton.jit
+def _k_step_i8_batched(acc, k0, K, xq_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+    """PREC "i8b": ``_k_step_i8``'s arithmetic with the step's four blocks in ONE batched integer
+    dot ([4, BN, 32] x [4, 32, BM] -> [4, BN, BM]) instead of four dots each consumed before the
+    next is issued, so the MMAs of a step can be in flight together; then the same per-block
+    scaling and the same additions in block order (the blocks taken apart by two splits), so the
+    same bits as "i8". BLOCK_K 128 only."""
+    tl.static_assert(BLOCK_K == 128, "the batched int8 step takes 128-weight K steps")
+    k = k0 + tl.arange(0, BLOCK_K)
+    kmask = k < K
+    w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0).to(tl.int8, bitcast=True)
+    xt = tl.load(xq_ptr + m[None, :] * stride_xm + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0)
+    BM: tl.constexpr = xt.shape[1]
+    w3 = tl.permute(tl.reshape(w, [BLOCK_N, 4, 32]), [1, 0, 2])  # [4, BN, 32]
+    x3 = tl.reshape(xt, [4, 32, BM])  # [4, 32, BM]
+    if USE_DOT:
+        p = tl.dot(w3, x3, out_dtype=tl.int32)
+    else:  # (the interpreter) the same integer sums
+        p = tl.sum(w3.to(tl.int32)[:, :, :, None] * x3.to(tl.int32)[:, None, :, :], axis=2)
+    pf = (p + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    j = k0 // 32 + tl.arange(0, 4)
+    jmask = j * 32 < K
+    dw = tl.load(d_rows + j[None, :], mask=nmask[:, None] & jmask[None, :], other=0.0).to(tl.float32)  # [BN, 4]
+    dx = tl.load(xd_ptr + m[None, :] * stride_xdm + j[:, None], mask=jmask[:, None] & mmask[None, :], other=0.0)
+    t = pf * (tl.permute(dw, [1, 0])[:, :, None] * dx[:, None, :])  # [4, BN, BM]: block j's term
+    even, odd = tl.split(tl.reshape(tl.permute(t, [1, 2, 0]), [BLOCK_N, BM, 2, 2]))  # j = 2 * i + (0 | 1)
+    t0, t2 = tl.split(even)
+    t1, t3 = tl.split(odd)
+    return (((acc + t0) + t1) + t2) + t3
+
+
+@triton.jit
 def _k_step(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, USE_DOT: tl.constexpr,
             Q8: tl.constexpr):
     """acc += the K step at k0 of the tile's product (the weight tile, x^T, one dot_acc; PREC
-    "i8": ``_k_step_i8``)."""
+    "i8": ``_k_step_i8``, "i8b": ``_k_step_i8_batched``)."""
     if PREC == "i8":
         acc = _k_step_i8(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
                          BLOCK_K, USE_DOT)
+    elif PREC == "i8b":
+        acc = _k_step_i8_batched(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
+                                 BLOCK_N, BLOCK_K, USE_DOT)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         w = _w_tile(w_rows, d_rows, k0, K, nmask, BLOCK_N, BLOCK_K, Q8, PREC)
@@ -346,12 +386,15 @@ def quantize_rows_q8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def q8i8_mma(xq: torch.Tensor, xd: torch.Tensor, w, out: torch.Tensor | None = None,
-             config: DenseConfig | None = None, use_dot: bool | None = None, best=None) -> torch.Tensor:
+             config: DenseConfig | None = None, use_dot: bool | None = None, best=None,
+             batched: bool | None = None) -> torch.Tensor:
     """float32 [M, N] = x @ W^T for a Q8_0 weight (its packed planes) and x given as its Q8_0 blocks
     (``quantize_rows_q8``): per block of 32, an exact integer MMA of the two int8 quants, scaled by
     d_w * d_x in float32 (``_k_step_i8``). No decode of W at all: the quants go to the tensor cores
     as stored (1.06 bytes per weight). ``dense_mma``'s tiles, streaming and ``best=``; batch-invariant
-    as it; the same bits with tl.dot or with the interpreter's sums (integer products are exact)."""
+    as it; the same bits with tl.dot or with the interpreter's sums (integer products are exact).
+    ``batched`` (default I8_BATCHED; 128-weight K steps): a step's four blocks in one batched dot
+    (``_k_step_i8_batched``), the same bits."""
     if getattr(w, "fmt", None) is None or w.fmt.name != "Q8_0":
         raise ValueError("q8i8_mma takes a Q8_0 PackedWeight (kernels.qmatmul.pack_weights)")
     N, K = w.N, w.K
@@ -366,7 +409,11 @@ def q8i8_mma(xq: torch.Tensor, xd: torch.Tensor, w, out: torch.Tensor | None = N
         raise ValueError(f"out must be float32 [{M}, {N}] with unit stride")
     if M == 0:
         return out
-    _launch(xq, w.qs, w.d, out, config or q8_config(xq.device), "i8", use_dot, best, xd=xd)
+    cfg = config or q8_config(xq.device)
+    batched = I8_BATCHED if batched is None else batched
+    if batched and cfg.block_k != 128:
+        raise ValueError(f"batched=True takes 128-weight K steps, got {cfg}")
+    _launch(xq, w.qs, w.d, out, cfg, "i8b" if batched else "i8", use_dot, best, xd=xd)
     return out
 
 

@@ -980,6 +980,15 @@ def main_stage(args) -> None:
             ("rope in attention", (tr, "ROPE_IN_ATTENTION", True), {}),
         ], slots=SLOTS)),
         ("rope attn w8 exact", lambda: _with(S10_ROPE8, lambda: stage_exact(m, out, exact_rows))),
+        ("q8i8 batched", lambda: stage_sweep(m, out, rows, bw, "s11 q8i8 batched", [
+            (label, [(dm, "I8_BATCHED", True)] + patches, {"head_matmul": "q8i8"}) for label, patches in (
+                ("p3", []), ("p4", [(dm, "Q8_PROGRAMS_PER_SM", 4)]),
+                ("m16 p4", [(dm, "DENSE_CONFIG", replace(dm.DenseConfig(), block_m=16)), (dm, "Q8_PROGRAMS_PER_SM", 4)]),
+                ("n128 p2", [(dm, "DENSE_CONFIG", replace(dm.DenseConfig(), block_n=128)), (dm, "Q8_PROGRAMS_PER_SM", 2)]),
+            )], slots=SLOTS)),
+        ("q8i8 batched same bits", lambda: _patched(tr, "HEAD_MATMUL", "q8i8", lambda: stage_same_bits(
+            m, out, exact_rows, "q8i8 head, a step's blocks in one batched dot, vs q8i8 (its base)",
+            lambda fn: _patched(dm, "I8_BATCHED", True, fn)))),
         ("q8i8", lambda: bench_runner(m, "s10 q8i8 head", SLOTS, out, rows, bw, head_matmul="q8i8")),
         ("q8i8 sweep", lambda: stage_q8i8_sweep(m, out, rows, bw)),
         ("q8i8 exact", lambda: _patched(tr, "HEAD_MATMUL", "q8i8", lambda: stage_exact(m, out, exact_rows))),

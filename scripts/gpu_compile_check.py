@@ -123,6 +123,7 @@ VARIANTS = {
     "q8f16": {"head_matmul": "q8f16"},  # the same with float16 operands
     "glu_down": {"glu_in_down": True},  # the FFN down product forms the GLU from gate|up's partials
     "q8i8": {"head_matmul": "q8i8"},  # the Q8_0 planes against x's Q8_0 blocks, integer MMAs
+    "q8i8b": "q8i8b",  # the same, a K step's four blocks in one batched dot (dense_mma.I8_BATCHED)
     "pair": {"pair_launch": True},  # the mixed-format q|k|v as one launch
     "rope_attn": {"rope_in_attention": True},  # QK-norm/rope/KV as the attention programs' prologue
     "q8stream": "q8stream",  # the same, streaming form (DenseConfig.programs_per_sm)
@@ -135,6 +136,7 @@ STEP_OPTIONS = {  # variant -> [(module, name, value)], set for the variant's fo
     "attn_old": [("attention", "ATTENTION_BLOCK_N_16BIT", {256: 16}), ("runner", "ATTN_SEGMENT", 32)],
     "attn_s1": [("attention", "ATTENTION_NUM_STAGES", 1)],
     "attn_s2": [("attention", "ATTENTION_NUM_STAGES", 2)],
+    "q8i8b": [("runner", "HEAD_MATMUL", "q8i8"), ("dense_mma", "I8_BATCHED", True)],
     "q5k256": [("qmma", "QMMA_CONFIGS", "q5k256")],
     "preload": [("qmma", "QMMA_CONFIGS", "preload")],
     "preload_k128": [("qmma", "QMMA_CONFIGS", "preload_k128")],
@@ -184,7 +186,8 @@ def check(model, name: str, kw) -> float:
     from workbench.kernels import attention, pdl, qmatmul
     from workbench.kernels import persistent as ps
 
-    mods = {"pdl": pdl, "attention": attention, "qmma": qmma, "qmatmul": qmatmul, "runner": triton_runner}
+    mods = {"pdl": pdl, "attention": attention, "qmma": qmma, "qmatmul": qmatmul, "runner": triton_runner,
+            "dense_mma": dense_mma}
     undo = []
     for mod, attr, value in STEP_OPTIONS.get(kw, []) if isinstance(kw, str) else []:
         undo.append((mods[mod], attr, getattr(mods[mod], attr)))

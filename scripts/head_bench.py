@@ -72,13 +72,15 @@ def main() -> int:
                "m16": replace(q8, block_m=16), "m16 p4": replace(q8, block_m=16, programs_per_sm=4)}
 
     def q8i8(x, w, prec, out, config):
-        return DM.q8i8_mma(*DM.quantize_rows_q8(x), w, out=out, config=config)
+        return DM.q8i8_mma(*DM.quantize_rows_q8(x), w, out=out, config=config, batched=prec == "i8b")
 
     if "q8i8" in forms:
         for label, cfg in i8_cfgs.items():
             variants.append((f"q8i8 {label}", q8i8, pw, "i8", torch.float32, cfg, N * K * 34 // 32))
             variants.append((f"q8i8 product only {label}", lambda x, w, prec, out, config: DM.q8i8_mma(
                 *x, w, out=out, config=config), pw, "i8", "pre", cfg, N * K * 34 // 32))
+            if cfg.block_k == 128:  # a step's four blocks in one batched dot (DM.I8_BATCHED)
+                variants.append((f"q8i8 batched {label}", q8i8, pw, "i8b", torch.float32, cfg, N * K * 34 // 32))
     rows = []
     gen = torch.Generator().manual_seed(0)
     for M in [int(r) for r in args.rows.split(",")]:
