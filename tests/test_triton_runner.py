@@ -151,8 +151,8 @@ def test_glu_in_down_is_bitwise_the_fold(tiny_model, dtype):
         assert got[True][1] == got[False][1] and torch.equal(got[True][2], got[False][2])
     assert got[True][3] == got[False][3]
     r = got[True][4]
-    assert r._glu_in_down(r.layers[0].gate_up, r.layers[0].down, 2)  # (the form was taken)
-    assert not got[False][4]._glu_in_down(r.layers[0].gate_up, r.layers[0].down, 2)
+    assert r._glu_in_down(r.layers[0].gate_up, r.layers[0].down)  # (the form was taken)
+    assert not got[False][4]._glu_in_down(r.layers[0].gate_up, r.layers[0].down)
     _assert_batched_is_solo(r, a, b, 10, got[True][0])
 
 

@@ -433,12 +433,12 @@ class TritonRunner:
             need = self._qm.glu_counters(M, w.N, cfg.block_n, cfg.m_tile)
         return need is not None and need <= self._glu_counters.numel()
 
-    def _glu_in_down(self, gate_up: Proj, down: Proj, M: int) -> bool:
+    def _glu_in_down(self, gate_up: Proj, down: Proj) -> bool:
         """Whether the down product forms the GLU from gate|up's partials (``GLU_IN_DOWN``)."""
-        # (not with the persistent step, which has no such item: one form for every path of a runner)
-        if not self.glu_in_down or self.persistent or gate_up.dense is not None or down.dense is not None:
-            return False
-        if len(down.parts) != 1 or self._norm_fold(down, M):
+        # (not with the persistent step, which has no such item, nor with the add+norm fold, which
+        # takes the product where its counters suffice: one form for every path of a runner, at any M)
+        if not self.glu_in_down or self.persistent or self.fuse_add_norm or gate_up.dense is not None \
+                or down.dense is not None or len(down.parts) != 1:
             return False
         w = down.parts[0][1]
         return w.packed is not None and w.form == "mma"
@@ -664,7 +664,7 @@ class TritonRunner:
             self._project_add_norm(a, L.wo, x, L.post_attn_norm, L.ffn_norm, h)
             last = li + 1 == len(self.layers)
             nxt = self.output_norm if last else self.layers[li + 1].attn_norm
-            if self._glu_in_down(L.gate_up, L.down, R):  # down forms act(gate) * up from the partials
+            if self._glu_in_down(L.gate_up, L.down):  # down forms act(gate) * up from the partials
                 part = self._project(h, L.gate_up)
                 self._project_add_norm(part, L.down, x, L.post_ffw_norm, nxt, hx if last else h, glu_x=act)
                 continue
