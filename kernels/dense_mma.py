@@ -340,7 +340,8 @@ def q8_dense_mma(x: torch.Tensor, w, prec: str = "bf16", out: torch.Tensor | Non
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, d_ptr, K, stride_x, stride_q, stride_d, NB: tl.constexpr, PDL: tl.constexpr):
     """Row r of ``quantize_rows_q8``: per block of 32, d = amax / 127 and q = rint(x * (127 /
-    amax)) (both divisions correctly rounded; rint by the 1.5 * 2^23 trick: ties to even)."""
+    amax)) (both divisions correctly rounded; rint by the 1.5 * 2^23 trick: ties to even; on a
+    GPU the product may fuse into that addition, one form for every row either way)."""
     r = tl.program_id(0)
     b = tl.arange(0, NB)
     k = b[:, None] * 32 + tl.arange(0, 32)[None, :]

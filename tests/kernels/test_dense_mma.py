@@ -86,8 +86,10 @@ def test_q8_dense_mma_reads_the_packed_planes(prec, device, quant_rows):
 
 
 def test_quantize_rows_q8_matches_reference(device):
-    """quantize_rows_q8: per block of 32, d = amax / 127 and q = rint(x * 127 / amax), bitwise
-    the torch reference (zero blocks give q = 0, d = 0); each row's blocks alone; bad shapes refused."""
+    """quantize_rows_q8: per block of 32, d = amax / 127 and q = rint(x * 127 / amax): bitwise the
+    torch reference under the interpreter (on a GPU the product may fuse into the rounding's
+    addition, so a quant may differ by one step where x * 127 / amax is within an ulp of a half;
+    d bitwise); zero blocks give q = 0, d = 0; each row's blocks alone; bad shapes refused."""
     from workbench.kernels.dense_mma import quantize_rows_q8, quantize_rows_q8_ref
 
     gen = torch.Generator().manual_seed(8)
@@ -95,7 +97,11 @@ def test_quantize_rows_q8_matches_reference(device):
     x[2, 32:64] = 0.0
     q, d = quantize_rows_q8(x)
     qr, dr = quantize_rows_q8_ref(x)
-    assert torch.equal(q, qr) and torch.equal(d, dr)
+    assert torch.equal(d, dr)
+    if device.type == "cpu":
+        assert torch.equal(q, qr)
+    else:
+        assert (q.int() - qr.int()).abs().max() <= 1
     assert q[2, 32:64].abs().sum() == 0 and d[2, 1] == 0 and int(q.abs().max()) == 127
     deq = (q.float().reshape(5, 3, 32) * d[..., None]).reshape(5, 96)
     assert ((deq - x).abs() <= d.repeat_interleave(32, dim=1) / 2 + 1e-6).all()  # within half a step
