@@ -60,7 +60,8 @@ Q8_PROGRAMS_PER_SM = 3
 STREAM_INTERPRETER_PROGRAMS = 3  # the streaming form's grid under the CPU interpreter
 # q8i8: a K step's four Q8_0 blocks as one batched integer dot (``_k_step_i8_batched``: the MMAs of
 # a step in flight together) instead of four dots each scaled before the next (session 10, run 52:
-# the per-block form stops at ~2.2 TB/s alone, its programs waiting on each block). The same bits.
+# the per-block form stops at ~2.2 TB/s alone, its programs waiting on each block). The same
+# arithmetic (bitwise under the interpreter; on the GPU to be checked with the measurement).
 # Written after the last device call of session 10: compiled for sm_90 here, not measured, so off.
 I8_BATCHED = False
 DENSE_INTERPRETER_MIN_BLOCK_N = 128  # fewer, wider programs under the CPU interpreter
@@ -137,8 +138,9 @@ def _k_step_i8_batched(acc, k0, K, xq_ptr, stride_xm, xd_ptr, stride_xdm, m, mma
     """PREC "i8b": ``_k_step_i8``'s arithmetic with the step's four blocks in ONE batched integer
     dot ([4, BN, 32] x [4, 32, BM] -> [4, BN, BM]) instead of four dots each consumed before the
     next is issued, so the MMAs of a step can be in flight together; then the same per-block
-    scaling and the same additions in block order (the blocks taken apart by two splits), so the
-    same bits as "i8". BLOCK_K 128 only."""
+    scaling and the same additions in block order (the blocks taken apart by two splits): the
+    same bits as "i8" under the interpreter (on a GPU as far as the compiler fuses both forms'
+    multiply-adds alike; the gpu_bench stage "q8i8 batched same bits" checks). BLOCK_K 128 only."""
     tl.static_assert(BLOCK_K == 128, "the batched int8 step takes 128-weight K steps")
     k = k0 + tl.arange(0, BLOCK_K)
     kmask = k < K
@@ -395,7 +397,7 @@ def q8i8_mma(xq: torch.Tensor, xd: torch.Tensor, w, out: torch.Tensor | None = N
     as stored (1.06 bytes per weight). ``dense_mma``'s tiles, streaming and ``best=``; batch-invariant
     as it; the same bits with tl.dot or with the interpreter's sums (integer products are exact).
     ``batched`` (default I8_BATCHED; 128-weight K steps): a step's four blocks in one batched dot
-    (``_k_step_i8_batched``), the same bits."""
+    (``_k_step_i8_batched``), the same arithmetic."""
     if getattr(w, "fmt", None) is None or w.fmt.name != "Q8_0":
         raise ValueError("q8i8_mma takes a Q8_0 PackedWeight (kernels.qmatmul.pack_weights)")
     N, K = w.N, w.K
