@@ -119,6 +119,26 @@ def test_telemetry_records_decisions(tiny_model):
     assert e.peak_memory_bytes > 0
 
 
+def test_step_wall_time_includes_its_bookkeeping(tiny_model, monkeypatch):
+    """A step's wall_ms runs to the end of its commit and finish events: the steps' sum is the
+    run's decode time (bench's decode tok/s), not the run less the host bookkeeping that a
+    run-ahead device overlaps."""
+    import time
+
+    m = tiny_model("llama", "bfloat16")
+    e = _engine(m, 2)
+    commit = e.scheduler.commit
+
+    def slow_commit(plan, sampled):
+        time.sleep(0.02)
+        return commit(plan, sampled)
+
+    monkeypatch.setattr(e.scheduler, "commit", slow_commit)
+    e.generate([_prompt(6, seed=i) for i in range(2)], max_tokens=3, ignore_eos=True)
+    steps = e.telemetry.steps()
+    assert steps.height >= 3 and (steps["wall_ms"] >= 20.0).all()
+
+
 def test_bad_inputs_keep_the_engine_serving(tiny_model):
     m = tiny_model("llama", "float32", context_length=64)
     with pytest.raises(WorkbenchError, match="max_concurrency=65 is out of range"):
