@@ -72,8 +72,8 @@ ATTENTION_PREFETCH = False
 # Software-pipelining stages of the partial kernel's key-block loop (None: Triton's default, 3 on
 # sm_90). With the runner's one-block segments the loop has one iteration, so the extra stages
 # only hold shared memory: at D = 256 in 64-key bf16 blocks 141 KB (one program per SM) with the
-# default, 43 KB with 1 stage (187 registers instead of 146: two programs per SM). Not measured
-# yet; the same arithmetic either way (gpu_bench stages "attn stages", "attn stages same bits").
+# default, 43 KB with 1 stage (187 registers instead of 146: two programs per SM). The same bits
+# (H200, session 10, run 50), no faster: 1 stage 0.668 -> 0.680 ms at 16 slots, 2 stages 0.669.
 ATTENTION_NUM_STAGES: int | None = None
 
 

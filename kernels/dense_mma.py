@@ -108,12 +108,19 @@ def _tile(t, M, N, w_ptr, d_ptr, stride_wn, stride_dn, BLOCK_M: tl.constexpr, BL
 
 
 @triton.jit
+def _i32_as_f32(p):
+    """int32 p with |p| < 2^22 as float32, exactly, without a conversion instruction: its bits
+    added to those of 1.5 * 2^23 (whose ulp is 1), then 1.5 * 2^23 subtracted."""
+    return (p + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
 def _k_step_i8(acc, k0, K, xq_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
                BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
     """PREC "i8": acc += the K step at k0, one Q8_0 block (32 weights) at a time: the int8 quants
     of W and of x (``quantize_rows_q8``) in one integer MMA (exact: |sum| <= 32 * 127 * 128 <
-    2^22), that int32 made float32 without a conversion instruction (its bits added to those of
-    1.5 * 2^23, then 1.5 * 2^23 subtracted: exact below 2^22), times d_w * d_x (float32)."""
+    2^22), that int32 made float32 without a conversion instruction (``_i32_as_f32``), times
+    d_w * d_x (float32)."""
     for j in tl.static_range(BLOCK_K // 32):
         kb = k0 // 32 + j
         k = kb * 32 + tl.arange(0, 32)
@@ -124,7 +131,7 @@ def _k_step_i8(acc, k0, K, xq_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_ro
             p = tl.dot(w, xt, out_dtype=tl.int32)
         else:  # (the interpreter) the same integer sums
             p = tl.sum(w.to(tl.int32)[:, :, None] * xt.to(tl.int32)[None, :, :], axis=1)
-        pf = (p + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        pf = _i32_as_f32(p)
         inside = (kb * 32 + tl.zeros([1], tl.int32)) < K  # (a [1] tensor: a scalar mask fails the interpreter)
         dw = tl.load(d_rows + kb, mask=nmask[:, None] & inside[None, :], other=0.0).to(tl.float32)
         dx = tl.load(xd_ptr + m * stride_xdm + kb, mask=mmask & inside, other=0.0)
@@ -153,7 +160,7 @@ def _k_step_i8_batched(acc, k0, K, xq_ptr, stride_xm, xd_ptr, stride_xdm, m, mma
         p = tl.dot(w3, x3, out_dtype=tl.int32)
     else:  # (the interpreter) the same integer sums
         p = tl.sum(w3.to(tl.int32)[:, :, :, None] * x3.to(tl.int32)[:, None, :, :], axis=2)
-    pf = (p + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    pf = _i32_as_f32(p)
     j = k0 // 32 + tl.arange(0, 4)
     jmask = j * 32 < K
     dw = tl.load(d_rows + j[None, :], mask=nmask[:, None] & jmask[None, :], other=0.0).to(tl.float32)  # [BN, 4]
@@ -267,9 +274,13 @@ def _x_out(x: torch.Tensor, N: int, K: int, out: torch.Tensor | None) -> torch.T
     if x.dim() != 2 or x.shape[1] != K or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16,
                                                                                torch.float16):
         raise ValueError(f"x must be float32/bfloat16/float16 [M, {K}] with unit stride, got {x.dtype} {tuple(x.shape)}")
-    M = x.shape[0]
+    return _out(out, x.shape[0], N, x.device)
+
+
+def _out(out: torch.Tensor | None, M: int, N: int, device) -> torch.Tensor:
+    """out checked (float32 [M, N], unit stride), or a new one."""
     if out is None:
-        return torch.empty((M, N), dtype=torch.float32, device=x.device)
+        return torch.empty((M, N), dtype=torch.float32, device=device)
     if out.shape != (M, N) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [{M}, {N}] with unit stride")
     return out
@@ -405,12 +416,8 @@ def q8i8_mma(xq: torch.Tensor, xd: torch.Tensor, w, out: torch.Tensor | None = N
             or xd.shape != (xq.shape[0], K // 32) or xd.dtype != torch.float32 or xd.stride(1) != 1:
         raise ValueError(f"xq must be int8 [M, {K}] and xd float32 [M, {K // 32}] (quantize_rows_q8), "
                          f"got {xq.dtype} {tuple(xq.shape)} and {xd.dtype} {tuple(xd.shape)}")
-    M = xq.shape[0]
-    if out is None:
-        out = torch.empty((M, N), dtype=torch.float32, device=xq.device)
-    elif out.shape != (M, N) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError(f"out must be float32 [{M}, {N}] with unit stride")
-    if M == 0:
+    out = _out(out, xq.shape[0], N, xq.device)
+    if xq.shape[0] == 0:
         return out
     cfg = config or q8_config(xq.device)
     batched = I8_BATCHED if batched is None else batched

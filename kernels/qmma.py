@@ -326,8 +326,9 @@ def _qmma_glu_x_kernel(
     PREC: tl.constexpr, USE_DOT: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr,
     XGLU: tl.constexpr, XSPLIT: tl.constexpr,
 ):
-    """``_qmma_kernel`` whose x is act(gate) * up of the [gate | up] partials at x_ptr (``GluPrologue``:
-    the FFN down product forming its input from gate|up's partials, K = F; up at column K)."""
+    """``_qmma_kernel`` whose x is act(gate) * up of the [gate | up] partials at x_ptr
+    (``launch_qmma(glu_x=)``: the FFN down product forming its input from gate|up's partials,
+    K = F; up at column K)."""
     _qmma_program(tl.program_id(0), tl.program_id(1), y_ptr, 0,
                   x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
                   qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,

@@ -733,17 +733,19 @@ def stage_q8f16_sweep(m, out: Path, rows: list, bw: float) -> None:
             ("p1", dict(programs_per_sm=1)), ("w8 n128", dict(block_n=128, num_warps=8)))])
 
 
+def _q8_head(p: int | None = None, **kw) -> list:
+    """Patches for a Q8_0-plane head's tiling: DenseConfig fields changed from the defaults, and
+    (p) the programs per multiprocessor those forms take (``Q8_PROGRAMS_PER_SM``)."""
+    from workbench.kernels import dense_mma as DM
+
+    return [(DM, "DENSE_CONFIG", replace(DM.DenseConfig(), **kw))] + ([(DM, "Q8_PROGRAMS_PER_SM", p)] if p else [])
+
+
 def stage_q8i8_sweep(m, out: Path, rows: list, bw: float) -> None:
     """Session 10: the Q8_0 head as integer MMAs on x's Q8_0 blocks (``head_matmul="q8i8"``) in
     tilings around the Q8_0 forms' (64 outputs x 128 weights, 3 stages, 3 programs per SM)."""
-    from workbench.kernels import dense_mma as DM
-
-    def cfg(p=None, **kw):
-        return [(DM, "DENSE_CONFIG", replace(DM.DenseConfig(), **kw))] + (
-            [(DM, "Q8_PROGRAMS_PER_SM", p)] if p else [])
-
     stage_sweep(m, out, rows, bw, "s10 q8i8", [
-        (label, cfg(**kw), {"head_matmul": "q8i8"}) for label, kw in (
+        (label, _q8_head(**kw), {"head_matmul": "q8i8"}) for label, kw in (
             ("p2", dict(p=2)), ("p4", dict(p=4)), ("n128 p2", dict(block_n=128, p=2)), ("k256", dict(block_k=256)),
             ("k64 s4", dict(block_k=64, num_stages=4)), ("s4", dict(num_stages=4)), ("m16", dict(block_m=16)))])
 
@@ -972,8 +974,7 @@ def main_stage(args) -> None:
             ("QK-norm/rope at 4 warps", (SFm, "QK_ROPE_WARPS", 4), {}),
             ("QK-norm/rope at 16 warps", (SFm, "QK_ROPE_WARPS", 16), {}),
             ("rope in attention", (tr, "ROPE_IN_ATTENTION", True), {}),
-            ("q8i8 head, 16-row tiles, 4 programs per SM", [(dm, "DENSE_CONFIG", replace(dm.DenseConfig(), block_m=16)),
-                                                            (dm, "Q8_PROGRAMS_PER_SM", 4)], {"head_matmul": "q8i8"}),
+            ("q8i8 head, 16-row tiles, 4 programs per SM", _q8_head(4, block_m=16), {"head_matmul": "q8i8"}),
         ], slots=SLOTS)),
         ("rope attn w8", lambda: stage_sweep(m, out, rows, bw, "s10", [
             ("rope in attention, attention at 8 warps", S10_ROPE8, {}),
@@ -982,9 +983,8 @@ def main_stage(args) -> None:
         ("rope attn w8 exact", lambda: _with(S10_ROPE8, lambda: stage_exact(m, out, exact_rows))),
         ("q8i8 batched", lambda: stage_sweep(m, out, rows, bw, "s11 q8i8 batched", [
             (label, [(dm, "I8_BATCHED", True)] + patches, {"head_matmul": "q8i8"}) for label, patches in (
-                ("p3", []), ("p4", [(dm, "Q8_PROGRAMS_PER_SM", 4)]),
-                ("m16 p4", [(dm, "DENSE_CONFIG", replace(dm.DenseConfig(), block_m=16)), (dm, "Q8_PROGRAMS_PER_SM", 4)]),
-                ("n128 p2", [(dm, "DENSE_CONFIG", replace(dm.DenseConfig(), block_n=128)), (dm, "Q8_PROGRAMS_PER_SM", 2)]),
+                ("p3", []), ("p4", _q8_head(4)), ("m16 p4", _q8_head(4, block_m=16)),
+                ("n128 p2", _q8_head(2, block_n=128)),
             )], slots=SLOTS)),
         ("q8i8 batched same bits", lambda: _patched(tr, "HEAD_MATMUL", "q8i8", lambda: stage_same_bits(
             m, out, exact_rows, "q8i8 head, a step's blocks in one batched dot, vs q8i8 (its base)",

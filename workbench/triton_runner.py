@@ -552,16 +552,11 @@ class TritonRunner:
         """x += post_norm(a @ W^T); h = rmsnorm(x) * w_next: folded into the product's launch
         where ``_norm_fold``, else the product then ``add_rmsnorm``. ``glu_x``: a is gate|up's
         partials and the product forms its input act(gate) * up (``_glu_in_down``)."""
-        if glu_x is not None:
-            part = self._project(a, p, glu_x=glu_x)
-            self._fused.add_rmsnorm(x, part, w_post, w_next, h, self.cfg.rms_eps, num_warps=self.uniform_warps)
-            self.launches += 1
-            return
-        if self._norm_fold(p, a.shape[0]):
+        if glu_x is None and self._norm_fold(p, a.shape[0]):
             self._project(a, p, norm=self._qm.NormEpilogue(x, h, w_post, w_next, self.cfg.rms_eps,
                                                            self._norm_counters))
             return
-        part = self._project(a, p)
+        part = self._project(a, p, glu_x=glu_x)
         self._fused.add_rmsnorm(x, part, w_post, w_next, h, self.cfg.rms_eps, num_warps=self.uniform_warps)
         self.launches += 1
 
