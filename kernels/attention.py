@@ -75,6 +75,13 @@ ATTENTION_PREFETCH = False
 # default, 43 KB with 1 stage (187 registers instead of 146: two programs per SM). The same bits
 # (H200, session 10, run 50), no faster: 1 stage 0.668 -> 0.680 ms at 16 slots, 2 stages 0.669.
 ATTENTION_NUM_STAGES: int | None = None
+# The rope kernel (decode) with one-block segments (SEG == BLOCK_N): before its PDL wait a program
+# loads its segment's K and V rows older than the row's position into registers (those were
+# written by earlier steps; nothing of this step writes them), so after the prologue only q and
+# the current row's K/V, just stored by the program itself, are read. The same values in the
+# same arithmetic as the loads after the barrier (masked lanes 0, the current row from the pool).
+# Written in session 11.
+ATTENTION_PRELOAD = False
 
 
 def _stages() -> dict:
@@ -154,25 +161,39 @@ def _attention_rope_kernel(
     SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, HQ_P: tl.constexpr,
     HKV_P: tl.constexpr, HALF_P: tl.constexpr, NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     """``_attention_partial_kernel`` with ``step_fused.qk_rope_kv`` as every program's prologue:
     the program first runs row r's ``qk_rope_kv_row`` (the separate kernel's body: q into q_ptr,
     K/V into the pools at the row's position), then, after a barrier, its attention program,
     which reads them back. Every program of a row writes the same bytes, and a row's keys are
     read only by its own programs, so this holds where each row's slot has exactly one row in
-    the launch (decode). One kernel boundary fewer per layer."""
+    the launch (decode). One kernel boundary fewer per layer. PRELOAD (one block per segment):
+    the segment's older K/V rows are loaded before the PDL wait (ATTENTION_PRELOAD)."""
     r = tl.program_id(0)
+    if PRELOAD:
+        k_old, v_old = _segment_kv_before(
+            r, tl.program_id(1), tl.program_id(2), k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+            stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, D, D_P, BLOCK_N, SEG)
     enter(PDL)
     qk_rope_kv_row(r, p_ptr, q_ptr, k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, qn_ptr, kn_ptr, inv_ptr, eps,
                    stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
                    HQ, HKV, HD, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM)
     tl.debug_barrier()  # this program's q, K, V stores before its loads of them
-    attention_item(
-        r, tl.program_id(1), tl.program_id(2),
-        q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
-        stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
-        qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
-        GROUP, QROWS, D_P, BLOCK_N, SEG, USE_DOT, INPUT_PRECISION, FUSED)
+    if PRELOAD:
+        attention_item_preloaded(
+            r, tl.program_id(1), tl.program_id(2), k_old, v_old,
+            q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+            stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
+            qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
+            GROUP, QROWS, D_P, BLOCK_N, SEG, USE_DOT, INPUT_PRECISION, FUSED)
+    else:
+        attention_item(
+            r, tl.program_id(1), tl.program_id(2),
+            q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+            stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
+            qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
+            GROUP, QROWS, D_P, BLOCK_N, SEG, USE_DOT, INPUT_PRECISION, FUSED)
 
 
 @dataclass(frozen=True)
@@ -190,57 +211,50 @@ class RopePrologue:
 
 
 @triton.jit
-def attention_item(
-    r, kvh, sg,
-    q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
-    stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
-    qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
-    GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
-):
-    """Program (r, kvh, sg) of ``_attention_partial_kernel``: the kernel's body, also an item of
-    the persistent step kernel (kernels/persistent.py)."""
-    lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
-    seg_lo = tl.maximum(lo, sg * SEG)
-    seg_hi = tl.minimum(hi, (sg + 1) * SEG)  # empty segments run no block; the combine skips them
-    seq = tl.load(row_seq_ptr + r).to(tl.int64)
+def _load_q(q_ptr, r, kvh, stride_qr, stride_qh, D, GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr):
+    """Row r's query heads of kv head kvh, float32 [QROWS, D_P] (padding rows and dims 0)."""
     g = tl.arange(0, QROWS)
     d = tl.arange(0, D_P)
-    dmask = d < D
-    q = tl.load(
+    return tl.load(
         q_ptr + r * stride_qr + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :],
-        mask=(g < GROUP)[:, None] & dmask[None, :], other=0.0,
-    ).to(tl.float32)  # [QROWS, D]
-    k_base = k_ptr + seq * stride_ks + kvh * stride_kh
-    v_base = v_ptr + seq * stride_vs + kvh * stride_vh
-    m_i = tl.full([QROWS], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([QROWS], dtype=tl.float32)
-    acc = tl.zeros([QROWS, D_P], dtype=tl.float32)
-    for blk in range(seg_lo // BLOCK_N, tl.cdiv(seg_hi, BLOCK_N)):
-        j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-        jmask = (j >= seg_lo) & (j < seg_hi)
-        kvmask = jmask[:, None] & dmask[None, :]
-        k = tl.load(k_base + j[:, None].to(tl.int64) * stride_kl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
-        if INPUT_PRECISION == "bf16":
-            s = dot_acc(tl.zeros([QROWS, BLOCK_N], dtype=tl.float32), q, tl.trans(k), "bf16", USE_DOT)
-        elif USE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # [QROWS, BN]
-        else:
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-        s = tl.where(jmask[None, :], s * qk_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + j[:, None].to(tl.int64) * stride_vl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
-        if INPUT_PRECISION == "bf16":
-            pv = dot_acc(tl.zeros([QROWS, D_P], dtype=tl.float32), p, v, "bf16", USE_DOT)
-        elif USE_DOT:
-            pv = tl.dot(p, v, input_precision=INPUT_PRECISION)  # [QROWS, D]
-        else:
-            pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        mask=(g < GROUP)[:, None] & (d < D)[None, :], other=0.0,
+    ).to(tl.float32)
+
+
+@triton.jit
+def _attend_block(q, k, v, jmask, m_i, l_i, acc, qk_scale_log2, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """The online softmax's step over one block of keys (k, v float32 [BLOCK_N, D_P], lanes
+    outside jmask 0): the updated (m_i, l_i, acc)."""
+    QROWS: tl.constexpr = q.shape[0]
+    BLOCK_N: tl.constexpr = k.shape[0]
+    D_P: tl.constexpr = k.shape[1]
+    if INPUT_PRECISION == "bf16":
+        s = dot_acc(tl.zeros([QROWS, BLOCK_N], dtype=tl.float32), q, tl.trans(k), "bf16", USE_DOT)
+    elif USE_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # [QROWS, BN]
+    else:
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+    s = tl.where(jmask[None, :], s * qk_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if INPUT_PRECISION == "bf16":
+        pv = dot_acc(tl.zeros([QROWS, D_P], dtype=tl.float32), p, v, "bf16", USE_DOT)
+    elif USE_DOT:
+        pv = tl.dot(p, v, input_precision=INPUT_PRECISION)  # [QROWS, D]
+    else:
+        pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _finish_item(r, kvh, sg, m_i, l_i, acc, lo, hi, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, o_ptr,
+                 stride_or, stride_oh, D, Hkv, num_seg,
+                 GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, SEG: tl.constexpr, FUSED: tl.constexpr):
+    """Store program (r, kvh, sg)'s segment partial; FUSED: the row's last program merges them."""
+    g = tl.arange(0, QROWS)
+    d = tl.arange(0, D_P)
     slot = ((r * Hkv + kvh) * num_seg + sg) * QROWS + g  # [QROWS]
     tl.store(ws_m_ptr + slot, m_i)
     tl.store(ws_l_ptr + slot, l_i)
@@ -255,6 +269,96 @@ def attention_item(
             _combine_row(ws_m_ptr, ws_l_ptr, ws_acc_ptr, o_ptr, r, kvh, lo, hi, stride_or, stride_oh, D, Hkv,
                          num_seg, GROUP, QROWS, D_P, SEG, ".cg")  # (.cg: from L2, never a stale L1 line)
             tl.store(count_ptr + r * Hkv + kvh, 0)
+
+
+@triton.jit
+def attention_item(
+    r, kvh, sg,
+    q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+    stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
+    qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
+    GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
+):
+    """Program (r, kvh, sg) of ``_attention_partial_kernel``: the kernel's body, also an item of
+    the persistent step kernel (kernels/persistent.py)."""
+    lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
+    seg_lo = tl.maximum(lo, sg * SEG)
+    seg_hi = tl.minimum(hi, (sg + 1) * SEG)  # empty segments run no block; the combine skips them
+    seq = tl.load(row_seq_ptr + r).to(tl.int64)
+    d = tl.arange(0, D_P)
+    dmask = d < D
+    q = _load_q(q_ptr, r, kvh, stride_qr, stride_qh, D, GROUP, QROWS, D_P)  # [QROWS, D]
+    k_base = k_ptr + seq * stride_ks + kvh * stride_kh
+    v_base = v_ptr + seq * stride_vs + kvh * stride_vh
+    m_i = tl.full([QROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([QROWS], dtype=tl.float32)
+    acc = tl.zeros([QROWS, D_P], dtype=tl.float32)
+    for blk in range(seg_lo // BLOCK_N, tl.cdiv(seg_hi, BLOCK_N)):
+        j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        jmask = (j >= seg_lo) & (j < seg_hi)
+        kvmask = jmask[:, None] & dmask[None, :]
+        k = tl.load(k_base + j[:, None].to(tl.int64) * stride_kl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
+        v = tl.load(v_base + j[:, None].to(tl.int64) * stride_vl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
+        m_i, l_i, acc = _attend_block(q, k, v, jmask, m_i, l_i, acc, qk_scale_log2, USE_DOT, INPUT_PRECISION)
+    _finish_item(r, kvh, sg, m_i, l_i, acc, lo, hi, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, o_ptr,
+                 stride_or, stride_oh, D, Hkv, num_seg, GROUP, QROWS, D_P, SEG, FUSED)
+
+
+@triton.jit
+def _segment_kv_before(r, kvh, sg, k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+                       stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, D,
+                       D_P: tl.constexpr, BLOCK_N: tl.constexpr, SEG: tl.constexpr):
+    """Program (r, kvh, sg)'s one-block segment of K and V in the pools' dtype, the rows the
+    step does not write (below the row's position; masked lanes 0): loadable before the PDL
+    wait (the row tables are written before the step's first kernel)."""
+    tl.static_assert(SEG == BLOCK_N, "the preloaded form takes one-block segments")
+    lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
+    seq = tl.load(row_seq_ptr + r).to(tl.int64)
+    j = sg * SEG + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D_P)
+    old = ((j >= lo) & (j < hi - 1))[:, None] & (d < D)[None, :]
+    off = j[:, None].to(tl.int64) * stride_kl + d[None, :]
+    k = tl.load(k_ptr + seq * stride_ks + kvh * stride_kh + off, mask=old, other=0.0)
+    v = tl.load(v_ptr + seq * stride_vs + kvh * stride_vh + j[:, None].to(tl.int64) * stride_vl + d[None, :],
+                mask=old, other=0.0)
+    return k, v
+
+
+@triton.jit
+def attention_item_preloaded(
+    r, kvh, sg, k_old, v_old,
+    q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+    stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
+    qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
+    GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
+):
+    """``attention_item`` for a one-block segment whose older K/V rows are k_old / v_old
+    (``_segment_kv_before``): the row's current K/V row (the position, just stored) is read from
+    the pools and put in its lane; then the same block step and finish, so the same values."""
+    lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
+    seg_lo = tl.maximum(lo, sg * SEG)
+    seg_hi = tl.minimum(hi, (sg + 1) * SEG)
+    seq = tl.load(row_seq_ptr + r).to(tl.int64)
+    d = tl.arange(0, D_P)
+    j = sg * SEG + tl.arange(0, BLOCK_N)
+    cur = hi - 1
+    here = (d < D) & ((cur + 0 * d) >= sg * SEG) & ((cur + 0 * d) < (sg + 1) * SEG)  # (vector masks: interpreter)
+    q = _load_q(q_ptr, r, kvh, stride_qr, stride_qh, D, GROUP, QROWS, D_P)
+    kc = tl.load(k_ptr + seq * stride_ks + kvh * stride_kh + cur.to(tl.int64) * stride_kl + d, mask=here, other=0.0)
+    vc = tl.load(v_ptr + seq * stride_vs + kvh * stride_vh + cur.to(tl.int64) * stride_vl + d, mask=here, other=0.0)
+    at = (j == cur)[:, None]
+    k = tl.where(at, kc[None, :], k_old).to(tl.float32)
+    v = tl.where(at, vc[None, :], v_old).to(tl.float32)
+    m_i = tl.full([QROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([QROWS], dtype=tl.float32)
+    acc = tl.zeros([QROWS, D_P], dtype=tl.float32)
+    if seg_lo < seg_hi:  # (an empty segment runs no block, as in attention_item)
+        m_i, l_i, acc = _attend_block(q, k, v, (j >= seg_lo) & (j < seg_hi), m_i, l_i, acc, qk_scale_log2,
+                                      USE_DOT, INPUT_PRECISION)
+    _finish_item(r, kvh, sg, m_i, l_i, acc, lo, hi, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, o_ptr,
+                 stride_or, stride_oh, D, Hkv, num_seg, GROUP, QROWS, D_P, SEG, FUSED)
 
 
 @triton.jit
@@ -412,8 +516,9 @@ def _launch_rope(common: tuple, consts: dict, rope: RopePrologue, q, k_cache, v_
                          "and contiguous caches")
     args, row = qk_rope_row_args(rope.part, q, k_cache, rope.q_norm, rope.k_norm, rope.inv_freq, rope.eps)
     row["HD"] = row.pop("D")  # (the partial kernel's D is its runtime head dim)
+    preload = ATTENTION_PRELOAD and consts["SEG"] == consts["BLOCK_N"]
     _attention_rope_kernel[(q.shape[0], k_cache.shape[2], num_seg)](
-        *common, rope.part, *args, **consts, **row, **launch_kw(q), **_stages(),
+        *common, rope.part, *args, **consts, **row, PRELOAD=preload, **launch_kw(q), **_stages(),
     )
 
 

@@ -58,12 +58,23 @@ OPERAND_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "tf32x3": torch.
 # 4 does not fit the registers). The dense copy stays at 2 (85 us at 2, 91 at 3).
 Q8_PROGRAMS_PER_SM = 3
 STREAM_INTERPRETER_PROGRAMS = 3  # the streaming form's grid under the CPU interpreter
-# q8i8: a K step's four Q8_0 blocks as one batched integer dot (``_k_step_i8_batched``: the MMAs of
-# a step in flight together) instead of four dots each scaled before the next (session 10, run 52:
-# the per-block form stops at ~2.2 TB/s alone, its programs waiting on each block). The same
-# arithmetic (bitwise under the interpreter; on the GPU to be checked with the measurement).
-# Written after the last device call of session 10: compiled for sm_90 here, not measured, so off.
-I8_BATCHED = False
+# q8i8's K step (``q8i8_mma(step=)``'s default), one of I8_STEPS, each the same arithmetic (the same
+# per-block integer products, scalings and additions in block order: bitwise alike under the
+# interpreter): "serial" (``_k_step_i8``: four dots, each scaled before the next is issued; session
+# 10, run 52: alone it stops at ~2.2 TB/s, its programs waiting on each block); "batched"
+# (``_k_step_i8_batched``: the step's four blocks in one batched integer dot, mma.sync); "issued"
+# (``_k_step_i8_issued``: the four dots written before any is consumed, so the compiler may keep
+# them in flight together). The last two were written after session 10's last device call.
+I8_STEPS = ("serial", "batched", "issued")
+I8_STEP = "serial"
+# q8i8's tiles by row count, ((rows up to, block_m, programs per SM), ...; None: any). Its
+# arithmetic per output is an exact integer dot followed by elementwise float32 operations, so,
+# unlike the float forms (whose MMA sums follow the tile), the row tile may follow M without
+# changing a bit (tests: rows of a 32-row launch bitwise the solo row's). The per-block scaling
+# costs ALU in proportion to the tile's rows: H200, session 11 (the head alone, batched step):
+# 16 rows in 16-row tiles at 4 programs per SM 66 us, in 32-row tiles 93; 32 rows in 32-row
+# tiles at 3 programs 96, in two 16-row tiles 117.
+I8_TILES: tuple = ((16, 16, 4), (None, 32, 3))
 DENSE_INTERPRETER_MIN_BLOCK_N = 128  # fewer, wider programs under the CPU interpreter
 
 
@@ -122,20 +133,8 @@ def _k_step_i8(acc, k0, K, xq_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_ro
     2^22), that int32 made float32 without a conversion instruction (``_i32_as_f32``), times
     d_w * d_x (float32)."""
     for j in tl.static_range(BLOCK_K // 32):
-        kb = k0 // 32 + j
-        k = kb * 32 + tl.arange(0, 32)
-        kmask = k < K
-        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0).to(tl.int8, bitcast=True)
-        xt = tl.load(xq_ptr + m[None, :] * stride_xm + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0)
-        if USE_DOT:
-            p = tl.dot(w, xt, out_dtype=tl.int32)
-        else:  # (the interpreter) the same integer sums
-            p = tl.sum(w.to(tl.int32)[:, :, None] * xt.to(tl.int32)[None, :, :], axis=1)
-        pf = _i32_as_f32(p)
-        inside = (kb * 32 + tl.zeros([1], tl.int32)) < K  # (a [1] tensor: a scalar mask fails the interpreter)
-        dw = tl.load(d_rows + kb, mask=nmask[:, None] & inside[None, :], other=0.0).to(tl.float32)
-        dx = tl.load(xd_ptr + m * stride_xdm + kb, mask=mmask & inside, other=0.0)
-        acc += pf * (dw * dx[None, :])
+        p = _i8_block(j, k0, K, xq_ptr, stride_xm, m, mmask, w_rows, nmask, USE_DOT)
+        acc = _i8_scaled(acc, p, k0 // 32 + j, K, xd_ptr, stride_xdm, m, mmask, d_rows, nmask)
     return acc
 
 
@@ -173,17 +172,60 @@ def _k_step_i8_batched(acc, k0, K, xq_ptr, stride_xm, xd_ptr, stride_xdm, m, mma
 
 
 @triton.jit
+def _i8_block(j: tl.constexpr, k0, K, xq_ptr, stride_xm, m, mmask, w_rows, nmask, USE_DOT: tl.constexpr):
+    """Block j of the K step at k0: the int32 product of W's and x's int8 quants (exact)."""
+    k = k0 + j * 32 + tl.arange(0, 32)
+    kmask = k < K
+    w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0).to(tl.int8, bitcast=True)
+    xt = tl.load(xq_ptr + m[None, :] * stride_xm + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0)
+    if USE_DOT:
+        p = tl.dot(w, xt, out_dtype=tl.int32)
+    else:  # (the interpreter) the same integer sums
+        p = tl.sum(w.to(tl.int32)[:, :, None] * xt.to(tl.int32)[None, :, :], axis=1)
+    return p
+
+
+@triton.jit
+def _i8_scaled(acc, p, kb, K, xd_ptr, stride_xdm, m, mmask, d_rows, nmask):
+    """acc + block kb's int32 product p, made float32 (``_i32_as_f32``), times d_w * d_x."""
+    inside = (kb * 32 + tl.zeros([1], tl.int32)) < K  # (a [1] tensor: a scalar mask fails the interpreter)
+    dw = tl.load(d_rows + kb, mask=nmask[:, None] & inside[None, :], other=0.0).to(tl.float32)
+    dx = tl.load(xd_ptr + m * stride_xdm + kb, mask=mmask & inside, other=0.0)
+    return acc + _i32_as_f32(p) * (dw * dx[None, :])
+
+
+@triton.jit
+def _k_step_i8_issued(acc, k0, K, xq_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
+                      BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+    """PREC "i8i": ``_k_step_i8``'s arithmetic with the step's four dots written before any of
+    them is consumed (then the same scalings, in block order). BLOCK_K 128 only."""
+    tl.static_assert(BLOCK_K == 128, "the issued int8 step takes 128-weight K steps")
+    p0 = _i8_block(0, k0, K, xq_ptr, stride_xm, m, mmask, w_rows, nmask, USE_DOT)
+    p1 = _i8_block(1, k0, K, xq_ptr, stride_xm, m, mmask, w_rows, nmask, USE_DOT)
+    p2 = _i8_block(2, k0, K, xq_ptr, stride_xm, m, mmask, w_rows, nmask, USE_DOT)
+    p3 = _i8_block(3, k0, K, xq_ptr, stride_xm, m, mmask, w_rows, nmask, USE_DOT)
+    kb = k0 // 32
+    acc = _i8_scaled(acc, p0, kb, K, xd_ptr, stride_xdm, m, mmask, d_rows, nmask)
+    acc = _i8_scaled(acc, p1, kb + 1, K, xd_ptr, stride_xdm, m, mmask, d_rows, nmask)
+    acc = _i8_scaled(acc, p2, kb + 2, K, xd_ptr, stride_xdm, m, mmask, d_rows, nmask)
+    return _i8_scaled(acc, p3, kb + 3, K, xd_ptr, stride_xdm, m, mmask, d_rows, nmask)
+
+
+@triton.jit
 def _k_step(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, USE_DOT: tl.constexpr,
             Q8: tl.constexpr):
     """acc += the K step at k0 of the tile's product (the weight tile, x^T, one dot_acc; PREC
-    "i8": ``_k_step_i8``, "i8b": ``_k_step_i8_batched``)."""
+    "i8": ``_k_step_i8``, "i8b": ``_k_step_i8_batched``, "i8i": ``_k_step_i8_issued``)."""
     if PREC == "i8":
         acc = _k_step_i8(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
                          BLOCK_K, USE_DOT)
     elif PREC == "i8b":
         acc = _k_step_i8_batched(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
                                  BLOCK_N, BLOCK_K, USE_DOT)
+    elif PREC == "i8i":
+        acc = _k_step_i8_issued(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
+                                BLOCK_K, USE_DOT)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         w = _w_tile(w_rows, d_rows, k0, K, nmask, BLOCK_N, BLOCK_K, Q8, PREC)
@@ -401,14 +443,14 @@ def quantize_rows_q8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def q8i8_mma(xq: torch.Tensor, xd: torch.Tensor, w, out: torch.Tensor | None = None,
              config: DenseConfig | None = None, use_dot: bool | None = None, best=None,
-             batched: bool | None = None) -> torch.Tensor:
+             step: str | None = None) -> torch.Tensor:
     """float32 [M, N] = x @ W^T for a Q8_0 weight (its packed planes) and x given as its Q8_0 blocks
     (``quantize_rows_q8``): per block of 32, an exact integer MMA of the two int8 quants, scaled by
-    d_w * d_x in float32 (``_k_step_i8``). No decode of W at all: the quants go to the tensor cores
+    d_w * d_x in float32 (``_k_step_i8``); default tiles by M (``i8_config``). No decode of W at all: the quants go to the tensor cores
     as stored (1.06 bytes per weight). ``dense_mma``'s tiles, streaming and ``best=``; batch-invariant
     as it; the same bits with tl.dot or with the interpreter's sums (integer products are exact).
-    ``batched`` (default I8_BATCHED; 128-weight K steps): a step's four blocks in one batched dot
-    (``_k_step_i8_batched``), the same arithmetic."""
+    ``step`` (default I8_STEP): how a K step's blocks are written, one of I8_STEPS ("batched" and
+    "issued" take 128-weight K steps), the same arithmetic."""
     if getattr(w, "fmt", None) is None or w.fmt.name != "Q8_0":
         raise ValueError("q8i8_mma takes a Q8_0 PackedWeight (kernels.qmatmul.pack_weights)")
     N, K = w.N, w.K
@@ -419,11 +461,13 @@ def q8i8_mma(xq: torch.Tensor, xd: torch.Tensor, w, out: torch.Tensor | None = N
     out = _out(out, xq.shape[0], N, xq.device)
     if xq.shape[0] == 0:
         return out
-    cfg = config or q8_config(xq.device)
-    batched = I8_BATCHED if batched is None else batched
-    if batched and cfg.block_k != 128:
-        raise ValueError(f"batched=True takes 128-weight K steps, got {cfg}")
-    _launch(xq, w.qs, w.d, out, cfg, "i8b" if batched else "i8", use_dot, best, xd=xd)
+    cfg = config or i8_config(xq.device, xq.shape[0])
+    step = I8_STEP if step is None else step
+    if step not in I8_STEPS:
+        raise ValueError(f"step={step!r} is not allowed: allowed {', '.join(I8_STEPS)}")
+    if step != "serial" and cfg.block_k != 128:
+        raise ValueError(f"step={step!r} takes 128-weight K steps, got {cfg}")
+    _launch(xq, w.qs, w.d, out, cfg, {"serial": "i8", "batched": "i8b", "issued": "i8i"}[step], use_dot, best, xd=xd)
     return out
 
 
@@ -435,7 +479,8 @@ def q8i8_mma_ref(xq: torch.Tensor, xd: torch.Tensor, qs: torch.Tensor, d: torch.
     acc = torch.zeros((M, qs.shape[0]), dtype=torch.float32, device=xq.device)
     for kb in range(K // 32):
         sl = slice(kb * 32, kb * 32 + 32)
-        p = (xq[:, sl].long() @ qs[:, sl].long().T).float()
+        # (float64: integer sums below 2^22 are exact there, and CUDA has no int64 matmul)
+        p = (xq[:, sl].double() @ qs[:, sl].double().T).float()
         acc += p * (d[:, kb].float()[None, :] * xd[:, kb][:, None])
     return acc
 
@@ -444,6 +489,14 @@ def q8_config(device: torch.device | str = "cuda") -> DenseConfig:
     """The Q8_0-plane forms' configuration: ``dense_config`` at Q8_PROGRAMS_PER_SM."""
     cfg = dense_config(device)
     return replace(cfg, programs_per_sm=Q8_PROGRAMS_PER_SM) if cfg.programs_per_sm else cfg
+
+
+def i8_config(device: torch.device | str, M: int) -> DenseConfig:
+    """``q8i8_mma``'s configuration for M rows: ``dense_config`` with I8_TILES' row tile and
+    programs per multiprocessor (the streaming form) for M."""
+    cfg = dense_config(device)
+    _, block_m, per_sm = next(t for t in I8_TILES if t[0] is None or M <= t[0])
+    return replace(cfg, block_m=block_m, programs_per_sm=per_sm if cfg.programs_per_sm else 0)
 
 
 def dense_mma_ref(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16") -> torch.Tensor:

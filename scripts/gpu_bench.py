@@ -96,7 +96,12 @@ def prompts_for(n: int, vocab: int, seed: int, length: int = PROMPT):
 
 # ---- exactness ----------------------------------------------------------------------------------
 
-def stage_exact(m, out: Path, rows: list) -> None:
+EXACT_SIZES = ((4, dict(temperature=0.8, top_p=0.95, seed=11)), (16, dict(temperature=0.0)))
+
+
+def stage_exact(m, out: Path, rows: list, sizes=EXACT_SIZES) -> None:
+    """Engine batches of N requests (prompts 3..700 tokens) against each request alone: tokens and
+    float32 logits bitwise, for each (N, sampling) of ``sizes``."""
     import torch
 
     from workbench import Engine, EngineConfig
@@ -104,8 +109,9 @@ def stage_exact(m, out: Path, rows: list) -> None:
     V = m.config.vocab_size
     g = torch.Generator().manual_seed(0)
     lens = [600, 5, 37, 128, 300, 64, 17, 520, 200, 90, 3, 256, 700, 45, 11, 150]
+    lens += [n + 7 for n in lens]  # (32 requests at most)
     prompts = [torch.randint(10, V, (n,), generator=g).tolist() for n in lens]
-    for N, kw in ((4, dict(temperature=0.8, top_p=0.95, seed=11)), (16, dict(temperature=0.0))):
+    for N, kw in sizes:
         ps = prompts[:N]
         cfg = EngineConfig(backend="triton", dtype=m.dtype_name, max_concurrency=N, max_context=1024,
                            memory_budget_bytes=64 << 30, chunk_size=256)
@@ -827,6 +833,9 @@ def main_stage(args) -> None:
     S10_ARG = [(tr, "ARGMAX_IN_HEAD", True)]
     S10_ROPE8 = [(tr, "ROPE_IN_ATTENTION", True), (tr, "ATTN_WARPS", 8)]  # (s10)
     S10_GLU = [(tr, "GLU_IN_DOWN", True)]  # the down product forms the GLU from gate|up's partials (s10)
+    S11_PRE = [(A, "ATTENTION_PRELOAD", True)]  # older K/V rows loaded before the attention's PDL wait (s11)
+    S11_I8 = [(dm, "I8_STEP", "batched"), (tr, "HEAD_MATMUL", "q8i8")]  # q8i8 head, batched step, tiles by M (s11)
+    S11_32 = ((32, dict(temperature=0.0)),)  # (32 rows take the q8i8 head's 32-row tiles, one row alone 16)
 
     # K slices of 128 weights (every format's step at 128, so one step per program)
     split128 = [(QMm, "QMATMUL_SPLIT_K", 128),
@@ -981,14 +990,26 @@ def main_stage(args) -> None:
             ("rope in attention", (tr, "ROPE_IN_ATTENTION", True), {}),
         ], slots=SLOTS)),
         ("rope attn w8 exact", lambda: _with(S10_ROPE8, lambda: stage_exact(m, out, exact_rows))),
+        ("s11", lambda: stage_sweep(m, out, rows, bw, "s11", [
+            ("attention K/V preloaded", S11_PRE, {}),
+            ("q8i8 head, batched step, tiles by M", S11_I8, {}),
+            ("both", S11_PRE + S11_I8, {}),
+        ], slots=SLOTS)),
+        ("s11 preload same bits", lambda: stage_same_bits(
+            m, out, exact_rows, "attention K/V preloaded before the wait vs the defaults", lambda fn: _with(S11_PRE, fn))),
+        ("s11 i8 exact", lambda: _with(S11_I8, lambda: stage_exact(m, out, exact_rows, EXACT_SIZES + S11_32))),
+        ("s11 both exact", lambda: _with(S11_PRE + S11_I8, lambda: stage_exact(
+            m, out, exact_rows, EXACT_SIZES + S11_32))),
+        ("s11 both profile", lambda: _with(S11_PRE + S11_I8, lambda: stage_profile(m, out, prof_rows))),
+        ("s11 preload profile", lambda: _with(S11_PRE, lambda: stage_profile(m, out, prof_rows))),
         ("q8i8 batched", lambda: stage_sweep(m, out, rows, bw, "s11 q8i8 batched", [
-            (label, [(dm, "I8_BATCHED", True)] + patches, {"head_matmul": "q8i8"}) for label, patches in (
+            (label, [(dm, "I8_STEP", "batched")] + patches, {"head_matmul": "q8i8"}) for label, patches in (
                 ("p3", []), ("p4", _q8_head(4)), ("m16 p4", _q8_head(4, block_m=16)),
                 ("n128 p2", _q8_head(2, block_n=128)),
             )], slots=SLOTS)),
         ("q8i8 batched same bits", lambda: _patched(tr, "HEAD_MATMUL", "q8i8", lambda: stage_same_bits(
             m, out, exact_rows, "q8i8 head, a step's blocks in one batched dot, vs q8i8 (its base)",
-            lambda fn: _patched(dm, "I8_BATCHED", True, fn)))),
+            lambda fn: _patched(dm, "I8_STEP", "batched", fn)))),
         ("q8i8", lambda: bench_runner(m, "s10 q8i8 head", SLOTS, out, rows, bw, head_matmul="q8i8")),
         ("q8i8 sweep", lambda: stage_q8i8_sweep(m, out, rows, bw)),
         ("q8i8 exact", lambda: _patched(tr, "HEAD_MATMUL", "q8i8", lambda: stage_exact(m, out, exact_rows))),

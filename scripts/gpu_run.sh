@@ -33,11 +33,13 @@ timeout ${MAIN_S:-330} python3 scripts/gpu_bench.py main --model "$MODEL" --out 
 stamp workbench_bench
 # the project's own benchmark command, through Engine (greedy tokens from the device argmax)
 # (WB_PERSISTENT=1: with the persistent step, before it is the default; WB_SET='GLU_IN_DOWN=True,...':
-# other triton_runner options, likewise)
+# other triton_runner options, likewise; 'attention.ATTENTION_PRELOAD=True': a kernels module's)
 timeout ${WB_S:-120} python3 -c "import sys, workbench.triton_runner as tr
 tr.PERSISTENT = tr.PERSISTENT or '${WB_PERSISTENT:-}' == '1'
 for kv in filter(None, '${WB_SET:-}'.split(',')):  # WB_SET='NAME=literal,...': runner module options
-    import ast; k, v = kv.split('='); setattr(tr, k, ast.literal_eval(v))
+    import ast, importlib; k, v = kv.split('=')  # ('attention.NAME=...': workbench.kernels.attention's)
+    mod, k = (importlib.import_module('workbench.kernels.' + k.split('.')[0]), k.split('.')[1]) if '.' in k else (tr, k)
+    setattr(mod, k, ast.literal_eval(v))
 from workbench.cli import main
 sys.exit(main(sys.argv[1:]))" bench --backend triton --model "$MODEL" --concurrency ${WB_C:-1,4,16,32} \
     --prompt-len 128 --gen 128 --repeats 2 --data-dir /tmp/wbruns 2>&1 | tail -12

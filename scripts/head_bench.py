@@ -4,9 +4,11 @@ float32 (as the runner passes it) or already rounded to the operand precision (t
 round it anyway, so the logits are the same bits, and the kernel reads half the x bytes).
 
     python3 scripts/head_bench.py --model model.gguf --out DIR      (writes DIR/head_bench.json)
+    python3 scripts/head_bench.py --random --forms q8i8,q8i8i --configs 'm16 p4,m16 p6 s2' --out DIR
 
-Reads the real head (Gemma 3 270M's tied Q8_0 embedding, 262,144 x 640); x is random, normalized
-as the output norm leaves it. One row per (variant, rows): us per launch (median of the replays),
+Reads the real head (Gemma 3 270M's tied Q8_0 embedding, 262,144 x 640), or with --random random
+planes of that shape (no model: a device call without the model's upload); x is random,
+normalized as the output norm leaves it. One row per (variant, rows): us per launch (median of the replays),
 the weight bytes read, GB/s.
 """
 
@@ -26,34 +28,79 @@ from graph_timing import graph_replay_us  # noqa: E402
 REPEAT = 10
 
 
+DENSE_CFGS = "base,p3,n128,s4,n128 s4,p3 s4,k64 s6 p3,n128 k64 s6,m16"  # each relative to DenseConfig()
+I8_CFGS = "base,p2,p4,n128 p2,k256,k64 s4,s4,m16,m16 p4"  # each relative to dense_mma.q8_config
+FIELDS = {"m": "block_m", "n": "block_n", "k": "block_k", "s": "num_stages", "p": "programs_per_sm", "w": "num_warps"}
+I8_FORMS = {"q8i8": "serial", "q8i8b": "batched", "q8i8i": "issued"}  # form -> q8i8_mma(step=)
+
+
+def config(label: str, base):
+    """'m16 p4 s2' -> base with block_m 16, programs_per_sm 4, num_stages 2 ('base': base)."""
+    kw = {}
+    for tok in label.split():
+        if tok != "base":
+            if tok[0] not in FIELDS or not tok[1:].isdigit():
+                raise SystemExit(f"head_bench: bad config token {tok!r} in {label!r}: allowed base or "
+                                 f"{'/'.join(FIELDS)} followed by a number (e.g. 'm16 p4 s2')")
+            kw[FIELDS[tok[0]]] = int(tok[1:])
+    return replace(base, **kw)
+
+
+def random_head(N: int, K: int, dev: str):
+    """Q8_0 planes of an N x K head with random quants and scales (speed does not depend on the
+    values) and its bfloat16 dense copy: no model needed (``--random``)."""
+    from workbench.kernels.qmatmul import pack_weights
+
+    gen = torch.Generator().manual_seed(1)
+    nb = K // 32
+    raw = torch.empty(N, nb, 34, dtype=torch.uint8)
+    raw[:, :, 2:] = torch.randint(-127, 128, (N, nb, 32), generator=gen, dtype=torch.int8).view(torch.uint8)
+    d = (torch.rand(N, nb, generator=gen) * 0.02 + 0.001).to(torch.float16)
+    raw[:, :, :2] = d.view(torch.uint8).view(N, nb, 2)
+    pw = pack_weights(raw.view(N, -1).to(dev), "Q8_0", N, K)
+    dense = (pw.qs.view(torch.int8).float().view(N, nb, 32) * pw.d.float()[:, :, None]).view(N, K).to(torch.bfloat16)
+    return pw, dense.contiguous()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="GGUF path (default: the embedded default model)")
+    ap.add_argument("--random", action="store_true",
+                    help="random Q8_0 planes of Gemma 3 270M's head shape (262,144 x 640) instead of a model")
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="1,16,32")
     ap.add_argument("--n", type=int, default=0, help="only the first n vocabulary rows (a CPU dry run)")
-    ap.add_argument("--forms", default="dense,q8f16,q8bf16,q8i8", help="comma-separated: dense, q8f16, q8bf16, q8i8")
+    ap.add_argument("--forms", default="dense,q8f16,q8bf16,q8i8",
+                    help="comma-separated: dense, q8f16, q8bf16, q8i8 (q8i8b: its batched step, q8i8i: issued)")
+    ap.add_argument("--configs", default=None,
+                    help="comma-separated tilings for every form, each relative to the form's base, e.g. "
+                         f"'base,m16 p4,m16 p6 s2' (default: dense {DENSE_CFGS!r}; int8 {I8_CFGS!r})")
     args = ap.parse_args()
     from workbench.kernels import dense_mma as DM
-    from workbench.kernels.qmatmul import pack_weights
-    from workbench.model import load_model
 
-    m = load_model(args.model, dtype="bfloat16")
-    name = "token_embd.weight" if m.config.tied_output else "output.weight"
-    t = m.source.tensors[name]
-    N, K = t.shape
-    N = args.n or N
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    raw = torch.frombuffer(bytearray(m.source.raw(name)), dtype=torch.uint8).view(t.shape[0], -1)[:N].to(dev)
-    pw = pack_weights(raw.contiguous(), "Q8_0", N, K)
-    dense = m.head[:N].to(dev).contiguous()
+    if args.random:
+        N, K = args.n or 262144, 640
+        pw, dense = random_head(N, K, dev)
+    else:
+        from workbench.kernels.qmatmul import pack_weights
+        from workbench.model import load_model
+
+        m = load_model(args.model, dtype="bfloat16")
+        name = "token_embd.weight" if m.config.tied_output else "output.weight"
+        t = m.source.tensors[name]
+        N, K = t.shape
+        N = args.n or N
+        raw = torch.frombuffer(bytearray(m.source.raw(name)), dtype=torch.uint8).view(t.shape[0], -1)[:N].to(dev)
+        pw = pack_weights(raw.contiguous(), "Q8_0", N, K)
+        dense = m.head[:N].to(dev).contiguous()
     base = DM.DenseConfig()
-    cfgs = {"base": base, "p3": replace(base, programs_per_sm=3), "n128": replace(base, block_n=128),
-            "s4": replace(base, num_stages=4), "n128 s4": replace(base, block_n=128, num_stages=4),
-            "p3 s4": replace(base, programs_per_sm=3, num_stages=4), "k64 s6 p3": replace(base, block_k=64, num_stages=6,
-                                                                                           programs_per_sm=3),
-            "n128 k64 s6": replace(base, block_n=128, block_k=64, num_stages=6), "m16": replace(base, block_m=16)}
+    cfgs = {label: config(label, base) for label in (args.configs or DENSE_CFGS).split(",")}
     forms = set(args.forms.split(","))
+    bad = forms - {"dense", "q8f16", "q8bf16", *I8_FORMS}
+    if bad:
+        raise SystemExit(f"head_bench: unknown form(s) {', '.join(sorted(bad))}: allowed dense, q8f16, q8bf16, "
+                         f"{', '.join(I8_FORMS)}")
     variants = []
     for label, cfg in cfgs.items():
         for xdt in (torch.float32, torch.bfloat16):
@@ -66,21 +113,23 @@ def main() -> int:
             variants.append((f"q8 bf16 xbfloat16 {label}", DM.q8_dense_mma, pw, "bf16", torch.bfloat16, cfg, N * K * 34 // 32))
     # q8i8: x quantized per row to Q8_0 blocks (its own launch, timed with the product and without)
     q8 = DM.q8_config(dev)
-    i8_cfgs = {"p3": q8, "p2": replace(q8, programs_per_sm=2), "p4": replace(q8, programs_per_sm=4),
-               "n128 p2": replace(q8, block_n=128, programs_per_sm=2), "k256": replace(q8, block_k=256),
-               "k64 s4": replace(q8, block_k=64, num_stages=4), "s4": replace(q8, num_stages=4),
-               "m16": replace(q8, block_m=16), "m16 p4": replace(q8, block_m=16, programs_per_sm=4)}
+    i8_cfgs = {label: config(label, q8) for label in (args.configs or I8_CFGS).split(",")}
 
-    def q8i8(x, w, prec, out, config):
-        return DM.q8i8_mma(*DM.quantize_rows_q8(x), w, out=out, config=config, batched=prec == "i8b")
+    def q8i8(step):
+        return lambda x, w, prec, out, config: DM.q8i8_mma(*DM.quantize_rows_q8(x), w, out=out, config=config, step=step)
 
-    if "q8i8" in forms:
+    def q8i8_product(step):
+        return lambda x, w, prec, out, config: DM.q8i8_mma(*x, w, out=out, config=config, step=step)
+
+    for form, step in I8_FORMS.items():
+        if form not in forms:
+            continue
+        name = "q8i8" if step == "serial" else f"q8i8 {step}"
         for label, cfg in i8_cfgs.items():
-            variants.append((f"q8i8 {label}", q8i8, pw, "i8", torch.float32, cfg, N * K * 34 // 32))
-            variants.append((f"q8i8 product only {label}", lambda x, w, prec, out, config: DM.q8i8_mma(
-                *x, w, out=out, config=config), pw, "i8", "pre", cfg, N * K * 34 // 32))
-            if cfg.block_k == 128:  # a step's four blocks in one batched dot (DM.I8_BATCHED)
-                variants.append((f"q8i8 batched {label}", q8i8, pw, "i8b", torch.float32, cfg, N * K * 34 // 32))
+            if step != "serial" and cfg.block_k != 128:
+                continue
+            variants.append((f"{name} {label}", q8i8(step), pw, "i8", torch.float32, cfg, N * K * 34 // 32))
+            variants.append((f"{name} product only {label}", q8i8_product(step), pw, "i8", "pre", cfg, N * K * 34 // 32))
     rows = []
     gen = torch.Generator().manual_seed(0)
     for M in [int(r) for r in args.rows.split(",")]:
@@ -106,6 +155,20 @@ def main() -> int:
                 row = dict(variant=vname, rows=M, us=med, gbs=nbytes / med / 1e3, weight_bytes=nbytes, same_bits=same)
             except Exception as e:  # noqa: BLE001 (a tiling that does not fit: recorded, the sweep goes on)
                 row = dict(variant=vname, rows=M, error=f"{type(e).__name__}: {str(e)[:200]}")
+            print(row, flush=True)
+            rows.append(row)
+    # q8i8's default tiles follow M (dense_mma.i8_config): rows of a 32-row launch (32-row tiles) and
+    # of a 16-row one against each row alone (16-row tiles), bitwise?
+    xs = torch.randn(32, K, generator=gen)
+    xs = (xs / xs.pow(2).mean(-1, keepdim=True).sqrt()).to(dev)
+    for form, step in I8_FORMS.items():
+        if form in forms:
+            y32 = DM.q8i8_mma(*DM.quantize_rows_q8(xs), pw, step=step)
+            y16 = DM.q8i8_mma(*DM.quantize_rows_q8(xs[:16]), pw, step=step)
+            same = torch.equal(y16, y32[:16]) and all(
+                torch.equal(DM.q8i8_mma(*DM.quantize_rows_q8(xs[i : i + 1]), pw, step=step), y32[i : i + 1])
+                for i in (0, 7, 15, 16, 31))
+            row = dict(variant=f"{form} tiles by M: rows of 32 / 16 vs alone", rows=32, same_bits=bool(same))
             print(row, flush=True)
             rows.append(row)
     Path(args.out).mkdir(parents=True, exist_ok=True)

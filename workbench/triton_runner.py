@@ -841,7 +841,8 @@ class TritonRunner:
         w = self.head.parts[0][1]
         if not ARGMAX_IN_HEAD or self.dense != "quant" or w.form not in HEAD_DENSE_FORMS:
             return None
-        cfg = self._dense.dense_config(self.device) if w.form == "dense" else self._dense.q8_config(self.device)
+        cfg = (self._dense.dense_config(self.device) if w.form == "dense" else
+               self._dense.i8_config(self.device, bucket) if w.form == "q8i8" else self._dense.q8_config(self.device))
         return self._dense.best_partials(bucket, self.vocab, self.device, cfg)
 
     def _graph_for(self, rows: int, max_pos: int) -> _Graph:

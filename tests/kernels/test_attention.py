@@ -202,23 +202,27 @@ def test_kv_prefetch_changes_no_bit(device, monkeypatch):
                                .float(), **TOL[torch.bfloat16])
 
 
-@pytest.mark.parametrize("norm", [True, False])
-def test_rope_prologue_is_the_separate_kernel(norm, device, monkeypatch):
+@pytest.mark.parametrize("norm,preload", [(True, False), (False, False), (True, True)])
+def test_rope_prologue_is_the_separate_kernel(norm, preload, device, monkeypatch):
     """attention_rows(rope=): QK-norm + rope + the KV write as every attention program's
     prologue (one launch) instead of step_fused.qk_rope_kv before it: q, the pools and the
-    output bitwise the two-launch form's, rows of distinct slots at several segments; refused
-    without the fused combine."""
+    output bitwise the two-launch form's, rows of distinct slots at several segments (a window
+    starting inside one, a position at a segment's start); refused without the fused combine.
+    preload (ATTENTION_PRELOAD; here 32-key segments of one 32-key block): the segment's older
+    K/V rows loaded before the prologue, the current row read back: the same bits."""
     from workbench.kernels.attention import RopePrologue
     from workbench.kernels.step_fused import qk_rope_kv
 
     monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", 32)
+    monkeypatch.setattr(attention_mod, "ATTENTION_PRELOAD", preload)
+    assert attention_mod._attention_config(16, 32, 2)[0] == 32  # (one block per segment)
     gen = torch.Generator().manual_seed(12)
     R, Hq, Hkv, D, S, L, splits = 3, 4, 2, 32, 4, 96, 2
     part = torch.randn(splits, R, (Hq + 2 * Hkv) * D, generator=gen).to(device)
     kp = _randn(S, L, Hkv, D, dtype=torch.bfloat16, device=device, gen=gen)
     vp = _randn(S, L, Hkv, D, dtype=torch.bfloat16, device=device, gen=gen)
     seq = torch.tensor([3, 0, 1], dtype=torch.int32, device=device)
-    pos = torch.tensor([70, 0, 33], dtype=torch.int32, device=device)
+    pos = torch.tensor([70, 0, 33] if not preload else [64, 0, 33], dtype=torch.int32, device=device)
     win = torch.tensor([0, 0, 16], dtype=torch.int32, device=device)
     inv = (1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))).to(device)
     qn = torch.randn(D, generator=gen).to(device) if norm else None

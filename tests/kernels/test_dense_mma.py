@@ -117,7 +117,7 @@ def test_q8i8_mma_integer_blocks(device, quant_rows):
     GPU (the scaling may fuse into FMAs there); close to the float product of the dequantized
     weight (x's int8 steps being the only rounding of note); rows bitwise invariant, in the tiled
     and the streaming form (which also keeps the argmax); bad inputs refused."""
-    from workbench.kernels.dense_mma import best_partials, q8i8_mma, q8i8_mma_ref, quantize_rows_q8
+    from workbench.kernels.dense_mma import best_partials, i8_config, q8i8_mma, q8i8_mma_ref, quantize_rows_q8
     from workbench.kernels.qmatmul import pack_weights
     from workbench.kernels.quant_tiles import FORMATS, dequant_ref
     from workbench.kernels.sampling import argmax_from_partials
@@ -140,17 +140,28 @@ def test_q8i8_mma_integer_blocks(device, quant_rows):
         assert (y.double() - exact).abs().max() < 0.02 * exact.abs().max()
         for i in (0, 9, 17):
             assert torch.equal(q8i8_mma(xq[i : i + 1].clone(), xd[i : i + 1].clone(), pw, config=cfg), y[i : i + 1])
-    # a step's four blocks in one batched dot: the same arithmetic (128-weight steps only); bitwise
-    # under the interpreter, on a GPU as far as the compiler fuses both forms' scalings alike
+    # a step's four blocks in one batched dot, or four dots issued before any is consumed: the same
+    # arithmetic (128-weight steps only); bitwise under the interpreter, on a GPU as far as the
+    # compiler fuses the forms' scalings alike
     k128 = DenseConfig(block_n=64, block_k=128, num_stages=2, block_m=32, programs_per_sm=1)
     y128 = q8i8_mma(xq, xd, pw, config=k128)
-    yb = q8i8_mma(xq, xd, pw, config=k128, batched=True)
-    if device.type == "cpu":
-        assert torch.equal(yb, y128)
-    torch.testing.assert_close(yb, y128, rtol=1e-6, atol=1e-5)
-    assert torch.equal(q8i8_mma(xq[3:4].clone(), xd[3:4].clone(), pw, config=k128, batched=True), yb[3:4])
-    with pytest.raises(ValueError, match="128-weight K steps"):
-        q8i8_mma(xq, xd, pw, config=DenseConfig(block_k=64), batched=True)
+    for step in ("batched", "issued"):
+        yb = q8i8_mma(xq, xd, pw, config=k128, step=step)
+        if device.type == "cpu":
+            assert torch.equal(yb, y128)
+        torch.testing.assert_close(yb, y128, rtol=1e-6, atol=1e-5)
+        assert torch.equal(q8i8_mma(xq[3:4].clone(), xd[3:4].clone(), pw, config=k128, step=step), yb[3:4])
+        with pytest.raises(ValueError, match="128-weight K steps"):
+            q8i8_mma(xq, xd, pw, config=DenseConfig(block_k=64), step=step)
+    # the default tiles follow M (i8_config: 16-row tiles up to 16 rows, 32-row above): an exact
+    # integer dot, then elementwise float32 operations, so a row's bits do not follow the tile
+    assert i8_config(device, 1).block_m == 16 and i8_config(device, 18).block_m == 32
+    for step in ("serial", "batched"):
+        y_auto = q8i8_mma(xq, xd, pw, step=step)
+        for i in (0, 17):
+            assert torch.equal(q8i8_mma(xq[i : i + 1].clone(), xd[i : i + 1].clone(), pw, step=step), y_auto[i : i + 1])
+    with pytest.raises(ValueError, match="step='tree' is not allowed: allowed serial, batched, issued"):
+        q8i8_mma(xq, xd, pw, config=k128, step="tree")
     stream = DenseConfig(block_n=64, block_k=64, num_stages=2, block_m=32, programs_per_sm=1)
     best = best_partials(5, N, device, stream)
     y5 = q8i8_mma(xq[:5], xd[:5], pw, config=stream, best=best)
