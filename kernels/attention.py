@@ -81,7 +81,7 @@ ATTENTION_NUM_STAGES: int | None = None
 # the current row's K/V, just stored by the program itself, are read. The same values in the
 # same arithmetic as the loads after the barrier (masked lanes 0, the current row from the pool).
 # Written in session 11.
-ATTENTION_PRELOAD = False
+ATTENTION_PRELOAD = True
 
 
 def _stages() -> dict:

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .pdl import enter, launch_kw
+from . import qmma as _qmma
 from .qmma import DENSE_PRECISIONS, dot_acc
 from .sampling import best_of, running_best
 
@@ -66,7 +67,7 @@ STREAM_INTERPRETER_PROGRAMS = 3  # the streaming form's grid under the CPU inter
 # (``_k_step_i8_issued``: the four dots written before any is consumed, so the compiler may keep
 # them in flight together). The last two were written after session 10's last device call.
 I8_STEPS = ("serial", "batched", "issued")
-I8_STEP = "serial"
+I8_STEP = "batched"
 # q8i8's tiles by row count, ((rows up to, block_m, programs per SM), ...; None: any). Its
 # arithmetic per output is an exact integer dot followed by elementwise float32 operations, so,
 # unlike the float forms (whose MMA sums follow the tile), the row tile may follow M without
@@ -75,6 +76,11 @@ I8_STEP = "serial"
 # 16 rows in 16-row tiles at 4 programs per SM 66 us, in 32-row tiles 93; 32 rows in 32-row
 # tiles at 3 programs 96, in two 16-row tiles 117.
 I8_TILES: tuple = ((16, 16, 4), (None, 32, 3))
+# 32-bit registers per multiprocessor (sm_80 / sm_90): ``_register_cap``'s budget. Without the
+# cap, best= took the batched int8 step's 16-row tile from 128 registers to 194, so 2 programs per
+# SM instead of 4 (the head alone 102 us instead of 66, H200 session 11); capped at 128: 12 bytes
+# spilled.
+STREAM_REGISTER_FILE = 65536
 DENSE_INTERPRETER_MIN_BLOCK_N = 128  # fewer, wider programs under the CPU interpreter
 
 
@@ -350,6 +356,16 @@ def best_partials(M: int, N: int, device: torch.device | str,
             torch.empty((M, P), dtype=torch.int32, device=device))
 
 
+def _register_cap(x: torch.Tensor, cfg: DenseConfig) -> dict:
+    """The streaming form on a GPU: Triton's ``maxnreg`` (registers per thread, a multiple of 8)
+    so that programs_per_sm programs fit one multiprocessor's register file together (the grid
+    assumes they all run at once; beyond the cap the compiler spills). None needed up to 255."""
+    if cfg.programs_per_sm <= 0 or not _qmma._native(x):
+        return {}
+    cap = STREAM_REGISTER_FILE // (cfg.programs_per_sm * cfg.num_warps * 32) // 8 * 8
+    return {"maxnreg": cap} if cap < 255 else {}
+
+
 def _launch(x, w, d, out, cfg: DenseConfig, prec: str, use_dot: bool | None, best=None, xd=None) -> None:
     M, N, K = x.shape[0], out.shape[1], x.shape[1]
     if cfg.block_m not in (16, 32) or (d is not None and cfg.block_k % 32):
@@ -363,7 +379,7 @@ def _launch(x, w, d, out, cfg: DenseConfig, prec: str, use_dot: bool | None, bes
                0 if xd is None else xd.stride(0))
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, PREC=prec,
                   USE_DOT=x.is_cuda if use_dot is None else use_dot, Q8=d is not None, num_warps=cfg.num_warps,
-                  **launch_kw(x))
+                  **launch_kw(x), **_register_cap(x, cfg))
     if cfg.programs_per_sm > 0:
         bv, bi = best if best is not None else (out, out)
         _dense_stream_kernel[(P,)](*common, bv, bi, *strides, BEST=best is not None, **consts)
@@ -449,8 +465,9 @@ def q8i8_mma(xq: torch.Tensor, xd: torch.Tensor, w, out: torch.Tensor | None = N
     d_w * d_x in float32 (``_k_step_i8``); default tiles by M (``i8_config``). No decode of W at all: the quants go to the tensor cores
     as stored (1.06 bytes per weight). ``dense_mma``'s tiles, streaming and ``best=``; batch-invariant
     as it; the same bits with tl.dot or with the interpreter's sums (integer products are exact).
-    ``step`` (default I8_STEP): how a K step's blocks are written, one of I8_STEPS ("batched" and
-    "issued" take 128-weight K steps), the same arithmetic."""
+    ``step`` (default I8_STEP, "serial" where the tiling's K steps are not 128 weights): how a K
+    step's blocks are written, one of I8_STEPS ("batched" and "issued" take 128-weight K steps),
+    the same arithmetic."""
     if getattr(w, "fmt", None) is None or w.fmt.name != "Q8_0":
         raise ValueError("q8i8_mma takes a Q8_0 PackedWeight (kernels.qmatmul.pack_weights)")
     N, K = w.N, w.K
@@ -462,7 +479,8 @@ def q8i8_mma(xq: torch.Tensor, xd: torch.Tensor, w, out: torch.Tensor | None = N
     if xq.shape[0] == 0:
         return out
     cfg = config or i8_config(xq.device, xq.shape[0])
-    step = I8_STEP if step is None else step
+    if step is None:  # (the default; a tiling without 128-weight steps takes the serial step, the same arithmetic)
+        step = I8_STEP if cfg.block_k == 128 else "serial"
     if step not in I8_STEPS:
         raise ValueError(f"step={step!r} is not allowed: allowed {', '.join(I8_STEPS)}")
     if step != "serial" and cfg.block_k != 128:

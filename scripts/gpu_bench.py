@@ -990,6 +990,13 @@ def main_stage(args) -> None:
             ("rope in attention", (tr, "ROPE_IN_ATTENTION", True), {}),
         ], slots=SLOTS)),
         ("rope attn w8 exact", lambda: _with(S10_ROPE8, lambda: stage_exact(m, out, exact_rows))),
+        ("s11b", lambda: stage_sweep(m, out, rows, bw, "s11b", [
+            ("attention K/V after the wait (preload off)", [(A, "ATTENTION_PRELOAD", False)], {}),
+            ("decode_loop copies each step's tokens (GRAPH_HISTORY 0)", [(tr, "GRAPH_HISTORY", 0)], {}),
+            ("q8i8 head, batched step, argmax after it", S11_I8 + [(tr, "ARGMAX_IN_HEAD", False)], {}),
+        ], slots=SLOTS)),
+        ("s11b i8 exact", lambda: _with(S11_I8 + [(tr, "ARGMAX_IN_HEAD", False)], lambda: stage_exact(
+            m, out, exact_rows, EXACT_SIZES + S11_32))),
         ("s11", lambda: stage_sweep(m, out, rows, bw, "s11", [
             ("attention K/V preloaded", S11_PRE, {}),
             ("q8i8 head, batched step, tiles by M", S11_I8, {}),

@@ -228,6 +228,9 @@ def check(model, name: str, kw) -> float:
             r._decode_graph = r.rope_in_attention  # (the form graphed decode steps take)
             r.run([Segment(s, f"{rows}-{s}", (5,), 0, True) for s in range(rows)], {s: 256 for s in range(rows)})
         argmax(torch.zeros(16, V), out=torch.empty(16, dtype=torch.int64))
+        fed = torch.zeros(2, 16, dtype=torch.int32)  # (the decode graphs' form: next inputs and the token record)
+        argmax(torch.zeros(16, V), out=torch.empty(16, dtype=torch.int64), feed=(fed[0], fed[1]),
+               hist=torch.zeros(16, 1024, dtype=torch.int64))
     finally:
         os.environ.pop("TRITON_INTERPRET", None)
         qmma.QMMA_CONFIGS.update(saved)

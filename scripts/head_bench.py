@@ -72,6 +72,8 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=0, help="only the first n vocabulary rows (a CPU dry run)")
     ap.add_argument("--forms", default="dense,q8f16,q8bf16,q8i8",
                     help="comma-separated: dense, q8f16, q8bf16, q8i8 (q8i8b: its batched step, q8i8i: issued)")
+    ap.add_argument("--best", action="store_true",
+                    help="each launch also keeps each row's running argmax (best=, as the runner's ARGMAX_IN_HEAD)")
     ap.add_argument("--configs", default=None,
                     help="comma-separated tilings for every form, each relative to the form's base, e.g. "
                          f"'base,m16 p4,m16 p6 s2' (default: dense {DENSE_CFGS!r}; int8 {I8_CFGS!r})")
@@ -95,7 +97,7 @@ def main() -> int:
         pw = pack_weights(raw.contiguous(), "Q8_0", N, K)
         dense = m.head[:N].to(dev).contiguous()
     base = DM.DenseConfig()
-    cfgs = {label: config(label, base) for label in (args.configs or DENSE_CFGS).split(",")}
+    cfgs = {label: config(label, base) for label in (args.configs or DENSE_CFGS).split(",") if label != "auto"}
     forms = set(args.forms.split(","))
     bad = forms - {"dense", "q8f16", "q8bf16", *I8_FORMS}
     if bad:
@@ -113,20 +115,22 @@ def main() -> int:
             variants.append((f"q8 bf16 xbfloat16 {label}", DM.q8_dense_mma, pw, "bf16", torch.bfloat16, cfg, N * K * 34 // 32))
     # q8i8: x quantized per row to Q8_0 blocks (its own launch, timed with the product and without)
     q8 = DM.q8_config(dev)
-    i8_cfgs = {label: config(label, q8) for label in (args.configs or I8_CFGS).split(",")}
+    # ('auto': q8i8_mma's default, dense_mma.i8_config's tiles for the launch's rows)
+    i8_cfgs = {label: None if label == "auto" else config(label, q8) for label in (args.configs or I8_CFGS).split(",")}
 
     def q8i8(step):
-        return lambda x, w, prec, out, config: DM.q8i8_mma(*DM.quantize_rows_q8(x), w, out=out, config=config, step=step)
+        return lambda x, w, prec, out, config, best=None: DM.q8i8_mma(*DM.quantize_rows_q8(x), w, out=out, config=config,
+                                                                      step=step, best=best)
 
     def q8i8_product(step):
-        return lambda x, w, prec, out, config: DM.q8i8_mma(*x, w, out=out, config=config, step=step)
+        return lambda x, w, prec, out, config, best=None: DM.q8i8_mma(*x, w, out=out, config=config, step=step, best=best)
 
     for form, step in I8_FORMS.items():
         if form not in forms:
             continue
         name = "q8i8" if step == "serial" else f"q8i8 {step}"
         for label, cfg in i8_cfgs.items():
-            if step != "serial" and cfg.block_k != 128:
+            if step != "serial" and cfg is not None and cfg.block_k != 128:
                 continue
             variants.append((f"{name} {label}", q8i8(step), pw, "i8", torch.float32, cfg, N * K * 34 // 32))
             variants.append((f"{name} product only {label}", q8i8_product(step), pw, "i8", "pre", cfg, N * K * 34 // 32))
@@ -141,17 +145,21 @@ def main() -> int:
             x = xq if xdt == "pre" else x32.to(xdt)  # ("pre": q8i8's product alone, x already quantized)
             try:
                 same = None
+                kw = {}
+                if args.best:  # (where the tile holds all M rows: else best_partials is None)
+                    kw["best"] = DM.best_partials(M, N, dev, cfg or DM.i8_config(dev, M))
                 if xdt not in (torch.float32, "pre"):  # x pre-rounded: the same logits as from float32 x, bitwise
-                    fn(x32, w, prec, out=out, config=cfg)
+                    fn(x32, w, prec, out=out, config=cfg, **kw)
                     ref = out.clone()
-                    fn(x, w, prec, out=out, config=cfg)
+                    fn(x, w, prec, out=out, config=cfg, **kw)
                     same = bool(torch.equal(out, ref))
                 if dev == "cpu":  # (the dry run: the calls, not their time)
-                    fn(x, w, prec, out=out, config=cfg)
+                    fn(x, w, prec, out=out, config=cfg, **kw)
                     med = float("nan")
                 else:
-                    us = graph_replay_us(lambda: [fn(x, w, prec, out=out, config=cfg) for _ in range(REPEAT)], 20, 3)
+                    us = graph_replay_us(lambda: [fn(x, w, prec, out=out, config=cfg, **kw) for _ in range(REPEAT)], 20, 3)
                     med = us[len(us) // 2] / REPEAT
+                vname = vname + (" best" if kw.get("best") is not None else "")
                 row = dict(variant=vname, rows=M, us=med, gbs=nbytes / med / 1e3, weight_bytes=nbytes, same_bits=same)
             except Exception as e:  # noqa: BLE001 (a tiling that does not fit: recorded, the sweep goes on)
                 row = dict(variant=vname, rows=M, error=f"{type(e).__name__}: {str(e)[:200]}")

@@ -112,6 +112,9 @@ LAYER_FORMS: dict[str, str] = {"Q8_0": "gemv"}
 # segments give a decode row at a short context several programs instead of one: on an H200
 # 32 vs 256 took the 1-slot step from 1.74 to 1.18 ms (docs/GPU_NOTES.md). 64 since session 9,
 # with 64-key blocks at D = 256 for bf16 K/V (kernels/attention.ATTENTION_BLOCK_N_16BIT): one block per segment.
+# decode_loop's in-graph token record per row (positions modulo this), kept by the graph's argmax,
+# so replays run back to back without a copy between them (0: a copy after each replay)
+GRAPH_HISTORY = 1024
 ATTN_SEGMENT = 64
 # The attention combine folded into the partial kernel (the last program of a row merges it):
 # one launch per layer instead of two, bitwise the same result.
@@ -807,6 +810,9 @@ class TritonRunner:
             B = BUCKETS[-1]
             self._g_in = torch.zeros((3, B), dtype=torch.int32, device=self.device)
             self._g_tok = torch.zeros(B, dtype=torch.int64, device=self.device)
+            # each graph row's greedy tokens by position modulo GRAPH_HISTORY (decode_loop's record)
+            self._g_hist = torch.zeros((B, GRAPH_HISTORY), dtype=torch.int64, device=self.device) \
+                if GRAPH_HISTORY > 0 else None
             self._g_logits = torch.zeros((B, self.vocab), dtype=torch.float32, device=self.device)
             self._gpool = None if self._emulate else torch.cuda.graph_pool_handle()
 
@@ -829,10 +835,11 @@ class TritonRunner:
         # greedy fast path: the next step's inputs (token, position + 1) written on the device by
         # the argmax's second launch (the engine overwrites them where it feeds other inputs)
         with self._pdl.enabled(self.pdl):
+            hist = None if self._g_hist is None else self._g_hist[:bucket]
             if best is not None:  # (ARGMAX_IN_HEAD: the head's programs kept the first stage)
-                argmax_from_partials(*best, out=self._g_tok[:bucket], feed=(ids, pos))
+                argmax_from_partials(*best, out=self._g_tok[:bucket], feed=(ids, pos), hist=hist)
             else:
-                argmax(self._g_logits[:bucket], out=self._g_tok[:bucket], feed=(ids, pos))
+                argmax(self._g_logits[:bucket], out=self._g_tok[:bucket], feed=(ids, pos), hist=hist)
         self.launches += 1 if best is not None else 2
 
     def _argmax_partials(self, bucket: int):
@@ -902,10 +909,21 @@ class TritonRunner:
         self._ensure_pool(max(slots) + 1, last + 1)
         g = self._graph_for(len(segs), last)
         self._fill_inputs(segs, g.bucket)
-        hist = torch.empty((steps, len(segs)), dtype=torch.int64, device=self.device)
-        for t in range(steps):
-            g.graph.replay()
-            hist[t].copy_(self._g_tok[: len(segs)])
+        # the graph's argmax keeps each row's token at _g_hist[row, pos % H]: replays back to back,
+        # no copy between them, in chunks of at most H steps (GRAPH_HISTORY 0: a copy after each)
+        n = len(segs)
+        hist = torch.empty((steps, n), dtype=torch.int64, device=self.device)
+        H = 1 if self._g_hist is None else self._g_hist.shape[1]
+        start = torch.tensor([s.start_pos for s in segs], dtype=torch.int64, device=self.device)
+        for t0 in range(0, steps, H):
+            k = min(H, steps - t0)
+            for _ in range(k):
+                g.graph.replay()
+                if self._g_hist is None:
+                    hist[t0].copy_(self._g_tok[:n])
+            if self._g_hist is not None:
+                at = (start[:, None] + t0 + torch.arange(k, device=self.device)[None, :]) % H
+                hist[t0 : t0 + k] = torch.gather(self._g_hist[:n], 1, at).T
         for s in segs:
             self._len[s.slot_id] = s.start_pos + steps
         self.launches = g.launches or self.launches

@@ -48,3 +48,12 @@ def test_argmax_feeds_the_next_inputs(device):
         argmax(x, feed=(inputs[0].float(), inputs[1]))
     with pytest.raises(ValueError, match="feed must be two contiguous int32/int64"):
         argmax(x, feed=(inputs.T.contiguous()[:, 0], inputs[1]))
+    # hist: each row's token also kept at hist[row, pos % H] (pos before the increment)
+    hist = torch.full((3, 8), -1, dtype=torch.int64, device=device)
+    tok2 = argmax(x, feed=(inputs[0], inputs[1]), hist=hist)
+    want = torch.full((3, 8), -1, dtype=torch.int64)
+    for r, p in enumerate([11, 1, 100]):
+        want[r, p % 8] = int(tok2[r])
+    assert torch.equal(hist.cpu(), want) and inputs[1].tolist() == [12, 2, 101]
+    with pytest.raises(ValueError, match="hist needs feed="):
+        argmax(x, hist=hist)
