@@ -990,6 +990,18 @@ def main_stage(args) -> None:
             ("rope in attention", (tr, "ROPE_IN_ATTENTION", True), {}),
         ], slots=SLOTS)),
         ("rope attn w8 exact", lambda: _with(S10_ROPE8, lambda: stage_exact(m, out, exact_rows))),
+        ("s11c", lambda: stage_sweep(m, out, rows, bw, "s11c", [
+            ("embedding and norm as two launches (EMBED_NORM off)", [(tr, "EMBED_NORM", False)], {}),
+            ("q8i8 head, argmax after it", S11_I8, {}),
+            ("4 steps per graph (LOOP_STEPS)", [(tr, "LOOP_STEPS", 4)], {}),
+            ("8 steps per graph", [(tr, "LOOP_STEPS", 8)], {}),
+            ("q8i8 head + 8 steps per graph", S11_I8 + [(tr, "LOOP_STEPS", 8)], {}),
+        ], slots=SLOTS)),
+        ("s11c loop same tokens", lambda: stage_same_tokens(m, out, exact_rows, "8 decode steps per graph",
+                                                             lambda fn: _patched(tr, "LOOP_STEPS", 8, fn))),
+        ("s11c embed same bits", lambda: stage_same_bits(
+            m, out, exact_rows, "embedding + norm in one launch vs two (EMBED_NORM off)",
+            lambda fn: _patched(tr, "EMBED_NORM", False, fn))),
         ("s11b", lambda: stage_sweep(m, out, rows, bw, "s11b", [
             ("attention K/V after the wait (preload off)", [(A, "ATTENTION_PRELOAD", False)], {}),
             ("decode_loop copies each step's tokens (GRAPH_HISTORY 0)", [(tr, "GRAPH_HISTORY", 0)], {}),

@@ -88,9 +88,14 @@ def test_engine_batched_equals_solo(tiny_model, monkeypatch, temperature):
             assert b.token_ids == t.token_ids
 
 
-def test_decode_loop_matches_engine_steps(tiny_model):
+@pytest.mark.parametrize("loop_steps,history", [(1, 1024), (3, 1024), (3, 2), (1, 0)])
+def test_decode_loop_matches_engine_steps(tiny_model, monkeypatch, loop_steps, history):
     """The benchmark fast path (graph replays, greedy tokens fed back on the device) gives the
-    tokens of step-by-step runs."""
+    tokens of step-by-step runs: one graph per step or LOOP_STEPS steps per graph (then one per
+    step for the rest), the tokens kept in the graph (GRAPH_HISTORY, in chunks of that many
+    steps) or copied after each replay (0)."""
+    monkeypatch.setattr(triton_runner, "LOOP_STEPS", loop_steps)
+    monkeypatch.setattr(triton_runner, "GRAPH_HISTORY", history)
     m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
     graphs = True if torch.cuda.is_available() else "emulate"
     gen = torch.Generator().manual_seed(3)
@@ -112,13 +117,16 @@ def test_decode_loop_matches_engine_steps(tiny_model):
 def test_argmax_in_head_gives_the_same_tokens(tiny_model, monkeypatch, head):
     """ARGMAX_IN_HEAD: the head's streaming programs keep the greedy argmax's first stage (one
     launch fewer per decode graph); the decode loop's tokens and last logits are the separate
-    argmax's, for the dense and the float16 Q8_0 head."""
+    argmax's, for the dense and the float16 Q8_0 head; the int8 head (not in
+    ARGMAX_IN_HEAD_FORMS: measured slower) keeps the separate argmax either way, unless listed."""
     m = tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW)
     graphs = True if torch.cuda.is_available() else "emulate"
     a, b = _tokens(m, 21, 6, 11)
     got = {}
     for on in (False, True):
         monkeypatch.setattr(triton_runner, "ARGMAX_IN_HEAD", on)
+        if head == "q8i8":  # (listed, to check that it works)
+            monkeypatch.setattr(triton_runner, "ARGMAX_IN_HEAD_FORMS", ("dense", "q8i8"))
         r = TritonRunner(m, 256, graphs=graphs, head_matmul=head)
         first = [int(r.run([Segment(sl, sl, tuple(p), 0, True)], {sl: 32})[sl].argmax()) for sl, p in enumerate((a, b))]
         got[on] = (r.decode_loop([0, 1], first, 4).tolist(), r.launches, r._g_logits[:2].clone())

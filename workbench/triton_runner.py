@@ -104,6 +104,10 @@ HEAD_X_HALF = True
 # 0.659 ms at 16 slots, 0.843 -> 0.829 at 32, 148 launches; the same tokens as the two-launch
 # argmax over 16 slots x 32 graphed steps.
 ARGMAX_IN_HEAD = True
+# The head forms whose programs keep it. Not "q8i8": its batched int8 step's running best costs
+# ~30 us at 16 rows (the head alone 66 -> 95 us, H200 session 11), more than the separate
+# argmax launch it saves, so that head's argmax runs after it.
+ARGMAX_IN_HEAD_FORMS = ("dense", "q8dense", "q8f16")
 # Per-format overrides of the layers' form: again fixed per weight. Q8_0 layer weights (Gemma 3
 # 270M's V projections and some others) on the FMA GEMV: faster at every slot count in three
 # leases (session 5, H200: 0.794 -> 0.767 ms at 1 slot, 1.221 -> 1.186 at 32).
@@ -112,6 +116,14 @@ LAYER_FORMS: dict[str, str] = {"Q8_0": "gemv"}
 # segments give a decode row at a short context several programs instead of one: on an H200
 # 32 vs 256 took the 1-slot step from 1.74 to 1.18 ms (docs/GPU_NOTES.md). 64 since session 9,
 # with 64-key blocks at D = 256 for bf16 K/V (kernels/attention.ATTENTION_BLOCK_N_16BIT): one block per segment.
+# decode_loop's decode steps per CUDA graph (each step fed the previous one's greedy tokens on
+# the device): > 1 takes the gap between two graph launches out of all but one step in that many
+# (H200 session 11: ~10-14 us per step outside the step's kernels). 1: a graph per step, as an
+# Engine step replays. Written in session 11.
+LOOP_STEPS = 1
+# A step's embedding and the first layer's norm as one launch (kernels/embedding.embedding_rmsnorm)
+# instead of two (three for a bfloat16 h). Written in session 11.
+EMBED_NORM = True
 # decode_loop's in-graph token record per row (positions modulo this), kept by the graph's argmax,
 # so replays run back to back without a copy between them (0: a copy after each replay)
 GRAPH_HISTORY = 1024
@@ -272,7 +284,10 @@ class TritonRunner:
         from .kernels import qmma as _qmma
         from .kernels import step_fused as _fused
 
+        from .kernels import embedding as _embedding
+
         self._attn, self._qmma, self._fused, self._dense = _attn, _qmma, _fused, _dense
+        self._embedding = _embedding
         # keys per attention partial program (ATTN_SEGMENT by default): one
         # value per runner, used by prefill and decode alike, so rows stay bitwise invariant
         self.attn_segment = int(attn_segment or ATTN_SEGMENT)
@@ -578,10 +593,15 @@ class TritonRunner:
         hdt = torch.bfloat16 if self.dense != "quant" else torch.float32
         x = torch.empty((R, E), dtype=torch.float32, device=dev)
         h = torch.empty((R, E), dtype=hdt, device=dev)
-        embedding(ids, self.embed.raw, E, c.embed_scale, self.embed.fmt.name, out=x)
-        rmsnorm(x, self.layers[0].attn_norm, c.rms_eps, out=h) if hdt == torch.float32 else \
-            h.copy_(rmsnorm(x, self.layers[0].attn_norm, c.rms_eps))
-        self.launches += 2 + (hdt != torch.float32)
+        if EMBED_NORM and hdt == torch.float32 and E <= self._embedding.EMBEDDING_NORM_MAX:  # (one launch)
+            self._embedding.embedding_rmsnorm(ids, self.embed.raw, E, c.embed_scale, self.embed.fmt.name,
+                                              self.layers[0].attn_norm, c.rms_eps, x, h)
+            self.launches += 1
+        else:
+            embedding(ids, self.embed.raw, E, c.embed_scale, self.embed.fmt.name, out=x)
+            rmsnorm(x, self.layers[0].attn_norm, c.rms_eps, out=h) if hdt == torch.float32 else \
+                h.copy_(rmsnorm(x, self.layers[0].attn_norm, c.rms_eps))
+            self.launches += 2 + (hdt != torch.float32)
         if R <= self._zeros.shape[0]:
             zeros, wins = self._zeros[:R], self._wins[:R]
         else:
@@ -846,24 +866,31 @@ class TritonRunner:
         """The head's running-argmax buffers for a decode graph of ``bucket`` rows, or None
         (ARGMAX_IN_HEAD off, a head form without the streaming kernel, or two row tiles)."""
         w = self.head.parts[0][1]
-        if not ARGMAX_IN_HEAD or self.dense != "quant" or w.form not in HEAD_DENSE_FORMS:
+        if not ARGMAX_IN_HEAD or self.dense != "quant" or w.form not in ARGMAX_IN_HEAD_FORMS:
             return None
         cfg = (self._dense.dense_config(self.device) if w.form == "dense" else
                self._dense.i8_config(self.device, bucket) if w.form == "q8i8" else self._dense.q8_config(self.device))
         return self._dense.best_partials(bucket, self.vocab, self.device, cfg)
 
-    def _graph_for(self, rows: int, max_pos: int) -> _Graph:
+    def _graph_for(self, rows: int, max_pos: int, steps: int = 1) -> _Graph:
+        """The decode graph for ``rows`` rows up to position ``max_pos``: ``steps`` decode steps
+        back to back in one graph (each fed the previous one's greedy tokens on the device:
+        decode_loop's LOOP_STEPS), one for a step."""
         bucket = next(b for b in BUCKETS if b >= rows)
         seg = self.attn_segment
         nseg = min(_pow2_at_least(-(-(max_pos + 1) // seg), 1), self._pool_len // seg)
-        key = (bucket, nseg)
+        key = (bucket, nseg) if steps == 1 else (bucket, nseg, steps)
         g = self._graphs.get(key)
         if g is not None:
             return g
         self._graph_inputs()
+
+        def body():
+            for _ in range(steps):
+                self._graph_body(bucket, nseg * seg - 1)
+
         if self._emulate:
-            g = self._graphs[key] = _Graph(_Eager(lambda: self._graph_body(bucket, nseg * seg - 1)),
-                                           bucket, nseg, 0)
+            g = self._graphs[key] = _Graph(_Eager(body), bucket, nseg, 0)
             return g
         torch.cuda.synchronize()
         saved = self._g_in.clone()
@@ -877,7 +904,7 @@ class TritonRunner:
         graph = torch.cuda.CUDAGraph()
         # cuBLAS (the dense variant) tripped the caching allocator with a shared pool
         with torch.cuda.graph(graph, pool=self._gpool if self.dense == "quant" else None):
-            self._graph_body(bucket, nseg * seg - 1)
+            body()
         torch.cuda.synchronize()
         if self._plan is not None:  # the captured launch reads its tables when replayed
             self._plan.upload()
@@ -911,16 +938,25 @@ class TritonRunner:
         self._fill_inputs(segs, g.bucket)
         # the graph's argmax keeps each row's token at _g_hist[row, pos % H]: replays back to back,
         # no copy between them, in chunks of at most H steps (GRAPH_HISTORY 0: a copy after each)
+        # (LOOP_STEPS > 1: a graph of that many steps replayed while as many remain)
         n = len(segs)
         hist = torch.empty((steps, n), dtype=torch.int64, device=self.device)
         H = 1 if self._g_hist is None else self._g_hist.shape[1]
+        multi = LOOP_STEPS if LOOP_STEPS > 1 and self._g_hist is not None and not self.persistent else 1
+        gm = self._graph_for(len(segs), last, multi) if multi > 1 else g
         start = torch.tensor([s.start_pos for s in segs], dtype=torch.int64, device=self.device)
         for t0 in range(0, steps, H):
             k = min(H, steps - t0)
-            for _ in range(k):
+            done = 0
+            while done < k:
+                if k - done >= multi > 1:
+                    gm.graph.replay()
+                    done += multi
+                    continue
                 g.graph.replay()
                 if self._g_hist is None:
                     hist[t0].copy_(self._g_tok[:n])
+                done += 1
             if self._g_hist is not None:
                 at = (start[:, None] + t0 + torch.arange(k, device=self.device)[None, :]) % H
                 hist[t0 : t0 + k] = torch.gather(self._g_hist[:n], 1, at).T
