@@ -993,12 +993,7 @@ def main_stage(args) -> None:
         ("s11c", lambda: stage_sweep(m, out, rows, bw, "s11c", [
             ("embedding and norm as two launches (EMBED_NORM off)", [(tr, "EMBED_NORM", False)], {}),
             ("q8i8 head, argmax after it", S11_I8, {}),
-            ("4 steps per graph (LOOP_STEPS)", [(tr, "LOOP_STEPS", 4)], {}),
-            ("8 steps per graph", [(tr, "LOOP_STEPS", 8)], {}),
-            ("q8i8 head + 8 steps per graph", S11_I8 + [(tr, "LOOP_STEPS", 8)], {}),
         ], slots=SLOTS)),
-        ("s11c loop same tokens", lambda: stage_same_tokens(m, out, exact_rows, "8 decode steps per graph",
-                                                             lambda fn: _patched(tr, "LOOP_STEPS", 8, fn))),
         ("s11c embed same bits", lambda: stage_same_bits(
             m, out, exact_rows, "embedding + norm in one launch vs two (EMBED_NORM off)",
             lambda fn: _patched(tr, "EMBED_NORM", False, fn))),

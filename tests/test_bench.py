@@ -30,3 +30,26 @@ def test_floor_bytes_are_what_a_step_reads(tiny_model):
     m = tiny_model("gemma3", "bfloat16", "Q8_0")
     r = TorchRunner(m, 256)
     assert r.fixed_bytes - r.step_weight_bytes == m.embed_raw.numel()
+
+
+def test_decode_time_counts_the_host_between_steps(tiny_gguf, monkeypatch):
+    """A decode step's time runs until the next step starts, so host work after a step's own
+    wall time (its telemetry record, the loop) is in the run's decode time: with each record
+    made 20 ms slower, decode tok/s is at most tokens / (20 ms for each decode step but the last,
+    whose time ends with its own bookkeeping)."""
+    import time
+
+    from workbench.bench import measure
+    from workbench.telemetry import Telemetry
+
+    m = load_model(tiny_gguf("gemma3"), dtype="bfloat16")
+    record = Telemetry.record_step
+
+    def slow_record(self, rec):
+        record(self, rec)
+        time.sleep(0.02)
+
+    monkeypatch.setattr(Telemetry, "record_step", slow_record)
+    got, _ = measure(m, 2, 8, 4, None)
+    # 2 slots x 3 pure decode steps (the first token comes with the prefill): 6 tokens, >= 40 ms
+    assert 0 < got["decode_tok_s_aggregate"] <= 6 / 0.04

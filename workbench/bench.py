@@ -4,8 +4,9 @@ For each concurrency C and repeat, C distinct prompts of `prompt_len` tokens run
 `gen` tokens each (EOS ignored). Reported per measurement, in the shape of seed 000's table:
 
 - prefill tok/s: prompt tokens of all slots over the time until the last slot's first token;
-- decode tok/s aggregate: tokens produced by pure decode steps over those steps' wall time,
-  and per stream (aggregate / C);
+- decode tok/s aggregate: tokens produced by pure decode steps over those steps' time, each
+  from its start to the next step's start (all the host spends on it), and per stream
+  (aggregate / C);
 - TTFT (mean, max), peak RSS, the engine's memory reservation;
 - bandwidth floor: C * copy-bandwidth / weight-bytes-per-step, the decode rate no version can
   beat when every step streams the weights once; `fraction_of_floor` = measured / floor;
@@ -61,9 +62,14 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
     t1 = time.perf_counter()
     steps = engine.telemetry.steps()
     steps = steps.filter(steps["step"] >= warm_steps)
+    # a step lasts until the next one starts (its telemetry record and the loop's own host work
+    # included: a run-ahead device overlaps them, and the run is host-bound where they exceed the
+    # device's step); the run's last step, until its bookkeeping ends
+    until = steps["start_s"].shift(-1).fill_null(steps["start_s"] + steps["wall_ms"] / 1e3)
+    steps = steps.with_columns((until - steps["start_s"]).alias("span_s"))
     dec = steps.filter(steps["phase"] == "decode")
     dec_tokens = int(dec["decode_rows"].sum()) if dec.height else 0
-    dec_s = float(dec["wall_ms"].sum()) / 1e3 if dec.height else 0.0
+    dec_s = float(dec["span_s"].sum()) if dec.height else 0.0
     last_first = max(r.first_token_at for r in results)
     ttfts = [r.ttft_s for r in results]
     agg = dec_tokens / dec_s if dec_s > 0 else 0.0

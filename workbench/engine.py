@@ -168,6 +168,7 @@ class Engine:
         self._ids = itertools.count()
         self._step_index = 0
         self._proc = psutil.Process(os.getpid())
+        self._t_origin = time.perf_counter()  # (steps' start_s are seconds since)
         self.stop_ids = tuple(sorted(model.tokenizer.eos_ids))
 
     def _machine_budget(self) -> int:
@@ -340,6 +341,7 @@ class Engine:
             "policy": plan.policy,
             "fused": plan.fused,
             "wall_ms": 1e3 * (t1 - t0),
+            "start_s": t0 - self._t_origin,
             "kv_bytes": self.runner.kv_bytes,
             "rss_bytes": self._proc.memory_info().rss,
         })

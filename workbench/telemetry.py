@@ -12,7 +12,7 @@ from typing import Any
 STEP_COLUMNS = (
     "step", "phase", "num_slots", "rows", "decode_rows", "prefill_rows", "num_forwards",
     "num_batched_groups", "num_solo", "solo_reasons", "decode_mode", "chunk_size", "chunk_reason",
-    "policy", "fused", "wall_ms", "kv_bytes", "rss_bytes",
+    "policy", "fused", "wall_ms", "start_s", "kv_bytes", "rss_bytes",
 )
 
 

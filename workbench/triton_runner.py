@@ -116,11 +116,6 @@ LAYER_FORMS: dict[str, str] = {"Q8_0": "gemv"}
 # segments give a decode row at a short context several programs instead of one: on an H200
 # 32 vs 256 took the 1-slot step from 1.74 to 1.18 ms (docs/GPU_NOTES.md). 64 since session 9,
 # with 64-key blocks at D = 256 for bf16 K/V (kernels/attention.ATTENTION_BLOCK_N_16BIT): one block per segment.
-# decode_loop's decode steps per CUDA graph (each step fed the previous one's greedy tokens on
-# the device): > 1 takes the gap between two graph launches out of all but one step in that many
-# (H200 session 11: ~10-14 us per step outside the step's kernels). 1: a graph per step, as an
-# Engine step replays. Written in session 11.
-LOOP_STEPS = 1
 # A step's embedding and the first layer's norm as one launch (kernels/embedding.embedding_rmsnorm)
 # instead of two (three for a bfloat16 h). Written in session 11.
 EMBED_NORM = True
@@ -872,22 +867,18 @@ class TritonRunner:
                self._dense.i8_config(self.device, bucket) if w.form == "q8i8" else self._dense.q8_config(self.device))
         return self._dense.best_partials(bucket, self.vocab, self.device, cfg)
 
-    def _graph_for(self, rows: int, max_pos: int, steps: int = 1) -> _Graph:
-        """The decode graph for ``rows`` rows up to position ``max_pos``: ``steps`` decode steps
-        back to back in one graph (each fed the previous one's greedy tokens on the device:
-        decode_loop's LOOP_STEPS), one for a step."""
+    def _graph_for(self, rows: int, max_pos: int) -> _Graph:
         bucket = next(b for b in BUCKETS if b >= rows)
         seg = self.attn_segment
         nseg = min(_pow2_at_least(-(-(max_pos + 1) // seg), 1), self._pool_len // seg)
-        key = (bucket, nseg) if steps == 1 else (bucket, nseg, steps)
+        key = (bucket, nseg)
         g = self._graphs.get(key)
         if g is not None:
             return g
         self._graph_inputs()
 
         def body():
-            for _ in range(steps):
-                self._graph_body(bucket, nseg * seg - 1)
+            self._graph_body(bucket, nseg * seg - 1)
 
         if self._emulate:
             g = self._graphs[key] = _Graph(_Eager(body), bucket, nseg, 0)
@@ -938,25 +929,16 @@ class TritonRunner:
         self._fill_inputs(segs, g.bucket)
         # the graph's argmax keeps each row's token at _g_hist[row, pos % H]: replays back to back,
         # no copy between them, in chunks of at most H steps (GRAPH_HISTORY 0: a copy after each)
-        # (LOOP_STEPS > 1: a graph of that many steps replayed while as many remain)
         n = len(segs)
         hist = torch.empty((steps, n), dtype=torch.int64, device=self.device)
         H = 1 if self._g_hist is None else self._g_hist.shape[1]
-        multi = LOOP_STEPS if LOOP_STEPS > 1 and self._g_hist is not None and not self.persistent else 1
-        gm = self._graph_for(len(segs), last, multi) if multi > 1 else g
         start = torch.tensor([s.start_pos for s in segs], dtype=torch.int64, device=self.device)
         for t0 in range(0, steps, H):
             k = min(H, steps - t0)
-            done = 0
-            while done < k:
-                if k - done >= multi > 1:
-                    gm.graph.replay()
-                    done += multi
-                    continue
+            for _ in range(k):
                 g.graph.replay()
                 if self._g_hist is None:
                     hist[t0].copy_(self._g_tok[:n])
-                done += 1
             if self._g_hist is not None:
                 at = (start[:, None] + t0 + torch.arange(k, device=self.device)[None, :]) % H
                 hist[t0 : t0 + k] = torch.gather(self._g_hist[:n], 1, at).T
