@@ -234,7 +234,7 @@ def test_run_ahead_is_exact_and_used(tiny_model, monkeypatch):
 
     monkeypatch.setattr(tr.TritonRunner, "run", run)
     monkeypatch.setattr(tr.TritonRunner, "_tokens_then_next",
-                        lambda self, n, p, at: launched.append(n) or real_next(self, n, p, at))
+                        lambda self, n, p: launched.append(n) or real_next(self, n, p))
     handles = [eng.submit(p, max_tokens=k, ignore_eos=True) for p, k in zip(prompts, max_tokens)]
     cancelled = handles[2]
     for _ in range(4):

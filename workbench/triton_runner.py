@@ -116,10 +116,6 @@ LAYER_FORMS: dict[str, str] = {"Q8_0": "gemv"}
 # segments give a decode row at a short context several programs instead of one: on an H200
 # 32 vs 256 took the 1-slot step from 1.74 to 1.18 ms (docs/GPU_NOTES.md). 64 since session 9,
 # with 64-key blocks at D = 256 for bf16 K/V (kernels/attention.ATTENTION_BLOCK_N_16BIT): one block per segment.
-# A run-ahead greedy step's tokens copied to the host on a side stream, from the graphs' token
-# record, instead of a copy between this step's graph and the next on the main stream. Written
-# in session 11.
-TOKENS_SIDE_STREAM = True
 # A step's embedding and the first layer's norm as one launch (kernels/embedding.embedding_rmsnorm)
 # instead of two (three for a bfloat16 h). Written in session 11.
 EMBED_NORM = True
@@ -387,8 +383,6 @@ class TritonRunner:
         self._head_best = None  # the head's running-argmax buffers while a decode graph is built
         self._ahead: tuple | None = None  # (segments key,) of a decode step launched early
         self._tok_host: torch.Tensor | None = None
-        self._pos_host: torch.Tensor | None = None
-        self._side = None  # (TOKENS_SIDE_STREAM's stream)
 
     def _persistent_on(self) -> None:
         """The graphed layer loop as one persistent launch: one num_warps for every launch of the
@@ -741,7 +735,7 @@ class TritonRunner:
                 self.launches = g.launches or self.launches
             if ahead and all(s.slot_id in argmax and s.start_pos + 2 <= max_context[s.slot_id] for s in forward) \
                     and max_pos + 1 < self._pool_len:
-                toks = self._tokens_then_next(n, max_pos + 1, [s.start_pos for s in forward])
+                toks = self._tokens_then_next(n, max_pos + 1)
                 self._ahead = (tuple((sl, p + 1, t) for (sl, p, _), t in zip(key, toks)),)
                 out = {s.slot_id: t for s, t in zip(forward, toks)}
             else:
@@ -753,39 +747,19 @@ class TritonRunner:
             self._len[s.slot_id] = s.start_pos + len(s.token_ids)
         return out
 
-    def _tokens_then_next(self, n: int, next_max_pos: int, positions: list[int]) -> list[int]:
-        """This step's n greedy tokens, copied to the host, and the next step's graph (whose
-        inputs the graph has written) launched; returns the tokens once the copy is done. On a
-        GPU with the graphs' token record (GRAPH_HISTORY) the copy runs on a side stream, from
-        the record at the rows' ``positions`` (which the next graph does not write), so the
-        next graph follows this one on the device with nothing between them (TOKENS_SIDE_STREAM)."""
+    def _tokens_then_next(self, n: int, next_max_pos: int) -> list[int]:
+        """This step's n greedy tokens, copied to the host before the next step's graph (whose
+        inputs the graph has written) is launched; returns them once the copy is done."""
         if self._tok_host is None:
-            pin = self.device.type == "cuda"
-            self._tok_host = torch.empty(BUCKETS[-1], dtype=torch.int64, pin_memory=pin)
-            self._pos_host = torch.empty(BUCKETS[-1], dtype=torch.int64, pin_memory=pin)
-        if self.device.type != "cuda":
-            self._tok_host[:n].copy_(self._g_tok[:n])
-            self._graph_for(n, next_max_pos).graph.replay()
-            return self._tok_host[:n].tolist()
-        side = TOKENS_SIDE_STREAM and self._g_hist is not None
-        done = torch.cuda.Event()
-        if side:
-            if self._side is None:
-                self._side = torch.cuda.Stream(device=self.device)
-            main = torch.cuda.current_stream()
-            self._side.wait_stream(main)  # (after this step's graph)
-            H = self._g_hist.shape[1]
-            self._pos_host[:n] = torch.tensor(positions, dtype=torch.int64) % H
-            with torch.cuda.stream(self._side):
-                at = self._pos_host[:n].to(self.device, non_blocking=True)
-                self._tok_host[:n].copy_(torch.gather(self._g_hist[:n], 1, at[:, None])[:, 0], non_blocking=True)
-                done.record()
-        else:
-            self._tok_host[:n].copy_(self._g_tok[:n], non_blocking=True)
+            self._tok_host = torch.empty(BUCKETS[-1], dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._tok_host[:n].copy_(self._g_tok[:n], non_blocking=True)
+        done = torch.cuda.Event() if self.device.type == "cuda" else None
+        if done is not None:
             done.record()
         g = self._graph_for(n, next_max_pos)  # (a first capture synchronizes; _g_in is kept)
         g.graph.replay()
-        done.synchronize()
+        if done is not None:
+            done.synchronize()
         return self._tok_host[:n].tolist()
 
     def _rows_out(self, slots: list[int], logits: torch.Tensor, tokens: torch.Tensor | None,
