@@ -61,12 +61,12 @@ Q8_PROGRAMS_PER_SM = 3
 STREAM_INTERPRETER_PROGRAMS = 3  # the streaming form's grid under the CPU interpreter
 # q8i8's K step (``q8i8_mma(step=)``'s default), one of I8_STEPS, each the same arithmetic (the same
 # per-block integer products, scalings and additions in block order: bitwise alike under the
-# interpreter): "serial" (``_k_step_i8``: four dots, each scaled before the next is issued; session
-# 10, run 52: alone it stops at ~2.2 TB/s, its programs waiting on each block); "batched"
-# (``_k_step_i8_batched``: the step's four blocks in one batched integer dot, mma.sync); "issued"
-# (``_k_step_i8_issued``: the four dots written before any is consumed, so the compiler may keep
-# them in flight together). The last two were written after session 10's last device call.
-I8_STEPS = ("serial", "batched", "issued")
+# interpreter): "serial" (``_k_step_i8``: four dots, each scaled before the next is issued: a
+# wgmma waited for per block; alone 80 us at 16 rows, session 10) or "batched"
+# (``_k_step_i8_batched``: the step's four blocks in one batched integer dot, mma.sync: 66 us,
+# H200 session 11). (Four dots written before any is consumed compile to the serial form's waits:
+# Triton keeps dots outside its loop pipelining synchronous; measured as fast, not kept.)
+I8_STEPS = ("serial", "batched")
 I8_STEP = "batched"
 # q8i8's tiles by row count, ((rows up to, block_m, programs per SM), ...; None: any). Its
 # arithmetic per output is an exact integer dot followed by elementwise float32 operations, so,
@@ -201,37 +201,17 @@ def _i8_scaled(acc, p, kb, K, xd_ptr, stride_xdm, m, mmask, d_rows, nmask):
 
 
 @triton.jit
-def _k_step_i8_issued(acc, k0, K, xq_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
-                      BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
-    """PREC "i8i": ``_k_step_i8``'s arithmetic with the step's four dots written before any of
-    them is consumed (then the same scalings, in block order). BLOCK_K 128 only."""
-    tl.static_assert(BLOCK_K == 128, "the issued int8 step takes 128-weight K steps")
-    p0 = _i8_block(0, k0, K, xq_ptr, stride_xm, m, mmask, w_rows, nmask, USE_DOT)
-    p1 = _i8_block(1, k0, K, xq_ptr, stride_xm, m, mmask, w_rows, nmask, USE_DOT)
-    p2 = _i8_block(2, k0, K, xq_ptr, stride_xm, m, mmask, w_rows, nmask, USE_DOT)
-    p3 = _i8_block(3, k0, K, xq_ptr, stride_xm, m, mmask, w_rows, nmask, USE_DOT)
-    kb = k0 // 32
-    acc = _i8_scaled(acc, p0, kb, K, xd_ptr, stride_xdm, m, mmask, d_rows, nmask)
-    acc = _i8_scaled(acc, p1, kb + 1, K, xd_ptr, stride_xdm, m, mmask, d_rows, nmask)
-    acc = _i8_scaled(acc, p2, kb + 2, K, xd_ptr, stride_xdm, m, mmask, d_rows, nmask)
-    return _i8_scaled(acc, p3, kb + 3, K, xd_ptr, stride_xdm, m, mmask, d_rows, nmask)
-
-
-@triton.jit
 def _k_step(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, USE_DOT: tl.constexpr,
             Q8: tl.constexpr):
     """acc += the K step at k0 of the tile's product (the weight tile, x^T, one dot_acc; PREC
-    "i8": ``_k_step_i8``, "i8b": ``_k_step_i8_batched``, "i8i": ``_k_step_i8_issued``)."""
+    "i8": ``_k_step_i8``, "i8b": ``_k_step_i8_batched``)."""
     if PREC == "i8":
         acc = _k_step_i8(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
                          BLOCK_K, USE_DOT)
     elif PREC == "i8b":
         acc = _k_step_i8_batched(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
                                  BLOCK_N, BLOCK_K, USE_DOT)
-    elif PREC == "i8i":
-        acc = _k_step_i8_issued(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
-                                BLOCK_K, USE_DOT)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         w = _w_tile(w_rows, d_rows, k0, K, nmask, BLOCK_N, BLOCK_K, Q8, PREC)
@@ -466,8 +446,8 @@ def q8i8_mma(xq: torch.Tensor, xd: torch.Tensor, w, out: torch.Tensor | None = N
     as stored (1.06 bytes per weight). ``dense_mma``'s tiles, streaming and ``best=``; batch-invariant
     as it; the same bits with tl.dot or with the interpreter's sums (integer products are exact).
     ``step`` (default I8_STEP, "serial" where the tiling's K steps are not 128 weights): how a K
-    step's blocks are written, one of I8_STEPS ("batched" and "issued" take 128-weight K steps),
-    the same arithmetic."""
+    step's blocks are written, one of I8_STEPS ("batched" takes 128-weight K steps), the same
+    arithmetic."""
     if getattr(w, "fmt", None) is None or w.fmt.name != "Q8_0":
         raise ValueError("q8i8_mma takes a Q8_0 PackedWeight (kernels.qmatmul.pack_weights)")
     N, K = w.N, w.K
@@ -485,7 +465,7 @@ def q8i8_mma(xq: torch.Tensor, xd: torch.Tensor, w, out: torch.Tensor | None = N
         raise ValueError(f"step={step!r} is not allowed: allowed {', '.join(I8_STEPS)}")
     if step != "serial" and cfg.block_k != 128:
         raise ValueError(f"step={step!r} takes 128-weight K steps, got {cfg}")
-    _launch(xq, w.qs, w.d, out, cfg, {"serial": "i8", "batched": "i8b", "issued": "i8i"}[step], use_dot, best, xd=xd)
+    _launch(xq, w.qs, w.d, out, cfg, {"serial": "i8", "batched": "i8b"}[step], use_dot, best, xd=xd)
     return out
 
 

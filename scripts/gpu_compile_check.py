@@ -122,9 +122,8 @@ VARIANTS = {
     "q8head": {"head_matmul": "q8dense"},  # the head's products from its Q8_0 planes
     "q8f16": {"head_matmul": "q8f16"},  # the same with float16 operands
     "glu_down": {"glu_in_down": True},  # the FFN down product forms the GLU from gate|up's partials
-    "q8i8": {"head_matmul": "q8i8"},  # the Q8_0 planes against x's Q8_0 blocks, integer MMAs
-    "q8i8b": "q8i8b",  # the same, a K step's four blocks in one batched dot (dense_mma.I8_STEP)
-    "q8i8i": "q8i8i",  # the same, a K step's four dots issued before any is consumed
+    "q8i8": {"head_matmul": "q8i8"},  # the Q8_0 planes against x's Q8_0 blocks, integer MMAs (batched step)
+    "q8i8b": "q8i8b",  # the same with the serial K step (dense_mma.I8_STEP)
     "q8i8b16": "q8i8b16",  # q8i8b in 16-row tiles, 4 programs per SM
     "attn_preload": "attn_preload",  # attention.ATTENTION_PRELOAD: older K/V rows loaded before the wait
     "pair": {"pair_launch": True},  # the mixed-format q|k|v as one launch
@@ -139,8 +138,7 @@ STEP_OPTIONS = {  # variant -> [(module, name, value)], set for the variant's fo
     "attn_old": [("attention", "ATTENTION_BLOCK_N_16BIT", {256: 16}), ("runner", "ATTN_SEGMENT", 32)],
     "attn_s1": [("attention", "ATTENTION_NUM_STAGES", 1)],
     "attn_s2": [("attention", "ATTENTION_NUM_STAGES", 2)],
-    "q8i8b": [("runner", "HEAD_MATMUL", "q8i8"), ("dense_mma", "I8_STEP", "batched")],
-    "q8i8i": [("runner", "HEAD_MATMUL", "q8i8"), ("dense_mma", "I8_STEP", "issued")],
+    "q8i8b": [("runner", "HEAD_MATMUL", "q8i8"), ("dense_mma", "I8_STEP", "serial")],
     "q8i8b16": [("runner", "HEAD_MATMUL", "q8i8"), ("dense_mma", "I8_STEP", "batched"),
                 ("dense_mma", "DENSE_CONFIG", "m16"), ("dense_mma", "Q8_PROGRAMS_PER_SM", 4)],
     "attn_preload": [("attention", "ATTENTION_PRELOAD", True)],

@@ -4,7 +4,7 @@ float32 (as the runner passes it) or already rounded to the operand precision (t
 round it anyway, so the logits are the same bits, and the kernel reads half the x bytes).
 
     python3 scripts/head_bench.py --model model.gguf --out DIR      (writes DIR/head_bench.json)
-    python3 scripts/head_bench.py --random --forms q8i8,q8i8i --configs 'm16 p4,m16 p6 s2' --out DIR
+    python3 scripts/head_bench.py --random --forms q8i8,q8i8b --configs 'm16 p4,m16 p6 s2,auto' --out DIR
 
 Reads the real head (Gemma 3 270M's tied Q8_0 embedding, 262,144 x 640), or with --random random
 planes of that shape (no model: a device call without the model's upload); x is random,
@@ -31,7 +31,7 @@ REPEAT = 10
 DENSE_CFGS = "base,p3,n128,s4,n128 s4,p3 s4,k64 s6 p3,n128 k64 s6,m16"  # each relative to DenseConfig()
 I8_CFGS = "base,p2,p4,n128 p2,k256,k64 s4,s4,m16,m16 p4"  # each relative to dense_mma.q8_config
 FIELDS = {"m": "block_m", "n": "block_n", "k": "block_k", "s": "num_stages", "p": "programs_per_sm", "w": "num_warps"}
-I8_FORMS = {"q8i8": "serial", "q8i8b": "batched", "q8i8i": "issued"}  # form -> q8i8_mma(step=)
+I8_FORMS = {"q8i8": "serial", "q8i8b": "batched"}  # form -> q8i8_mma(step=)
 
 
 def config(label: str, base):
@@ -71,7 +71,7 @@ def main() -> int:
     ap.add_argument("--rows", default="1,16,32")
     ap.add_argument("--n", type=int, default=0, help="only the first n vocabulary rows (a CPU dry run)")
     ap.add_argument("--forms", default="dense,q8f16,q8bf16,q8i8",
-                    help="comma-separated: dense, q8f16, q8bf16, q8i8 (q8i8b: its batched step, q8i8i: issued)")
+                    help="comma-separated: dense, q8f16, q8bf16, q8i8 (its serial step), q8i8b (batched)")
     ap.add_argument("--best", action="store_true",
                     help="each launch also keeps each row's running argmax (best=, as the runner's ARGMAX_IN_HEAD)")
     ap.add_argument("--configs", default=None,

@@ -108,6 +108,13 @@ ARGMAX_IN_HEAD = True
 # ~30 us at 16 rows (the head alone 66 -> 95 us, H200 session 11), more than the separate
 # argmax launch it saves, so that head's argmax runs after it.
 ARGMAX_IN_HEAD_FORMS = ("dense", "q8dense", "q8f16")
+# A step's embedding and the first layer's norm as one launch (kernels/embedding.embedding_rmsnorm)
+# for a float32 h, instead of two. H200, session 11 (run 62): ~1 us per step.
+EMBED_NORM = True
+# decode_loop's in-graph token record per row (positions modulo this), kept by the graph's argmax,
+# so replays run back to back without a copy between them (0: a copy after each replay). H200,
+# session 11 (run 61): -1 to -6 us per step in the loop.
+GRAPH_HISTORY = 1024
 # Per-format overrides of the layers' form: again fixed per weight. Q8_0 layer weights (Gemma 3
 # 270M's V projections and some others) on the FMA GEMV: faster at every slot count in three
 # leases (session 5, H200: 0.794 -> 0.767 ms at 1 slot, 1.221 -> 1.186 at 32).
@@ -116,12 +123,6 @@ LAYER_FORMS: dict[str, str] = {"Q8_0": "gemv"}
 # segments give a decode row at a short context several programs instead of one: on an H200
 # 32 vs 256 took the 1-slot step from 1.74 to 1.18 ms (docs/GPU_NOTES.md). 64 since session 9,
 # with 64-key blocks at D = 256 for bf16 K/V (kernels/attention.ATTENTION_BLOCK_N_16BIT): one block per segment.
-# A step's embedding and the first layer's norm as one launch (kernels/embedding.embedding_rmsnorm)
-# instead of two (three for a bfloat16 h). Written in session 11.
-EMBED_NORM = True
-# decode_loop's in-graph token record per row (positions modulo this), kept by the graph's argmax,
-# so replays run back to back without a copy between them (0: a copy after each replay)
-GRAPH_HISTORY = 1024
 ATTN_SEGMENT = 64
 # The attention combine folded into the partial kernel (the last program of a row merges it):
 # one launch per layer instead of two, bitwise the same result.
@@ -276,10 +277,9 @@ class TritonRunner:
                                      f"allowed {', '.join(ok)}")
         from .kernels import attention as _attn
         from .kernels import dense_mma as _dense
+        from .kernels import embedding as _embedding
         from .kernels import qmma as _qmma
         from .kernels import step_fused as _fused
-
-        from .kernels import embedding as _embedding
 
         self._attn, self._qmma, self._fused, self._dense = _attn, _qmma, _fused, _dense
         self._embedding = _embedding
@@ -876,12 +876,9 @@ class TritonRunner:
         if g is not None:
             return g
         self._graph_inputs()
-
-        def body():
-            self._graph_body(bucket, nseg * seg - 1)
-
         if self._emulate:
-            g = self._graphs[key] = _Graph(_Eager(body), bucket, nseg, 0)
+            g = self._graphs[key] = _Graph(_Eager(lambda: self._graph_body(bucket, nseg * seg - 1)),
+                                           bucket, nseg, 0)
             return g
         torch.cuda.synchronize()
         saved = self._g_in.clone()
@@ -895,7 +892,7 @@ class TritonRunner:
         graph = torch.cuda.CUDAGraph()
         # cuBLAS (the dense variant) tripped the caching allocator with a shared pool
         with torch.cuda.graph(graph, pool=self._gpool if self.dense == "quant" else None):
-            body()
+            self._graph_body(bucket, nseg * seg - 1)
         torch.cuda.synchronize()
         if self._plan is not None:  # the captured launch reads its tables when replayed
             self._plan.upload()
