@@ -81,6 +81,12 @@ I8_TILES: tuple = ((16, 16, 4), (None, 32, 3))
 # SM instead of 4 (the head alone 102 us instead of 66, H200 session 11); capped at 128: 12 bytes
 # spilled.
 STREAM_REGISTER_FILE = 65536
+# The batched int8 step's running argmax (``best=``) kept in the tile store's layout (how:
+# ``_dense_stream_kernel``). Compiled for sm_90 after session 11's last device call: one
+# accumulation layout, 128 registers at 16-row tiles without spills, the loop still pipelined;
+# not measured. Only the `q8i8` head with its argmax in the head takes it (not the runner's
+# default: ``triton_runner.ARGMAX_IN_HEAD_FORMS``), and the values are the same either way.
+I8_BEST_IN_STORE_LAYOUT = True
 DENSE_INTERPRETER_MIN_BLOCK_N = 128  # fewer, wider programs under the CPU interpreter
 
 
@@ -241,6 +247,7 @@ def _dense_stream_kernel(
     x_ptr, w_ptr, d_ptr, y_ptr, xd_ptr, bv_ptr, bi_ptr, M, N, K, stride_xm, stride_wn, stride_dn, stride_ym, stride_xdm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     PREC: tl.constexpr, USE_DOT: tl.constexpr, Q8: tl.constexpr, BEST: tl.constexpr, PDL: tl.constexpr,
+    BEST_IN_STORE_LAYOUT: tl.constexpr,
 ):
     """``_dense_mma_kernel``'s tiles (same products, same K order), program p taking tiles p,
     p + P, ... in one flattened loop that Triton pipelines across tile boundaries. BEST (one row
@@ -248,8 +255,18 @@ def _dense_stream_kernel(
     lane's running (value, index) best and stores, per row, its best over its tiles at
     bv/bi[row, p] (``sampling.argmax_from_partials`` finishes the argmax)."""
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    bv = tl.full([BLOCK_N, BLOCK_M], float("-inf"), tl.float32)
-    bi = tl.full([BLOCK_N, BLOCK_M], 2147483647, tl.int32)
+    if BEST and PREC == "i8b" and BEST_IN_STORE_LAYOUT:
+        # the running best born in the tile store's layout: loads through the store's pointer
+        # pattern under a mask that is never true (M < 0; a constant mask would fold away) read
+        # nothing and give the initial values. From tl.full, the batched int8 step's accumulation
+        # was carried in both layouts, each K step's product converted twice (GPU_NOTES session 11)
+        c0 = tl.arange(0, BLOCK_M)[None, :] * stride_ym + tl.arange(0, BLOCK_N)[:, None]
+        never = (c0 < 0) & ((c0 * 0 + M) < 0)
+        bv = tl.load(y_ptr + c0, mask=never, other=float("-inf"))
+        bi = tl.load(bi_ptr + c0, mask=never, other=2147483647)
+    else:
+        bv = tl.full([BLOCK_N, BLOCK_M], float("-inf"), tl.float32)
+        bi = tl.full([BLOCK_N, BLOCK_M], 2147483647, tl.int32)
     enter(PDL)
     for t in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True, num_stages=NUM_STAGES):
         n, nmask, m, mmask, w_rows, d_rows = _tile(t, M, N, w_ptr, d_ptr, stride_wn, stride_dn, BLOCK_M, BLOCK_N)
@@ -362,7 +379,8 @@ def _launch(x, w, d, out, cfg: DenseConfig, prec: str, use_dot: bool | None, bes
                   **launch_kw(x), **_register_cap(x, cfg))
     if cfg.programs_per_sm > 0:
         bv, bi = best if best is not None else (out, out)
-        _dense_stream_kernel[(P,)](*common, bv, bi, *strides, BEST=best is not None, **consts)
+        _dense_stream_kernel[(P,)](*common, bv, bi, *strides, BEST=best is not None,
+                                   BEST_IN_STORE_LAYOUT=I8_BEST_IN_STORE_LAYOUT, **consts)
     else:
         _dense_mma_kernel[(P,)](*common, *strides, **consts)
 

@@ -835,6 +835,7 @@ def main_stage(args) -> None:
     S10_GLU = [(tr, "GLU_IN_DOWN", True)]  # the down product forms the GLU from gate|up's partials (s10)
     S11_PRE = [(A, "ATTENTION_PRELOAD", True)]  # older K/V rows loaded before the attention's PDL wait (s11)
     S11_I8 = [(dm, "I8_STEP", "batched"), (tr, "HEAD_MATMUL", "q8i8")]  # q8i8 head, batched step, tiles by M (s11)
+    S12_I8_ARG = [(tr, "ARGMAX_IN_HEAD_FORMS", ("dense", "q8dense", "q8f16", "q8i8"))]  # (s12)
     S11_32 = ((32, dict(temperature=0.0)),)  # (32 rows take the q8i8 head's 32-row tiles, one row alone 16)
 
     # K slices of 128 weights (every format's step at 128, so one step per program)
@@ -990,6 +991,14 @@ def main_stage(args) -> None:
             ("rope in attention", (tr, "ROPE_IN_ATTENTION", True), {}),
         ], slots=SLOTS)),
         ("rope attn w8 exact", lambda: _with(S10_ROPE8, lambda: stage_exact(m, out, exact_rows))),
+        ("s12", lambda: stage_sweep(m, out, rows, bw, "s12", [
+            ("q8i8 head, argmax after it", S11_I8, {}),
+            ("q8i8 head, argmax in it (best in the store's layout)", S11_I8 + S12_I8_ARG, {}),
+            ("the same, best in tl.full's layout", S11_I8 + S12_I8_ARG + [(dm, "I8_BEST_IN_STORE_LAYOUT", False)], {}),
+        ], slots=SLOTS)),
+        ("s12 same tokens", lambda: _with(S11_I8, lambda: stage_same_tokens(
+            m, out, exact_rows, "q8i8 head's argmax in the head vs after it", lambda fn: _with(S12_I8_ARG, fn)))),
+        ("s12 i8 exact", lambda: _with(S11_I8 + S12_I8_ARG, lambda: stage_exact(m, out, exact_rows, EXACT_SIZES + S11_32))),
         ("s11c", lambda: stage_sweep(m, out, rows, bw, "s11c", [
             ("embedding and norm as two launches (EMBED_NORM off)", [(tr, "EMBED_NORM", False)], {}),
             ("q8i8 head, argmax after it", S11_I8, {}),
