@@ -228,7 +228,7 @@ def check(model, name: str, kw) -> float:
         argmax(torch.zeros(16, V), out=torch.empty(16, dtype=torch.int64))
         fed = torch.zeros(2, 16, dtype=torch.int32)  # (the decode graphs' form: next inputs and the token record)
         argmax(torch.zeros(16, V), out=torch.empty(16, dtype=torch.int64), feed=(fed[0], fed[1]),
-               hist=torch.zeros(16, 1024, dtype=torch.int64))
+               hist=torch.zeros(16, 1024, dtype=torch.int64), host=torch.zeros(16, 2, dtype=torch.int64))
     finally:
         os.environ.pop("TRITON_INTERPRET", None)
         qmma.QMMA_CONFIGS.update(saved)

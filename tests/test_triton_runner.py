@@ -210,12 +210,16 @@ def test_bad_matmul_form(tiny_model):
         TritonRunner(tiny_model("gemma3", "float32", "Q8_0"), 64, matmul="fast")
 
 
-def test_run_ahead_is_exact_and_used(tiny_model, monkeypatch):
+@pytest.mark.parametrize("in_graph", [False, True])
+def test_run_ahead_is_exact_and_used(tiny_model, monkeypatch, in_graph):
     """Greedy steady state: the runner launches each next decode step before returning the
     current one (ahead). More requests than slots (admissions change the membership), one
     request stopped early by a small max_tokens, one cancelled mid-run: every request's tokens
-    equal its solo run, and early launches were both used and discarded along the way."""
+    equal its solo run, and early launches were both used and discarded along the way; the
+    tokens copied to the host, or written there by the graph (TOKENS_IN_GRAPH)."""
     import workbench.triton_runner as tr
+
+    monkeypatch.setattr(tr, "TOKENS_IN_GRAPH", in_graph)
 
     m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
     gen = torch.Generator().manual_seed(9)
@@ -234,7 +238,7 @@ def test_run_ahead_is_exact_and_used(tiny_model, monkeypatch):
 
     monkeypatch.setattr(tr.TritonRunner, "run", run)
     monkeypatch.setattr(tr.TritonRunner, "_tokens_then_next",
-                        lambda self, n, p: launched.append(n) or real_next(self, n, p))
+                        lambda self, n, p, at: launched.append(n) or real_next(self, n, p, at))
     handles = [eng.submit(p, max_tokens=k, ignore_eos=True) for p, k in zip(prompts, max_tokens)]
     cancelled = handles[2]
     for _ in range(4):

@@ -111,6 +111,12 @@ ARGMAX_IN_HEAD_FORMS = ("dense", "q8dense", "q8f16")
 # A step's embedding and the first layer's norm as one launch (kernels/embedding.embedding_rmsnorm)
 # for a float32 h, instead of two. H200, session 11 (run 62): ~1 us per step.
 EMBED_NORM = True
+# A run-ahead greedy step's tokens written by its graph's argmax into pinned host memory (by
+# position parity) instead of a device-to-host copy between that graph and the next: on the
+# H200 the Engine ran ~30 us per step behind the runner loop at 16 slots (session 11, run 63),
+# the stream's copy between graphs the suspect. Written after session 11's last device call,
+# tested under the interpreter, not measured: off.
+TOKENS_IN_GRAPH = False
 # decode_loop's in-graph token record per row (positions modulo this), kept by the graph's argmax,
 # so replays run back to back without a copy between them (0: a copy after each replay). H200,
 # session 11 (run 61): -1 to -6 us per step in the loop.
@@ -735,7 +741,7 @@ class TritonRunner:
                 self.launches = g.launches or self.launches
             if ahead and all(s.slot_id in argmax and s.start_pos + 2 <= max_context[s.slot_id] for s in forward) \
                     and max_pos + 1 < self._pool_len:
-                toks = self._tokens_then_next(n, max_pos + 1)
+                toks = self._tokens_then_next(n, max_pos + 1, [s.start_pos for s in forward])
                 self._ahead = (tuple((sl, p + 1, t) for (sl, p, _), t in zip(key, toks)),)
                 out = {s.slot_id: t for s, t in zip(forward, toks)}
             else:
@@ -747,19 +753,25 @@ class TritonRunner:
             self._len[s.slot_id] = s.start_pos + len(s.token_ids)
         return out
 
-    def _tokens_then_next(self, n: int, next_max_pos: int) -> list[int]:
+    def _tokens_then_next(self, n: int, next_max_pos: int, positions: list[int]) -> list[int]:
         """This step's n greedy tokens, copied to the host before the next step's graph (whose
-        inputs the graph has written) is launched; returns them once the copy is done."""
-        if self._tok_host is None:
-            self._tok_host = torch.empty(BUCKETS[-1], dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        self._tok_host[:n].copy_(self._g_tok[:n], non_blocking=True)
+        inputs the graph has written) is launched; returns them once the copy is done. With
+        TOKENS_IN_GRAPH the graph has written them into host memory itself (by each row's
+        position parity, which the next graph does not write): no copy between the two graphs."""
         done = torch.cuda.Event() if self.device.type == "cuda" else None
+        if self._g_host is None:
+            if self._tok_host is None:
+                self._tok_host = torch.empty(BUCKETS[-1], dtype=torch.int64, pin_memory=done is not None)
+            self._tok_host[:n].copy_(self._g_tok[:n], non_blocking=True)
         if done is not None:
             done.record()
         g = self._graph_for(n, next_max_pos)  # (a first capture synchronizes; _g_in is kept)
         g.graph.replay()
         if done is not None:
             done.synchronize()
+        if self._g_host is not None:
+            rows = self._g_host[:n].tolist()
+            return [rows[r][p % 2] for r, p in enumerate(positions)]
         return self._tok_host[:n].tolist()
 
     def _rows_out(self, slots: list[int], logits: torch.Tensor, tokens: torch.Tensor | None,
@@ -828,6 +840,9 @@ class TritonRunner:
             # each graph row's greedy tokens by position modulo GRAPH_HISTORY (decode_loop's record)
             self._g_hist = torch.zeros((B, GRAPH_HISTORY), dtype=torch.int64, device=self.device) \
                 if GRAPH_HISTORY > 0 else None
+            # each graph row's greedy token written by the graph into host memory (TOKENS_IN_GRAPH)
+            self._g_host = torch.zeros((B, 2), dtype=torch.int64, pin_memory=self.device.type == "cuda") \
+                if TOKENS_IN_GRAPH else None
             self._g_logits = torch.zeros((B, self.vocab), dtype=torch.float32, device=self.device)
             self._gpool = None if self._emulate else torch.cuda.graph_pool_handle()
 
@@ -851,10 +866,11 @@ class TritonRunner:
         # the argmax's second launch (the engine overwrites them where it feeds other inputs)
         with self._pdl.enabled(self.pdl):
             hist = None if self._g_hist is None else self._g_hist[:bucket]
+            host = None if self._g_host is None else self._g_host[:bucket]
             if best is not None:  # (ARGMAX_IN_HEAD: the head's programs kept the first stage)
-                argmax_from_partials(*best, out=self._g_tok[:bucket], feed=(ids, pos), hist=hist)
+                argmax_from_partials(*best, out=self._g_tok[:bucket], feed=(ids, pos), hist=hist, host=host)
             else:
-                argmax(self._g_logits[:bucket], out=self._g_tok[:bucket], feed=(ids, pos), hist=hist)
+                argmax(self._g_logits[:bucket], out=self._g_tok[:bucket], feed=(ids, pos), hist=hist, host=host)
         self.launches += 1 if best is not None else 2
 
     def _argmax_partials(self, bucket: int):
