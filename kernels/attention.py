@@ -172,7 +172,7 @@ def _attention_rope_kernel(
     the segment's older K/V rows are loaded before the PDL wait (ATTENTION_PRELOAD)."""
     r = tl.program_id(0)
     if PRELOAD:
-        k_old, v_old = _segment_kv_before(
+        k_old, v_old, lo, hi, seq = _segment_kv_before(
             r, tl.program_id(1), tl.program_id(2), k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
             stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, D, D_P, BLOCK_N, SEG)
     enter(PDL)
@@ -182,8 +182,8 @@ def _attention_rope_kernel(
     tl.debug_barrier()  # this program's q, K, V stores before its loads of them
     if PRELOAD:
         attention_item_preloaded(
-            r, tl.program_id(1), tl.program_id(2), k_old, v_old,
-            q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+            r, tl.program_id(1), tl.program_id(2), k_old, v_old, lo, hi, seq,
+            q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
             stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
             qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
             GROUP, QROWS, D_P, BLOCK_N, SEG, USE_DOT, INPUT_PRECISION, FUSED)
@@ -311,7 +311,8 @@ def _segment_kv_before(r, kvh, sg, k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, row_w
                        D_P: tl.constexpr, BLOCK_N: tl.constexpr, SEG: tl.constexpr):
     """Program (r, kvh, sg)'s one-block segment of K and V in the pools' dtype, the rows the
     step does not write (below the row's position; masked lanes 0): loadable before the PDL
-    wait (the row tables are written before the step's first kernel)."""
+    wait (the row tables are written before the step's first kernel). Returns (k, v, lo, hi,
+    seq): with the row's key range and sequence, which ``attention_item_preloaded`` takes."""
     tl.static_assert(SEG == BLOCK_N, "the preloaded form takes one-block segments")
     lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
     seq = tl.load(row_seq_ptr + r).to(tl.int64)
@@ -322,25 +323,24 @@ def _segment_kv_before(r, kvh, sg, k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, row_w
     k = tl.load(k_ptr + seq * stride_ks + kvh * stride_kh + off, mask=old, other=0.0)
     v = tl.load(v_ptr + seq * stride_vs + kvh * stride_vh + j[:, None].to(tl.int64) * stride_vl + d[None, :],
                 mask=old, other=0.0)
-    return k, v
+    return k, v, lo, hi, seq
 
 
 @triton.jit
 def attention_item_preloaded(
-    r, kvh, sg, k_old, v_old,
-    q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+    r, kvh, sg, k_old, v_old, lo, hi, seq,
+    q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
     stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
     qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
     GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
     SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
 ):
     """``attention_item`` for a one-block segment whose older K/V rows are k_old / v_old
-    (``_segment_kv_before``): the row's current K/V row (the position, just stored) is read from
-    the pools and put in its lane; then the same block step and finish, so the same values."""
-    lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
+    (``_segment_kv_before``, with the row's key range [lo, hi) and sequence seq): the row's
+    current K/V row (the position, just stored) is read from the pools and put in its lane; then
+    the same block step and finish, so the same values."""
     seg_lo = tl.maximum(lo, sg * SEG)
     seg_hi = tl.minimum(hi, (sg + 1) * SEG)
-    seq = tl.load(row_seq_ptr + r).to(tl.int64)
     d = tl.arange(0, D_P)
     j = sg * SEG + tl.arange(0, BLOCK_N)
     cur = hi - 1
