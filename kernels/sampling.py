@@ -130,8 +130,9 @@ def argmax_from_partials(pval: torch.Tensor, pidx: torch.Tensor, out: torch.Tens
                              or not hist.is_contiguous() or hist.device != pval.device):
         raise ValueError(f"hist needs feed= and a contiguous int64 [{R}, H] tensor on {pval.device}")
     if host is not None and (feed is None or host.shape != (R, 2) or host.dtype != torch.int64
-                             or not host.is_contiguous()):
-        raise ValueError(f"host needs feed= and a contiguous int64 [{R}, 2] tensor")
+                             or not host.is_contiguous() or (pval.is_cuda and not host.is_pinned())):
+        raise ValueError(f"host needs feed= and a contiguous int64 [{R}, 2] tensor (pinned host memory "
+                         f"for a GPU launch)")
     if R == 0:
         return out
     ids, pos = feed if feed is not None else (out, out)

@@ -40,7 +40,7 @@ def config(label: str, base):
     for tok in label.split():
         if tok != "base":
             if tok[0] not in FIELDS or not tok[1:].isdigit():
-                raise SystemExit(f"head_bench: bad config token {tok!r} in {label!r}: allowed base or "
+                raise ValueError(f"bad config token {tok!r} in {label!r}: allowed base, auto or "
                                  f"{'/'.join(FIELDS)} followed by a number (e.g. 'm16 p4 s2')")
             kw[FIELDS[tok[0]]] = int(tok[1:])
     return replace(base, **kw)
@@ -80,6 +80,20 @@ def main() -> int:
     args = ap.parse_args()
     from workbench.kernels import dense_mma as DM
 
+    # (the arguments checked before any model is read: one line and exit status 2 where they are bad)
+    forms = set(args.forms.split(","))
+    bad = forms - {"dense", "q8f16", "q8bf16", *I8_FORMS}
+    if bad:
+        ap.error(f"unknown form(s) {', '.join(sorted(bad))}: allowed dense, q8f16, q8bf16, {', '.join(I8_FORMS)}")
+    base = DM.DenseConfig()
+    try:
+        cfgs = {label: config(label, base) for label in (args.configs or DENSE_CFGS).split(",") if label != "auto"}
+        q8 = DM.q8_config("cuda" if torch.cuda.is_available() else "cpu")
+        # ('auto': q8i8_mma's default, dense_mma.i8_config's tiles for the launch's rows)
+        i8_cfgs = {label: None if label == "auto" else config(label, q8)
+                   for label in (args.configs or I8_CFGS).split(",")}
+    except ValueError as e:
+        ap.error(str(e))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if args.random:
         N, K = args.n or 262144, 640
@@ -96,13 +110,6 @@ def main() -> int:
         raw = torch.frombuffer(bytearray(m.source.raw(name)), dtype=torch.uint8).view(t.shape[0], -1)[:N].to(dev)
         pw = pack_weights(raw.contiguous(), "Q8_0", N, K)
         dense = m.head[:N].to(dev).contiguous()
-    base = DM.DenseConfig()
-    cfgs = {label: config(label, base) for label in (args.configs or DENSE_CFGS).split(",") if label != "auto"}
-    forms = set(args.forms.split(","))
-    bad = forms - {"dense", "q8f16", "q8bf16", *I8_FORMS}
-    if bad:
-        raise SystemExit(f"head_bench: unknown form(s) {', '.join(sorted(bad))}: allowed dense, q8f16, q8bf16, "
-                         f"{', '.join(I8_FORMS)}")
     variants = []
     for label, cfg in cfgs.items():
         for xdt in (torch.float32, torch.bfloat16):
@@ -114,9 +121,6 @@ def main() -> int:
         if label in ("base", "n128") and "q8bf16" in forms:
             variants.append((f"q8 bf16 xbfloat16 {label}", DM.q8_dense_mma, pw, "bf16", torch.bfloat16, cfg, N * K * 34 // 32))
     # q8i8: x quantized per row to Q8_0 blocks (its own launch, timed with the product and without)
-    q8 = DM.q8_config(dev)
-    # ('auto': q8i8_mma's default, dense_mma.i8_config's tiles for the launch's rows)
-    i8_cfgs = {label: None if label == "auto" else config(label, q8) for label in (args.configs or I8_CFGS).split(",")}
 
     def q8i8(step):
         return lambda x, w, prec, out, config, best=None: DM.q8i8_mma(*DM.quantize_rows_q8(x), w, out=out, config=config,

@@ -12,14 +12,14 @@ Same interface as `runner.TorchRunner` (the engine picks it with EngineConfig(ba
   permutation of W_q and W_k.
 * KV: one pool per layer [S, L_max, Hkv, D] (slot id = pool index, the last index a scratch
   slot that padded rows write into); it grows (copying) when a slot id or a reservation needs it.
-* Each step: embedding -> per layer [qkv product -> fused QK-norm + rope + KV write (in a
+* Each step: embedding + first norm (one launch, EMBED_NORM) -> per layer [qkv product -> fused QK-norm + rope + KV write (in a
   graphed decode step the attention programs' prologue, ROPE_IN_ATTENTION) ->
   attention_rows (combine folded in) -> wo product -> fused (post-norm, residual add, next
   pre-norm) -> gate|up product with the GeGLU/SwiGLU folded in (its last program per column
   pair) -> down product -> fused add+norm] -> head, whose programs keep each row's running
   argmax (ARGMAX_IN_HEAD) -> one launch finishing the argmax and writing the next step's inputs:
-  130 launches per graphed decode step for Gemma 3 270M (the q|k|v of mixed formats as one launch,
-  PAIR_LAUNCH; 148 with the separate QK-norm/rope kernel). The products
+  129 launches per graphed decode step for Gemma 3 270M (the q|k|v of mixed formats as one launch,
+  PAIR_LAUNCH; 147 with the separate QK-norm/rope kernel). The products
   write their fixed split-K partials and the consumer adds them in slice order, so no separate
   sum launch. On sm_90+ every kernel is chained to the previous one by programmatic dependent
   launch (kernels/pdl.py), and a product decodes its first weights before waiting for x. Every kernel computes a row from that row alone, with
