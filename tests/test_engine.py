@@ -120,9 +120,9 @@ def test_telemetry_records_decisions(tiny_model):
 
 
 def test_step_wall_time_includes_its_bookkeeping(tiny_model, monkeypatch):
-    """A step's wall_ms runs to the end of its commit and finish events: the steps' sum is the
-    run's decode time (bench's decode tok/s), not the run less the host bookkeeping that a
-    run-ahead device overlaps."""
+    """A step's wall_ms runs to the end of its commit and finish events (the host bookkeeping a
+    run-ahead device overlaps is the step's; bench's decode time goes further, to the next
+    step's start: tests/test_bench.py)."""
     import time
 
     m = tiny_model("llama", "bfloat16")

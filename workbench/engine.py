@@ -278,9 +278,8 @@ class Engine:
         events = self.scheduler.commit(plan, sampled)  # commit
         for ev in events:
             self._finish(ev)
-        # the step's wall time ends after its bookkeeping: a step is all the host spends on it,
-        # and with run-ahead the device keeps working meanwhile, so leaving it out would make
-        # the steps' sum (decode tok/s in bench) shorter than the run
+        # the step's wall time ends after its bookkeeping (with run-ahead the device keeps
+        # working meanwhile); bench's decode time takes each step to the next one's start_s
         self._record_step(plan, len(forwards), t0, time.perf_counter())
         self._step_index += 1
         return events
