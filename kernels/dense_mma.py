@@ -309,7 +309,7 @@ def dense_mma(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16", out: torch.T
     out = _x_out(x, N, K, out)
     if x.shape[0] == 0:
         return out
-    cfg = config or dense_config(x.device)
+    cfg = config or head_config("dense", x.device, x.shape[0])
     _launch(x, w, None, out, cfg, prec, use_dot, best)
     return out
 
@@ -402,7 +402,7 @@ def q8_dense_mma(x: torch.Tensor, w, prec: str = "bf16", out: torch.Tensor | Non
     out = _x_out(x, N, K, out)
     if x.shape[0] == 0:
         return out
-    _launch(x, w.qs, w.d, out, config or q8_config(x.device), prec, use_dot, best)
+    _launch(x, w.qs, w.d, out, config or head_config("q8", x.device, x.shape[0]), prec, use_dot, best)
     return out
 
 
@@ -476,7 +476,7 @@ def q8i8_mma(xq: torch.Tensor, xd: torch.Tensor, w, out: torch.Tensor | None = N
     out = _out(out, xq.shape[0], N, xq.device)
     if xq.shape[0] == 0:
         return out
-    cfg = config or i8_config(xq.device, xq.shape[0])
+    cfg = config or head_config("q8i8", xq.device, xq.shape[0])
     if step is None:  # (the default; a tiling without 128-weight steps takes the serial step, the same arithmetic)
         step = I8_STEP if cfg.block_k == 128 else "serial"
     if step not in I8_STEPS:
@@ -513,6 +513,19 @@ def i8_config(device: torch.device | str, M: int) -> DenseConfig:
     cfg = dense_config(device)
     _, block_m, per_sm = next(t for t in I8_TILES if t[0] is None or M <= t[0])
     return replace(cfg, block_m=block_m, programs_per_sm=per_sm if cfg.programs_per_sm else 0)
+
+
+def head_config(kernel: str, device: torch.device | str, M: int) -> DenseConfig:
+    """The configuration each head kernel takes by default for M rows: "dense" (``dense_mma``),
+    "q8" (``q8_dense_mma``), "q8i8" (``q8i8_mma``); one mapping, also for a caller sizing
+    ``best_partials`` for the launch."""
+    if kernel == "dense":
+        return dense_config(device)
+    if kernel == "q8":
+        return q8_config(device)
+    if kernel == "q8i8":
+        return i8_config(device, M)
+    raise ValueError(f"kernel={kernel!r} is not allowed: allowed dense, q8, q8i8")
 
 
 def dense_mma_ref(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16") -> torch.Tensor:

@@ -115,22 +115,24 @@ def test_decode_loop_matches_engine_steps(tiny_model, monkeypatch, history):
 def test_argmax_in_head_gives_the_same_tokens(tiny_model, monkeypatch, head):
     """ARGMAX_IN_HEAD: the head's streaming programs keep the greedy argmax's first stage (one
     launch fewer per decode graph); the decode loop's tokens and last logits are the separate
-    argmax's, for the dense and the float16 Q8_0 head; the int8 head (not in
-    ARGMAX_IN_HEAD_FORMS: measured slower) keeps the separate argmax either way, unless listed."""
+    argmax's, for the dense, the float16 Q8_0 and the int8 head (ARGMAX_IN_HEAD_FORMS; the int8
+    head's only up to 16 rows: a bucket above the form's limit keeps the separate argmax)."""
     m = tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW)
     graphs = True if torch.cuda.is_available() else "emulate"
     a, b = _tokens(m, 21, 6, 11)
     got = {}
     for on in (False, True):
         monkeypatch.setattr(triton_runner, "ARGMAX_IN_HEAD", on)
-        if head == "q8i8":  # (listed, to check that it works)
-            monkeypatch.setattr(triton_runner, "ARGMAX_IN_HEAD_FORMS", ("dense", "q8i8"))
         r = TritonRunner(m, 256, graphs=graphs, head_matmul=head)
         first = [int(r.run([Segment(sl, sl, tuple(p), 0, True)], {sl: 32})[sl].argmax()) for sl, p in enumerate((a, b))]
         got[on] = (r.decode_loop([0, 1], first, 4).tolist(), r.launches, r._g_logits[:2].clone())
     assert got[True][0] == got[False][0]
     assert torch.equal(got[True][2], got[False][2])
     assert got[True][1] == got[False][1] - 1
+    monkeypatch.setattr(triton_runner, "ARGMAX_IN_HEAD_FORMS", {head: 1})  # (2 rows: above the form's limit)
+    r = TritonRunner(m, 256, graphs=graphs, head_matmul=head)
+    first = [int(r.run([Segment(sl, sl, tuple(p), 0, True)], {sl: 32})[sl].argmax()) for sl, p in enumerate((a, b))]
+    assert r.decode_loop([0, 1], first, 4).tolist() == got[True][0] and r.launches == got[False][1]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -104,10 +104,13 @@ HEAD_X_HALF = True
 # 0.659 ms at 16 slots, 0.843 -> 0.829 at 32, 148 launches; the same tokens as the two-launch
 # argmax over 16 slots x 32 graphed steps.
 ARGMAX_IN_HEAD = True
-# The head forms whose programs keep it. Not "q8i8": its batched int8 step's running best costs
-# ~30 us at 16 rows (the head alone 66 -> 95 us, H200 session 11), more than the separate
-# argmax launch it saves, so that head's argmax runs after it.
-ARGMAX_IN_HEAD_FORMS = ("dense", "q8dense", "q8f16")
+# The head forms whose programs keep it, each up to a bucket of this many rows (and the form's row
+# tile); above, the argmax runs after the head (the same tokens either way). "q8i8" up to 16: with
+# its running best born in the tile store's layout (dense_mma.I8_BEST_IN_STORE_LAYOUT) the int8
+# head alone keeps its 66 us at 16 rows (H200 session 12, run 65: 0.606 -> 0.601 ms per step at
+# 16 slots), but its 32-row tiles with the running best are slower than the argmax after them
+# (0.802 -> 0.821 ms at 32 slots).
+ARGMAX_IN_HEAD_FORMS = {"dense": 64, "q8dense": 64, "q8f16": 64, "q8i8": 16}
 # A step's embedding and the first layer's norm as one launch (kernels/embedding.embedding_rmsnorm)
 # for a float32 h, instead of two. H200, session 11 (run 62): ~1 us per step.
 EMBED_NORM = True
@@ -877,11 +880,11 @@ class TritonRunner:
         """The head's running-argmax buffers for a decode graph of ``bucket`` rows, or None
         (ARGMAX_IN_HEAD off, a head form without the streaming kernel, or two row tiles)."""
         w = self.head.parts[0][1]
-        if not ARGMAX_IN_HEAD or self.dense != "quant" or w.form not in ARGMAX_IN_HEAD_FORMS:
+        if not ARGMAX_IN_HEAD or self.dense != "quant" or bucket > ARGMAX_IN_HEAD_FORMS.get(w.form, 0):
             return None
-        cfg = (self._dense.dense_config(self.device) if w.form == "dense" else
-               self._dense.i8_config(self.device, bucket) if w.form == "q8i8" else self._dense.q8_config(self.device))
-        return self._dense.best_partials(bucket, self.vocab, self.device, cfg)
+        kernel = {"dense": "dense", "q8i8": "q8i8"}.get(w.form, "q8")  # (q8dense, q8f16: q8_dense_mma)
+        return self._dense.best_partials(bucket, self.vocab, self.device,
+                                         self._dense.head_config(kernel, self.device, bucket))
 
     def _graph_for(self, rows: int, max_pos: int) -> _Graph:
         bucket = next(b for b in BUCKETS if b >= rows)
