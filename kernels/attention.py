@@ -43,7 +43,7 @@ import triton.language as tl
 from .pdl import enter, launch_kw
 from . import qmma as _qmma
 from .qmma import dot_acc, l2_prefetch_lines
-from .step_fused import heads_rows, qk_rope_kv_row, qk_rope_row_args
+from .step_fused import qk_rope_kv_row, qk_rope_row_args
 
 # Keys per block, by padded head dim and the KV cache's element size, at most the segment (a
 # shorter segment is one block): fixed per model shape and runner, never per batch or chunk.
@@ -82,10 +82,6 @@ ATTENTION_NUM_STAGES: int | None = None
 # same arithmetic as the loads after the barrier (masked lanes 0, the current row from the pool).
 # Written in session 11.
 ATTENTION_PRELOAD = True
-# With the preload: q and the current K/V row taken from the rope prologue's registers (the values
-# it stores, each head picked out exactly, ``_pick_rows``) instead of read back from memory after
-# a barrier: one dependent round trip to L2 fewer per layer. Same values. Written in session 12.
-ATTENTION_REGS = True
 
 
 def _stages() -> dict:
@@ -165,7 +161,7 @@ def _attention_rope_kernel(
     SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, HQ_P: tl.constexpr,
     HKV_P: tl.constexpr, HALF_P: tl.constexpr, NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
-    PRELOAD: tl.constexpr, REGS: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     """``_attention_partial_kernel`` with ``step_fused.qk_rope_kv`` as every program's prologue:
     the program first runs row r's ``qk_rope_kv_row`` (the separate kernel's body: q into q_ptr,
@@ -173,37 +169,25 @@ def _attention_rope_kernel(
     which reads them back. Every program of a row writes the same bytes, and a row's keys are
     read only by its own programs, so this holds where each row's slot has exactly one row in
     the launch (decode). One kernel boundary fewer per layer. PRELOAD (one block per segment):
-    the segment's older K/V rows are loaded before the PDL wait (ATTENTION_PRELOAD). REGS (with
-    PRELOAD; ATTENTION_REGS): q and the current K/V row are taken from the prologue's registers
-    (the same values its stores wrote) instead of read back after a barrier."""
+    the segment's older K/V rows are loaded before the PDL wait (ATTENTION_PRELOAD)."""
     r = tl.program_id(0)
-    kvh = tl.program_id(1)
     if PRELOAD:
         k_old, v_old, lo, hi, seq = _segment_kv_before(
-            r, kvh, tl.program_id(2), k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+            r, tl.program_id(1), tl.program_id(2), k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
             stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, D, D_P, BLOCK_N, SEG)
     enter(PDL)
-    o1, o2, k1, k2, v1, v2 = qk_rope_kv_row(
-        r, p_ptr, q_ptr, k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, qn_ptr, kn_ptr, inv_ptr, eps,
-        stride_ps, stride_pm, stride_qr, stride_ks, stride_kl, HQ, HKV, HD, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM)
-    if PRELOAD and REGS:
-        q = _pick_rows(heads_rows(o1, o2), kvh * GROUP, GROUP, QROWS)
-        h = tl.arange(0, HKV_P)
-        kc = tl.sum(tl.where((h == kvh)[:, None], heads_rows(k1, k2), -0.0), axis=0).to(k_ptr.dtype.element_ty)
-        vc = tl.sum(tl.where((h == kvh)[:, None], heads_rows(v1, v2), -0.0), axis=0).to(v_ptr.dtype.element_ty)
-        _attend_preloaded(r, kvh, tl.program_id(2), q, kc, vc, k_old, v_old, lo, hi, ws_m_ptr, ws_l_ptr,
-                          ws_acc_ptr, qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
-                          GROUP, QROWS, D_P, BLOCK_N, SEG, USE_DOT, INPUT_PRECISION, FUSED)
-    elif PRELOAD:
-        tl.debug_barrier()  # this program's q, K, V stores before its loads of them
+    qk_rope_kv_row(r, p_ptr, q_ptr, k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, qn_ptr, kn_ptr, inv_ptr, eps,
+                   stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
+                   HQ, HKV, HD, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM)
+    tl.debug_barrier()  # this program's q, K, V stores before its loads of them
+    if PRELOAD:
         attention_item_preloaded(
-            r, kvh, tl.program_id(2), k_old, v_old, lo, hi, seq,
+            r, tl.program_id(1), tl.program_id(2), k_old, v_old, lo, hi, seq,
             q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
             stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
             qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
             GROUP, QROWS, D_P, BLOCK_N, SEG, USE_DOT, INPUT_PRECISION, FUSED)
     else:
-        tl.debug_barrier()  # this program's q, K, V stores before its loads of them
         attention_item(
             r, tl.program_id(1), tl.program_id(2),
             q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
@@ -352,42 +336,19 @@ def attention_item_preloaded(
     SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
 ):
     """``attention_item`` for a one-block segment whose older K/V rows are k_old / v_old
-    (``_segment_kv_before``, with the row's key range [lo, hi) and sequence seq): q and the row's
-    current K/V row (the position, just stored) are read back and the latter put in its lane;
-    then the same block step and finish, so the same values."""
+    (``_segment_kv_before``, with the row's key range [lo, hi) and sequence seq): the row's
+    current K/V row (the position, just stored) is read from the pools and put in its lane; then
+    the same block step and finish, so the same values."""
+    seg_lo = tl.maximum(lo, sg * SEG)
+    seg_hi = tl.minimum(hi, (sg + 1) * SEG)
     d = tl.arange(0, D_P)
+    j = sg * SEG + tl.arange(0, BLOCK_N)
     cur = hi - 1
     here = (d < D) & ((cur + 0 * d) >= sg * SEG) & ((cur + 0 * d) < (sg + 1) * SEG)  # (vector masks: interpreter)
     q = _load_q(q_ptr, r, kvh, stride_qr, stride_qh, D, GROUP, QROWS, D_P)
     kc = tl.load(k_ptr + seq * stride_ks + kvh * stride_kh + cur.to(tl.int64) * stride_kl + d, mask=here, other=0.0)
     vc = tl.load(v_ptr + seq * stride_vs + kvh * stride_vh + cur.to(tl.int64) * stride_vl + d, mask=here, other=0.0)
-    _attend_preloaded(r, kvh, sg, q, kc, vc, k_old, v_old, lo, hi, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
-                      qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
-                      GROUP, QROWS, D_P, BLOCK_N, SEG, USE_DOT, INPUT_PRECISION, FUSED)
-
-
-@triton.jit
-def _pick_rows(x, first, count, N: tl.constexpr):
-    """Rows first .. first + count - 1 of x [H, D] as [N, D] (rows from count on 0), picked in
-    registers: each element a sum of its value and -0.0s, exact (x + -0.0 == x for every x)."""
-    n = tl.arange(0, N)
-    h = tl.arange(0, x.shape[0])
-    pick = (h[None, :] == first + n[:, None]) & (n < count)[:, None]  # [N, H]
-    rows = tl.sum(tl.where(pick[:, :, None], x[None, :, :], -0.0), axis=1)
-    return tl.where((n < count)[:, None], rows, 0.0)
-
-
-@triton.jit
-def _attend_preloaded(r, kvh, sg, q, kc, vc, k_old, v_old, lo, hi, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
-                      qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
-                      GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                      SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr):
-    """The one-block segment's step and finish: q [QROWS, D_P] float32; the current K/V row kc,
-    vc [D_P] put in its lane (position hi - 1) of k_old / v_old, in the pools' dtype."""
-    seg_lo = tl.maximum(lo, sg * SEG)
-    seg_hi = tl.minimum(hi, (sg + 1) * SEG)
-    j = sg * SEG + tl.arange(0, BLOCK_N)
-    at = (j == hi - 1)[:, None]
+    at = (j == cur)[:, None]
     k = tl.where(at, kc[None, :], k_old).to(tl.float32)
     v = tl.where(at, vc[None, :], v_old).to(tl.float32)
     m_i = tl.full([QROWS], float("-inf"), dtype=tl.float32)
@@ -556,10 +517,8 @@ def _launch_rope(common: tuple, consts: dict, rope: RopePrologue, q, k_cache, v_
     args, row = qk_rope_row_args(rope.part, q, k_cache, rope.q_norm, rope.k_norm, rope.inv_freq, rope.eps)
     row["HD"] = row.pop("D")  # (the partial kernel's D is its runtime head dim)
     preload = ATTENTION_PRELOAD and consts["SEG"] == consts["BLOCK_N"]
-    # (the registers' form joins the halves of a head: a power-of-two head dim, no padding)
-    regs = ATTENTION_REGS and preload and row["HALF"] == row["HALF_P"] and consts["D_P"] == row["HD"]
     _attention_rope_kernel[(q.shape[0], k_cache.shape[2], num_seg)](
-        *common, rope.part, *args, **consts, **row, PRELOAD=preload, REGS=regs, **launch_kw(q), **_stages(),
+        *common, rope.part, *args, **consts, **row, PRELOAD=preload, **launch_kw(q), **_stages(),
     )
 
 

@@ -164,10 +164,7 @@ def qk_rope_kv_row(
     HQ_P: tl.constexpr, HKV_P: tl.constexpr, HALF_P: tl.constexpr,
     NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
-    """Row r of ``_qk_rope_kv_kernel`` (also an item of kernels/persistent.py). Returns the
-    row's q, k, v as halves (o1, o2 [HQ_P, HALF_P], k1, k2, v1, v2 [HKV_P, HALF_P], float32; k and
-    v before their rounding to the pools' dtype): ``heads_rows`` joins them for a caller that
-    goes on with them in registers (kernels/attention.py's rope prologue)."""
+    """Row r of ``_qk_rope_kv_kernel`` (also an item of kernels/persistent.py)."""
     pos = tl.load(pos_ptr + r)
     seq = tl.load(seq_ptr + r).to(tl.int64)
     i = tl.arange(0, HALF_P)
@@ -194,15 +191,6 @@ def qk_rope_kv_row(
     v2 = _sum_parts(vbase, koffs + HALF, kmask, stride_ps, NSPLIT, "")
     tl.store(v_ptr + dst, v1.to(v_ptr.dtype.element_ty), mask=kmask)
     tl.store(v_ptr + dst + HALF, v2.to(v_ptr.dtype.element_ty), mask=kmask)
-    return o1, o2, k1, k2, v1, v2
-
-
-@triton.jit
-def heads_rows(x1, x2):
-    """Halves x1, x2 [H, HALF] (a head's dims [0, HALF) and [HALF, 2 HALF)) as [H, 2 HALF]."""
-    H: tl.constexpr = x1.shape[0]
-    HALF: tl.constexpr = x1.shape[1]
-    return tl.reshape(tl.permute(tl.join(x1, x2), (0, 2, 1)), (H, 2 * HALF))
 
 
 @triton.jit

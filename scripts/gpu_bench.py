@@ -836,7 +836,6 @@ def main_stage(args) -> None:
     S11_PRE = [(A, "ATTENTION_PRELOAD", True)]  # older K/V rows loaded before the attention's PDL wait (s11)
     S11_I8 = [(dm, "I8_STEP", "batched"), (tr, "HEAD_MATMUL", "q8i8")]  # q8i8 head, batched step, tiles by M (s11)
     S12_I8_ARG = [(tr, "ARGMAX_IN_HEAD_FORMS", {"dense": 64, "q8i8": 64})]  # (s12: the int8 head's at any rows)
-    S13_NOREGS = [(A, "ATTENTION_REGS", False)]  # q / current K/V read back after the barrier (s13)
     S11_32 = ((32, dict(temperature=0.0)),)  # (32 rows take the q8i8 head's 32-row tiles, one row alone 16)
 
     # K slices of 128 weights (every format's step at 128, so one step per program)
@@ -992,16 +991,11 @@ def main_stage(args) -> None:
             ("rope in attention", (tr, "ROPE_IN_ATTENTION", True), {}),
         ], slots=SLOTS)),
         ("rope attn w8 exact", lambda: _with(S10_ROPE8, lambda: stage_exact(m, out, exact_rows))),
-        ("s13", lambda: stage_sweep(m, out, rows, bw, "s13", [
-            ("attention: q and the current K/V read back after a barrier (ATTENTION_REGS off)", S13_NOREGS, {}),
-            ("q8i8 head (its argmax in it up to 16 rows)", S11_I8, {}),
-            ("q8i8 head, q and K/V read back", S11_I8 + S13_NOREGS, {}),
+        ("s13", lambda: stage_sweep(m, out, rows, bw, "s13", [  # (run 66's s13: at d61d640)
+            ("head: the dequantized bf16 copy (the default until session 12)", [(tr, "HEAD_MATMUL", "dense")], {}),
+            ("q8i8 head, its argmax after it at every row count", [(tr, "ARGMAX_IN_HEAD_FORMS", {"dense": 64})], {}),
         ], slots=SLOTS)),
-        ("s13 regs same bits", lambda: stage_same_bits(
-            m, out, exact_rows, "attention q/K/V from the prologue's registers vs read back (ATTENTION_REGS off)",
-            lambda fn: _with(S13_NOREGS, fn))),
-        ("s13 i8 exact", lambda: _with(S11_I8, lambda: stage_exact(m, out, exact_rows, EXACT_SIZES + S11_32))),
-        ("s13 i8 profile", lambda: _with(S11_I8, lambda: stage_profile(m, out, prof_rows))),
+        ("s13 exact", lambda: stage_exact(m, out, exact_rows, EXACT_SIZES + S11_32)),
         ("s12", lambda: stage_sweep(m, out, rows, bw, "s12", [
             ("q8i8 head, argmax after it", S11_I8, {}),
             ("q8i8 head, argmax in it (best in the store's layout)", S11_I8 + S12_I8_ARG, {}),

@@ -122,11 +122,11 @@ VARIANTS = {
     "q8head": {"head_matmul": "q8dense"},  # the head's products from its Q8_0 planes
     "q8f16": {"head_matmul": "q8f16"},  # the same with float16 operands
     "glu_down": {"glu_in_down": True},  # the FFN down product forms the GLU from gate|up's partials
-    "q8i8": {"head_matmul": "q8i8"},  # the Q8_0 planes against x's Q8_0 blocks, integer MMAs (batched step)
+    "q8i8": {"head_matmul": "q8i8"},  # the Q8_0 planes against x's Q8_0 blocks, integer MMAs (the default since session 12)
+    "dense_head": {"head_matmul": "dense"},  # the head's dequantized bf16 copy (the default until session 12)
     "q8i8b": "q8i8b",  # the same with the serial K step (dense_mma.I8_STEP)
     "q8i8b16": "q8i8b16",  # q8i8b in 16-row tiles, 4 programs per SM
     "attn_preload": "attn_preload",  # attention.ATTENTION_PRELOAD: older K/V rows loaded before the wait
-    "attn_noregs": "attn_noregs",  # attention.ATTENTION_REGS off: q and the current K/V read back after a barrier
     "pair": {"pair_launch": True},  # the mixed-format q|k|v as one launch
     "rope_attn": {"rope_in_attention": True},  # QK-norm/rope/KV as the attention programs' prologue
     "q8stream": "q8stream",  # the same, streaming form (DenseConfig.programs_per_sm)
@@ -143,7 +143,6 @@ STEP_OPTIONS = {  # variant -> [(module, name, value)], set for the variant's fo
     "q8i8b16": [("runner", "HEAD_MATMUL", "q8i8"), ("dense_mma", "I8_STEP", "batched"),
                 ("dense_mma", "DENSE_CONFIG", "m16"), ("dense_mma", "Q8_PROGRAMS_PER_SM", 4)],
     "attn_preload": [("attention", "ATTENTION_PRELOAD", True)],
-    "attn_noregs": [("attention", "ATTENTION_REGS", False)],
     "q5k256": [("qmma", "QMMA_CONFIGS", "q5k256")],
     "preload": [("qmma", "QMMA_CONFIGS", "preload")],
     "preload_k128": [("qmma", "QMMA_CONFIGS", "preload_k128")],

@@ -209,6 +209,12 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
 F16_MAX = 65504.0  # the largest finite float16
 
 
+def head_qtype(model: Model) -> str | None:
+    """The GGUF type name of the output head's tensor (the token embedding where tied), or None."""
+    t = model.source.tensors.get("token_embd.weight" if model.config.tied_output else "output.weight")
+    return None if t is None else t.qtype_name
+
+
 def f16_head_refusal(model: Model) -> str | None:
     """Why the head's products may not take float16 operands (``head_matmul="q8f16"``), or None.
 
@@ -221,7 +227,7 @@ def f16_head_refusal(model: Model) -> str | None:
         return f"a {model.dtype_name} engine's head keeps its float32 products (float16 operands are for bfloat16 engines)"
     name = "token_embd.weight" if c.tied_output else "output.weight"
     t = model.source.tensors.get(name)
-    if t is None or t.qtype_name != "Q8_0":
+    if head_qtype(model) != "Q8_0":
         return f"the head ({name}) is {t.qtype_name if t is not None else 'missing'}, not Q8_0"
     blocks = np.asarray(model.source.raw(name)).reshape(-1, 34)  # block_q8_0: f16 d, then 32 int8
     wmax = float(np.abs(np.ascontiguousarray(blocks[:, :2]).view(np.float16)).astype(np.float32).max()) * 128

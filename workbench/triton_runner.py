@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from .device_weights import Proj, f16_head_refusal, load_device_weights
+from .device_weights import Proj, f16_head_refusal, head_qtype, load_device_weights
 from .errors import WorkbenchError
 from .model import Model
 from .planner import SlotView
@@ -73,8 +73,14 @@ MATMUL_FORMS = ("mma", "gemv", "raw")
 # values the packed decode makes) on tensor cores (kernels/dense_mma.py): the Q8_0 head decoded
 # in registers ran at ~1 TB/s, bound by the decode's instructions (docs/GPU_NOTES.md, session 5).
 # A per-weight choice (fixed at load, by the weight, never by the row count), so rows stay
-# invariant whichever form each weight takes.
-HEAD_MATMUL: str | None = "dense"
+# invariant whichever form each weight takes. Since session 12 the default is "q8i8" (below) for a
+# bfloat16 engine's Q8_0 head, "dense" for any other head and for a float32 engine (which keeps
+# its float32 products) or the cuBLAS variant: on the H200 the int8 head with its argmax in it is
+# 66 us at 16 rows against the copy's 86, the step 0.618 -> 0.601 ms at 16 slots, 0.565 -> 0.550
+# at one, 0.778 -> 0.801 at 32 (run 66), and it needs no 335 MB dense copy. It quantizes the head's
+# input per 32 values as llama.cpp does for its quantized products: a choice of numerics, stated
+# (greedy tokens follow it; batched == solo either way).
+HEAD_MATMUL: str | None = "q8i8"
 # The head's forms on tensor cores beside the layers' (kernels/dense_mma.py): "dense" (above),
 # "q8dense" (the same products from the Q8_0 planes, d * q formed per K step) and "q8f16": the
 # Q8_0 planes with float16 operands (float16(d * q) formed in float16 arithmetic from the bits
@@ -279,6 +285,11 @@ class TritonRunner:
                 raise WorkbenchError(f"head_matmul='q8f16' (float16 operands) is refused: {why}; allowed "
                                      f"{', '.join(f for f in head_allowed if f != 'q8f16')}")
             self.head_matmul = "dense"  # the default where float16 cannot be proved safe
+        if self.head_matmul == "q8i8" and head_matmul is None and (
+                head_qtype(model) != "Q8_0" or model.dtype != torch.bfloat16 or dense != "quant"):
+            # the default's int8 head: a bfloat16 engine's Q8_0 head (a float32 engine keeps its
+            # float32 products; the cuBLAS variant reads the dense copy)
+            self.head_matmul = "dense"
         for what, form, ok in [("head_matmul", self.head_matmul, head_allowed),
                                *(("layer_forms", f, allowed) for f in self.layer_forms.values())]:
             if form not in ok:

@@ -202,23 +202,19 @@ def test_kv_prefetch_changes_no_bit(device, monkeypatch):
                                .float(), **TOL[torch.bfloat16])
 
 
-@pytest.mark.parametrize("norm,preload,regs", [(True, False, False), (False, False, False), (True, True, False),
-                                               (True, True, True), (False, True, True)])
-def test_rope_prologue_is_the_separate_kernel(norm, preload, regs, device, monkeypatch):
+@pytest.mark.parametrize("norm,preload", [(True, False), (False, False), (True, True)])
+def test_rope_prologue_is_the_separate_kernel(norm, preload, device, monkeypatch):
     """attention_rows(rope=): QK-norm + rope + the KV write as every attention program's
     prologue (one launch) instead of step_fused.qk_rope_kv before it: q, the pools and the
     output bitwise the two-launch form's, rows of distinct slots at several segments (a window
     starting inside one, a position at a segment's start); refused without the fused combine.
     preload (ATTENTION_PRELOAD; here 32-key segments of one 32-key block): the segment's older
-    K/V rows loaded before the prologue, the current row read back: the same bits. regs
-    (ATTENTION_REGS): q and the current K/V row taken from the prologue's registers, each of
-    the two K/V heads' query group picked out: the same bits."""
+    K/V rows loaded before the prologue, the current row read back: the same bits."""
     from workbench.kernels.attention import RopePrologue
     from workbench.kernels.step_fused import qk_rope_kv
 
     monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", 32)
     monkeypatch.setattr(attention_mod, "ATTENTION_PRELOAD", preload)
-    monkeypatch.setattr(attention_mod, "ATTENTION_REGS", regs)
     assert attention_mod._attention_config(16, 32, 2)[0] == 32  # (one block per segment)
     gen = torch.Generator().manual_seed(12)
     R, Hq, Hkv, D, S, L, splits = 3, 4, 2, 32, 4, 96, 2
