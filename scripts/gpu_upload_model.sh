@@ -19,7 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SRC=${1:-$HOME/.cache/slotlab/models/gemma-3-270m-q4_k_m.gguf}
-PART=${PART_BYTES:-36000000}  # beside the ~25 MB tracked tree within one call's 64 MiB
+PART=${PART_BYTES:-32600000}  # ten parts, each beside the ~31 MB tracked tree within one call's 64 MiB
 SHA=$(sha256sum "$SRC" | cut -d' ' -f1)
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
