@@ -43,7 +43,8 @@ import triton.language as tl
 from .pdl import enter, launch_kw
 from . import qmma as _qmma
 from .qmma import dot_acc, l2_prefetch_lines
-from .step_fused import qk_rope_kv_row, qk_rope_row_args
+from . import step_fused as _step_fused
+from .step_fused import qk_rope_kv_body, qk_rope_prep, qk_rope_row_args
 
 # Keys per block, by padded head dim and the KV cache's element size, at most the segment (a
 # shorter segment is one block): fixed per model shape and runner, never per batch or chunk.
@@ -161,7 +162,7 @@ def _attention_rope_kernel(
     SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, HQ_P: tl.constexpr,
     HKV_P: tl.constexpr, HALF_P: tl.constexpr, NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
-    PRELOAD: tl.constexpr,
+    PRELOAD: tl.constexpr, PRE: tl.constexpr,
 ):
     """``_attention_partial_kernel`` with ``step_fused.qk_rope_kv`` as every program's prologue:
     the program first runs row r's ``qk_rope_kv_row`` (the separate kernel's body: q into q_ptr,
@@ -175,10 +176,14 @@ def _attention_rope_kernel(
         k_old, v_old, lo, hi, seq = _segment_kv_before(
             r, tl.program_id(1), tl.program_id(2), k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
             stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, D, D_P, BLOCK_N, SEG)
-    enter(PDL)
-    qk_rope_kv_row(r, p_ptr, q_ptr, k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, qn_ptr, kn_ptr, inv_ptr, eps,
-                   stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
-                   HQ, HKV, HD, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM)
+    if PRE:  # (the rope's positions, cos / sin and QK-norm weights before the wait: step_fused.WEIGHTS_BEFORE_WAIT)
+        pre = qk_rope_prep(r, row_seq_ptr, row_pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF, HALF_P, HAS_NORM)
+        enter(PDL)
+    else:
+        enter(PDL)
+        pre = qk_rope_prep(r, row_seq_ptr, row_pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF, HALF_P, HAS_NORM)
+    qk_rope_kv_body(r, pre, p_ptr, q_ptr, k_ptr, v_ptr, eps, stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
+                    HQ, HKV, HD, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM)
     tl.debug_barrier()  # this program's q, K, V stores before its loads of them
     if PRELOAD:
         attention_item_preloaded(
@@ -518,7 +523,8 @@ def _launch_rope(common: tuple, consts: dict, rope: RopePrologue, q, k_cache, v_
     row["HD"] = row.pop("D")  # (the partial kernel's D is its runtime head dim)
     preload = ATTENTION_PRELOAD and consts["SEG"] == consts["BLOCK_N"]
     _attention_rope_kernel[(q.shape[0], k_cache.shape[2], num_seg)](
-        *common, rope.part, *args, **consts, **row, PRELOAD=preload, **launch_kw(q), **_stages(),
+        *common, rope.part, *args, **consts, **row, PRELOAD=preload, PRE=_step_fused.WEIGHTS_BEFORE_WAIT,
+        **launch_kw(q), **_stages(),
     )
 
 

@@ -76,12 +76,25 @@ def glu_pair_epilogue(part_ptr, stride_ps, stride_pm, o_ptr, stride_o, count_ptr
 def _add_rmsnorm_kernel(
     x_ptr, p_ptr, wpost_ptr, wn_ptr, h_ptr, E, eps,
     stride_x, stride_ps, stride_pm, stride_h,
-    NSPLIT: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    NSPLIT: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr,
 ):
-    """x += post_norm(sum of partials) (or the plain sum); h = rmsnorm(x) * wn."""
-    enter(PDL)
-    add_rmsnorm_row(tl.program_id(0), x_ptr, p_ptr, wpost_ptr, wn_ptr, h_ptr, E, eps,
-                    stride_x, stride_ps, stride_pm, stride_h, NSPLIT, HAS_POST, BLOCK)
+    """x += post_norm(sum of partials) (or the plain sum); h = rmsnorm(x) * wn. PRE: the norm
+    weights loaded before the PDL wait (nothing of a step writes them; WEIGHTS_BEFORE_WAIT)."""
+    if PRE:
+        wpost, wn = _add_rmsnorm_weights(wpost_ptr, wn_ptr, E, BLOCK)
+        enter(PDL)
+    else:
+        enter(PDL)
+        wpost, wn = _add_rmsnorm_weights(wpost_ptr, wn_ptr, E, BLOCK)
+    _add_rmsnorm_body(tl.program_id(0), x_ptr, p_ptr, wpost, wn, h_ptr, E, eps,
+                      stride_x, stride_ps, stride_pm, stride_h, NSPLIT, HAS_POST, BLOCK)
+
+
+@triton.jit
+def _add_rmsnorm_weights(wpost_ptr, wn_ptr, E, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    return (tl.load(wpost_ptr + cols, mask=cols < E, other=0.0),
+            tl.load(wn_ptr + cols, mask=cols < E, other=0.0))
 
 
 @triton.jit
@@ -91,16 +104,29 @@ def add_rmsnorm_row(
     NSPLIT: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Row r of ``_add_rmsnorm_kernel`` (also an item of kernels/persistent.py)."""
+    wpost, wn = _add_rmsnorm_weights(wpost_ptr, wn_ptr, E, BLOCK)
+    _add_rmsnorm_body(r, x_ptr, p_ptr, wpost, wn, h_ptr, E, eps,
+                      stride_x, stride_ps, stride_pm, stride_h, NSPLIT, HAS_POST, BLOCK)
+
+
+@triton.jit
+def _add_rmsnorm_body(
+    r, x_ptr, p_ptr, wpost, wn, h_ptr, E, eps,
+    stride_x, stride_ps, stride_pm, stride_h,
+    NSPLIT: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Row r with the norm weights wpost, wn [BLOCK] in hand (0 beyond E)."""
     cols = tl.arange(0, BLOCK)
     mask = cols < E
     d = _sum_parts(p_ptr + r * stride_pm, cols, mask, stride_ps, NSPLIT, "")
+    x_old = tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0.0)
     if HAS_POST:
         rs = 1.0 / tl.sqrt_rn(tl.sum(d * d, axis=0) / E + eps)
-        d = (d * rs) * tl.load(wpost_ptr + cols, mask=mask, other=0.0)
-    x = tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0.0) + d
+        d = (d * rs) * wpost
+    x = x_old + d
     tl.store(x_ptr + r * stride_x + cols, x, mask=mask)
     rs2 = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / E + eps)
-    h = (x * rs2) * tl.load(wn_ptr + cols, mask=mask, other=0.0)
+    h = (x * rs2) * wn
     tl.store(h_ptr + r * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
@@ -126,17 +152,15 @@ def glu_item(r, cb, p_ptr, o_ptr, F, stride_ps, stride_pm, stride_o,
 
 
 @triton.jit
-def _norm_rope_heads(base, offs, mask, stride_ps, nw_ptr, i, imask, c, s, D, eps,
+def _norm_rope_heads(base, offs, mask, stride_ps, w1, w2, c, s, D, eps,
                      NSPLIT: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
     x1 = _sum_parts(base, offs, mask, stride_ps, NSPLIT, "")
     x2 = _sum_parts(base, offs + HALF, mask, stride_ps, NSPLIT, "")
     if HAS_NORM:
         ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
         rs = 1.0 / tl.sqrt_rn(ss / D + eps)
-        w1 = tl.load(nw_ptr + i, mask=imask, other=0.0)[None, :]
-        w2 = tl.load(nw_ptr + HALF + i, mask=imask, other=0.0)[None, :]
-        x1 = (x1 * rs[:, None]) * w1
-        x2 = (x2 * rs[:, None]) * w2
+        x1 = (x1 * rs[:, None]) * w1[None, :]
+        x2 = (x2 * rs[:, None]) * w2[None, :]
     return x1 * c - x2 * s, x2 * c + x1 * s
 
 
@@ -146,14 +170,20 @@ def _qk_rope_kv_kernel(
     stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     HQ_P: tl.constexpr, HKV_P: tl.constexpr, HALF_P: tl.constexpr,
-    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
+    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr,
 ):
     """From the qkv partials of one row: q = rope(qnorm(q)) -> q_out; k = rope(knorm(k)) and v
-    -> the row's KV slot (seq, pos). NEOX rope: pairs (i, i + D/2), angle = f32(pos) * inv_freq."""
-    enter(PDL)
-    qk_rope_kv_row(tl.program_id(0), p_ptr, q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, eps,
-                   stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
-                   HQ, HKV, D, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM)
+    -> the row's KV slot (seq, pos). NEOX rope: pairs (i, i + D/2), angle = f32(pos) * inv_freq.
+    PRE: ``qk_rope_prep`` before the PDL wait (WEIGHTS_BEFORE_WAIT)."""
+    r = tl.program_id(0)
+    if PRE:
+        pre = qk_rope_prep(r, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF, HALF_P, HAS_NORM)
+        enter(PDL)
+    else:
+        enter(PDL)
+        pre = qk_rope_prep(r, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF, HALF_P, HAS_NORM)
+    qk_rope_kv_body(r, pre, p_ptr, q_ptr, k_ptr, v_ptr, eps, stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
+                    HQ, HKV, D, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM)
 
 
 @triton.jit
@@ -165,24 +195,55 @@ def qk_rope_kv_row(
     NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     """Row r of ``_qk_rope_kv_kernel`` (also an item of kernels/persistent.py)."""
+    pre = qk_rope_prep(r, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF, HALF_P, HAS_NORM)
+    qk_rope_kv_body(r, pre, p_ptr, q_ptr, k_ptr, v_ptr, eps, stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
+                    HQ, HKV, D, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM)
+
+
+@triton.jit
+def qk_rope_prep(r, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+                 HAS_NORM: tl.constexpr):
+    """What row r's QK-norm/rope takes that no kernel of the step writes (the row tables are
+    written before the step's first kernel; the weights never): its position and sequence, the
+    rope's cos / sin, the norms' weight halves. A PDL kernel can take them before its wait."""
     pos = tl.load(pos_ptr + r)
     seq = tl.load(seq_ptr + r).to(tl.int64)
     i = tl.arange(0, HALF_P)
     imask = i < HALF
     ang = pos.to(tl.float32) * tl.load(inv_ptr + i, mask=imask, other=0.0)
-    c = tl.cos(ang)[None, :]
-    s = tl.sin(ang)[None, :]
+    if HAS_NORM:
+        w = (tl.load(qn_ptr + i, mask=imask, other=0.0), tl.load(qn_ptr + HALF + i, mask=imask, other=0.0),
+             tl.load(kn_ptr + i, mask=imask, other=0.0), tl.load(kn_ptr + HALF + i, mask=imask, other=0.0))
+    else:
+        z = tl.zeros([HALF_P], dtype=tl.float32)
+        w = (z, z, z, z)
+    return pos, seq, tl.cos(ang), tl.sin(ang), w[0], w[1], w[2], w[3]
+
+
+@triton.jit
+def qk_rope_kv_body(
+    r, pre, p_ptr, q_ptr, k_ptr, v_ptr, eps, stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    HQ_P: tl.constexpr, HKV_P: tl.constexpr, HALF_P: tl.constexpr,
+    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    """Row r of the QK-norm/rope/KV write with ``qk_rope_prep``'s values in hand."""
+    pos, seq, cos, sin, qw1, qw2, kw1, kw2 = pre
+    i = tl.arange(0, HALF_P)
+    imask = i < HALF
+    c = cos[None, :]
+    s = sin[None, :]
     base = p_ptr + r * stride_pm
     hq = tl.arange(0, HQ_P)
     qmask = (hq < HQ)[:, None] & imask[None, :]
     qoffs = hq[:, None] * D + i[None, :]
-    o1, o2 = _norm_rope_heads(base, qoffs, qmask, stride_ps, qn_ptr, i, imask, c, s, D, eps, NSPLIT, HALF, HAS_NORM)
+    o1, o2 = _norm_rope_heads(base, qoffs, qmask, stride_ps, qw1, qw2, c, s, D, eps, NSPLIT, HALF, HAS_NORM)
     tl.store(q_ptr + r * stride_qr + qoffs, o1, mask=qmask)
     tl.store(q_ptr + r * stride_qr + qoffs + HALF, o2, mask=qmask)
     hk = tl.arange(0, HKV_P)
     kmask = (hk < HKV)[:, None] & imask[None, :]
     koffs = hk[:, None] * D + i[None, :]
-    k1, k2 = _norm_rope_heads(base + HQ * D, koffs, kmask, stride_ps, kn_ptr, i, imask, c, s, D, eps, NSPLIT, HALF, HAS_NORM)
+    k1, k2 = _norm_rope_heads(base + HQ * D, koffs, kmask, stride_ps, kw1, kw2, c, s, D, eps, NSPLIT, HALF, HAS_NORM)
     dst = seq * stride_ks + pos.to(tl.int64) * stride_kl + koffs
     tl.store(k_ptr + dst, k1.to(k_ptr.dtype.element_ty), mask=kmask)
     tl.store(k_ptr + dst + HALF, k2.to(k_ptr.dtype.element_ty), mask=kmask)
@@ -309,6 +370,10 @@ def add_norm_epilogue(part_ptr, stride_ps, stride_pm, count_ptr, tile_idx, row_i
 # 1 and 2 warps slower); qk_rope_kv: 8 (session 8, run 38: 0.639 / 0.737 -> 0.630 / 0.732 against 4,
 # through the exactness stage; 1, 2: within the spread).
 ADD_NORM_WARPS = 8
+# What a kernel takes that no kernel of the step writes (norm weights; the rope's positions, its
+# cos / sin and the QK-norm weights) loaded or computed before its PDL wait rather than after:
+# the same values in the same arithmetic, off the chain's critical path. Session 12.
+WEIGHTS_BEFORE_WAIT = True
 QK_ROPE_WARPS = 8
 
 
@@ -328,7 +393,7 @@ def add_rmsnorm(x: torch.Tensor, part: torch.Tensor, w_post: torch.Tensor | None
     _add_rmsnorm_kernel[(R,)](
         x, part, w_post if w_post is not None else w_next, w_next, h, E, float(eps),
         x.stride(0), part.stride(0), part.stride(1), h.stride(0),
-        NSPLIT=part.shape[0], HAS_POST=w_post is not None, BLOCK=block,
+        NSPLIT=part.shape[0], HAS_POST=w_post is not None, BLOCK=block, PRE=WEIGHTS_BEFORE_WAIT,
         num_warps=num_warps or ADD_NORM_WARPS, **launch_kw(part),
     )
 
@@ -374,7 +439,7 @@ def qk_rope_kv(part: torch.Tensor, q_out: torch.Tensor, k_pool: torch.Tensor, v_
     args, consts = qk_rope_row_args(part, q_out, k_pool, q_norm, k_norm, inv_freq, eps)
     _qk_rope_kv_kernel[(q_out.shape[0],)](
         part, q_out, k_pool, v_pool, seq, pos, *args, q_out.stride(0), k_pool.stride(0), k_pool.stride(1),
-        **consts, num_warps=num_warps or QK_ROPE_WARPS, **launch_kw(part),
+        **consts, PRE=WEIGHTS_BEFORE_WAIT, num_warps=num_warps or QK_ROPE_WARPS, **launch_kw(part),
     )
 
 

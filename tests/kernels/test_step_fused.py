@@ -221,3 +221,33 @@ def test_add_norm_folded_into_the_product(name, post, rows, device, quant_rows):
     for i in (0, rows - 1):
         _, xi, hi = run(a[i : i + 1].clone(), x0[i : i + 1])
         assert torch.equal(xi, x[i : i + 1]) and torch.equal(hi, h[i : i + 1])
+
+
+def test_weights_before_the_wait_change_no_bit(device, monkeypatch):
+    """WEIGHTS_BEFORE_WAIT: the norm weights (add+norm) and the rope's positions, cos / sin and
+    QK-norm weights (QK-norm/rope) taken before the PDL wait instead of after it: the same
+    bits, for x, h, q and the pools."""
+    from workbench.kernels import step_fused
+
+    gen = torch.Generator().manual_seed(9)
+    R, E, splits = 3, 72, 2
+    x = _r(R, E, gen=gen, device=device)
+    part = _r(splits, R, E, gen=gen, device=device)
+    w_post, w_next = _r(E, gen=gen, device=device), _r(E, gen=gen, device=device)
+    Hq, Hkv, D = 2, 1, 16
+    qpart = _r(splits, R, (Hq + 2 * Hkv) * D, gen=gen, device=device)
+    seq = torch.tensor([1, 0, 2], dtype=torch.int32, device=device)
+    pos = torch.tensor([3, 0, 9], dtype=torch.int32, device=device)
+    inv = (1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))).to(device)
+    qn, kn = _r(D, gen=gen, device=device), _r(D, gen=gen, device=device)
+    got = {}
+    for pre in (False, True):
+        monkeypatch.setattr(step_fused, "WEIGHTS_BEFORE_WAIT", pre)
+        xs, h = x.clone(), torch.empty(R, E, device=device)
+        add_rmsnorm(xs, part, w_post, w_next, h, 1e-6)
+        q = torch.empty(R, Hq, D, device=device)
+        kp, vp = torch.zeros(3, 12, Hkv, D, device=device), torch.zeros(3, 12, Hkv, D, device=device)
+        qk_rope_kv(qpart, q, kp, vp, seq, pos, qn, kn, inv, 1e-6)
+        got[pre] = (xs, h, q, kp, vp)
+    for a, b in zip(got[True], got[False], strict=True):
+        assert torch.equal(a, b)
