@@ -162,7 +162,7 @@ def _attention_rope_kernel(
     SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, HQ_P: tl.constexpr,
     HKV_P: tl.constexpr, HALF_P: tl.constexpr, NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
-    PRELOAD: tl.constexpr, PRE: tl.constexpr,
+    PRELOAD: tl.constexpr, LOADS: tl.constexpr,
 ):
     """``_attention_partial_kernel`` with ``step_fused.qk_rope_kv`` as every program's prologue:
     the program first runs row r's ``qk_rope_kv_row`` (the separate kernel's body: q into q_ptr,
@@ -176,7 +176,7 @@ def _attention_rope_kernel(
         k_old, v_old, lo, hi, seq = _segment_kv_before(
             r, tl.program_id(1), tl.program_id(2), k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
             stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, D, D_P, BLOCK_N, SEG)
-    if PRE:  # (the rope's positions, cos / sin and QK-norm weights before the wait: step_fused.WEIGHTS_BEFORE_WAIT)
+    if LOADS == 2:  # (the rope's positions, cos / sin and QK-norm weights before the wait: step_fused.WEIGHT_LOADS)
         pre = qk_rope_prep(r, row_seq_ptr, row_pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF, HALF_P, HAS_NORM)
         enter(PDL)
     else:
@@ -523,7 +523,7 @@ def _launch_rope(common: tuple, consts: dict, rope: RopePrologue, q, k_cache, v_
     row["HD"] = row.pop("D")  # (the partial kernel's D is its runtime head dim)
     preload = ATTENTION_PRELOAD and consts["SEG"] == consts["BLOCK_N"]
     _attention_rope_kernel[(q.shape[0], k_cache.shape[2], num_seg)](
-        *common, rope.part, *args, **consts, **row, PRELOAD=preload, PRE=_step_fused.WEIGHTS_BEFORE_WAIT,
+        *common, rope.part, *args, **consts, **row, PRELOAD=preload, LOADS=_step_fused._loads(),
         **launch_kw(q), **_stages(),
     )
 

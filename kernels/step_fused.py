@@ -76,18 +76,18 @@ def glu_pair_epilogue(part_ptr, stride_ps, stride_pm, o_ptr, stride_o, count_ptr
 def _add_rmsnorm_kernel(
     x_ptr, p_ptr, wpost_ptr, wn_ptr, h_ptr, E, eps,
     stride_x, stride_ps, stride_pm, stride_h,
-    NSPLIT: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr,
+    NSPLIT: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, LOADS: tl.constexpr,
 ):
-    """x += post_norm(sum of partials) (or the plain sum); h = rmsnorm(x) * wn. PRE: the norm
-    weights loaded before the PDL wait (nothing of a step writes them; WEIGHTS_BEFORE_WAIT)."""
-    if PRE:
+    """x += post_norm(sum of partials) (or the plain sum); h = rmsnorm(x) * wn. LOADS: where the
+    norm weights and x are loaded (WEIGHT_LOADS, as its index)."""
+    if LOADS == 2:
         wpost, wn = _add_rmsnorm_weights(wpost_ptr, wn_ptr, E, BLOCK)
         enter(PDL)
     else:
         enter(PDL)
         wpost, wn = _add_rmsnorm_weights(wpost_ptr, wn_ptr, E, BLOCK)
-    _add_rmsnorm_body(tl.program_id(0), x_ptr, p_ptr, wpost, wn, h_ptr, E, eps,
-                      stride_x, stride_ps, stride_pm, stride_h, NSPLIT, HAS_POST, BLOCK)
+    add_rmsnorm_row(tl.program_id(0), x_ptr, p_ptr, wpost_ptr, wn_ptr, h_ptr, E, eps,
+                    stride_x, stride_ps, stride_pm, stride_h, NSPLIT, HAS_POST, BLOCK, wpost, wn, LOADS)
 
 
 @triton.jit
@@ -102,31 +102,32 @@ def add_rmsnorm_row(
     r, x_ptr, p_ptr, wpost_ptr, wn_ptr, h_ptr, E, eps,
     stride_x, stride_ps, stride_pm, stride_h,
     NSPLIT: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr,
+    wpost=None, wn=None, LOADS: tl.constexpr = 0,
 ):
-    """Row r of ``_add_rmsnorm_kernel`` (also an item of kernels/persistent.py)."""
-    wpost, wn = _add_rmsnorm_weights(wpost_ptr, wn_ptr, E, BLOCK)
-    _add_rmsnorm_body(r, x_ptr, p_ptr, wpost, wn, h_ptr, E, eps,
-                      stride_x, stride_ps, stride_pm, stride_h, NSPLIT, HAS_POST, BLOCK)
-
-
-@triton.jit
-def _add_rmsnorm_body(
-    r, x_ptr, p_ptr, wpost, wn, h_ptr, E, eps,
-    stride_x, stride_ps, stride_pm, stride_h,
-    NSPLIT: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Row r with the norm weights wpost, wn [BLOCK] in hand (0 beyond E)."""
+    """Row r of ``_add_rmsnorm_kernel`` (also an item of kernels/persistent.py). LOADS 0: each
+    load where its value is first used (x and w_post after the first sum's reduction, w_next
+    after the second); else x with the partials and the weights wpost, wn given. Same values."""
     cols = tl.arange(0, BLOCK)
     mask = cols < E
     d = _sum_parts(p_ptr + r * stride_pm, cols, mask, stride_ps, NSPLIT, "")
-    x_old = tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0.0)
+    if LOADS != 0:
+        x_old = tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0.0)
     if HAS_POST:
         rs = 1.0 / tl.sqrt_rn(tl.sum(d * d, axis=0) / E + eps)
-        d = (d * rs) * wpost
-    x = x_old + d
+        if LOADS == 0:
+            d = (d * rs) * tl.load(wpost_ptr + cols, mask=mask, other=0.0)
+        else:
+            d = (d * rs) * wpost
+    if LOADS == 0:
+        x = tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0.0) + d
+    else:
+        x = x_old + d
     tl.store(x_ptr + r * stride_x + cols, x, mask=mask)
     rs2 = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / E + eps)
-    h = (x * rs2) * wn
+    if LOADS == 0:
+        h = (x * rs2) * tl.load(wn_ptr + cols, mask=mask, other=0.0)
+    else:
+        h = (x * rs2) * wn
     tl.store(h_ptr + r * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
@@ -170,13 +171,13 @@ def _qk_rope_kv_kernel(
     stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     HQ_P: tl.constexpr, HKV_P: tl.constexpr, HALF_P: tl.constexpr,
-    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr,
+    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr, LOADS: tl.constexpr,
 ):
     """From the qkv partials of one row: q = rope(qnorm(q)) -> q_out; k = rope(knorm(k)) and v
     -> the row's KV slot (seq, pos). NEOX rope: pairs (i, i + D/2), angle = f32(pos) * inv_freq.
-    PRE: ``qk_rope_prep`` before the PDL wait (WEIGHTS_BEFORE_WAIT)."""
+    LOADS 2: ``qk_rope_prep`` before the PDL wait (WEIGHT_LOADS), else after it."""
     r = tl.program_id(0)
-    if PRE:
+    if LOADS == 2:
         pre = qk_rope_prep(r, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF, HALF_P, HAS_NORM)
         enter(PDL)
     else:
@@ -370,10 +371,20 @@ def add_norm_epilogue(part_ptr, stride_ps, stride_pm, count_ptr, tile_idx, row_i
 # 1 and 2 warps slower); qk_rope_kv: 8 (session 8, run 38: 0.639 / 0.737 -> 0.630 / 0.732 against 4,
 # through the exactness stage; 1, 2: within the spread).
 ADD_NORM_WARPS = 8
-# What a kernel takes that no kernel of the step writes (norm weights; the rope's positions, its
-# cos / sin and the QK-norm weights) loaded or computed before its PDL wait rather than after:
-# the same values in the same arithmetic, off the chain's critical path. Session 12.
-WEIGHTS_BEFORE_WAIT = True
+# Where the add+norm kernel loads its norm weights and x, and the QK-norm/rope (its own kernel or
+# the attention prologue) its positions, cos / sin and QK-norm weights: "in_order" (each where
+# first used: the add+norm's w_post and x after the first sum's barriers, w_next after the
+# second, three serial trips to memory; until session 12), "after_wait" (right after the PDL
+# wait, with the partials: one trip), "before_wait" (what no kernel of the step writes, before
+# the wait). The same values in the same arithmetic (tested; the same bits on the H200).
+WEIGHT_LOADS = "after_wait"
+WEIGHT_LOADS_FORMS = ("in_order", "after_wait", "before_wait")
+
+
+def _loads() -> int:
+    if WEIGHT_LOADS not in WEIGHT_LOADS_FORMS:
+        raise ValueError(f"WEIGHT_LOADS={WEIGHT_LOADS!r} is not allowed: allowed {', '.join(WEIGHT_LOADS_FORMS)}")
+    return WEIGHT_LOADS_FORMS.index(WEIGHT_LOADS)
 QK_ROPE_WARPS = 8
 
 
@@ -393,7 +404,7 @@ def add_rmsnorm(x: torch.Tensor, part: torch.Tensor, w_post: torch.Tensor | None
     _add_rmsnorm_kernel[(R,)](
         x, part, w_post if w_post is not None else w_next, w_next, h, E, float(eps),
         x.stride(0), part.stride(0), part.stride(1), h.stride(0),
-        NSPLIT=part.shape[0], HAS_POST=w_post is not None, BLOCK=block, PRE=WEIGHTS_BEFORE_WAIT,
+        NSPLIT=part.shape[0], HAS_POST=w_post is not None, BLOCK=block, LOADS=_loads(),
         num_warps=num_warps or ADD_NORM_WARPS, **launch_kw(part),
     )
 
@@ -439,7 +450,7 @@ def qk_rope_kv(part: torch.Tensor, q_out: torch.Tensor, k_pool: torch.Tensor, v_
     args, consts = qk_rope_row_args(part, q_out, k_pool, q_norm, k_norm, inv_freq, eps)
     _qk_rope_kv_kernel[(q_out.shape[0],)](
         part, q_out, k_pool, v_pool, seq, pos, *args, q_out.stride(0), k_pool.stride(0), k_pool.stride(1),
-        **consts, PRE=WEIGHTS_BEFORE_WAIT, num_warps=num_warps or QK_ROPE_WARPS, **launch_kw(part),
+        **consts, LOADS=_loads(), num_warps=num_warps or QK_ROPE_WARPS, **launch_kw(part),
     )
 
 

@@ -836,7 +836,6 @@ def main_stage(args) -> None:
     S11_PRE = [(A, "ATTENTION_PRELOAD", True)]  # older K/V rows loaded before the attention's PDL wait (s11)
     S11_I8 = [(dm, "I8_STEP", "batched"), (tr, "HEAD_MATMUL", "q8i8")]  # q8i8 head, batched step, tiles by M (s11)
     S12_I8_ARG = [(tr, "ARGMAX_IN_HEAD_FORMS", {"dense": 64, "q8i8": 64})]  # (s12: the int8 head's at any rows)
-    S14_AFTER = [(SFm, "WEIGHTS_BEFORE_WAIT", False)]  # (s14) weights / rope inputs after the wait, as before
     S11_32 = ((32, dict(temperature=0.0)),)  # (32 rows take the q8i8 head's 32-row tiles, one row alone 16)
 
     # K slices of 128 weights (every format's step at 128, so one step per program)
@@ -992,13 +991,10 @@ def main_stage(args) -> None:
             ("rope in attention", (tr, "ROPE_IN_ATTENTION", True), {}),
         ], slots=SLOTS)),
         ("rope attn w8 exact", lambda: _with(S10_ROPE8, lambda: stage_exact(m, out, exact_rows))),
-        ("s14", lambda: stage_sweep(m, out, rows, bw, "s14", [
-            ("norm weights and rope inputs after the PDL wait (WEIGHTS_BEFORE_WAIT off)", S14_AFTER, {}),
-            ("the same, dense head", S14_AFTER + [(tr, "HEAD_MATMUL", "dense")], {}),
-            ("dense head", [(tr, "HEAD_MATMUL", "dense")], {}),
-        ], slots=SLOTS)),
+        ("s14", lambda: stage_sweep(m, out, rows, bw, "s14", [  # (run 68's s14: at a21c4dc)
+            (f"weight loads {w}", [(SFm, "WEIGHT_LOADS", w)], {}) for w in ("in_order", "before_wait")], slots=SLOTS)),
         ("s14 same bits", lambda: stage_same_bits(
-            m, out, exact_rows, "norm weights and rope inputs before the wait vs after it", lambda fn: _with(S14_AFTER, fn))),
+            m, out, exact_rows, "weight loads in order vs after the wait", lambda fn: _patched(SFm, "WEIGHT_LOADS", "in_order", fn))),
         ("s13", lambda: stage_sweep(m, out, rows, bw, "s13", [  # (run 66's s13: at d61d640)
             ("head: the dequantized bf16 copy (the default until session 12)", [(tr, "HEAD_MATMUL", "dense")], {}),
             ("q8i8 head, its argmax after it at every row count", [(tr, "ARGMAX_IN_HEAD_FORMS", {"dense": 64})], {}),

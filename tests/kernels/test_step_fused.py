@@ -224,9 +224,9 @@ def test_add_norm_folded_into_the_product(name, post, rows, device, quant_rows):
 
 
 def test_weights_before_the_wait_change_no_bit(device, monkeypatch):
-    """WEIGHTS_BEFORE_WAIT: the norm weights (add+norm) and the rope's positions, cos / sin and
-    QK-norm weights (QK-norm/rope) taken before the PDL wait instead of after it: the same
-    bits, for x, h, q and the pools."""
+    """WEIGHT_LOADS: the norm weights and x (add+norm) and the rope's positions, cos / sin and
+    QK-norm weights (QK-norm/rope) loaded where first used, right after the PDL wait or before
+    it: the same bits, for x, h, q and the pools; an unknown form is refused."""
     from workbench.kernels import step_fused
 
     gen = torch.Generator().manual_seed(9)
@@ -241,13 +241,17 @@ def test_weights_before_the_wait_change_no_bit(device, monkeypatch):
     inv = (1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))).to(device)
     qn, kn = _r(D, gen=gen, device=device), _r(D, gen=gen, device=device)
     got = {}
-    for pre in (False, True):
-        monkeypatch.setattr(step_fused, "WEIGHTS_BEFORE_WAIT", pre)
+    for pre in step_fused.WEIGHT_LOADS_FORMS:
+        monkeypatch.setattr(step_fused, "WEIGHT_LOADS", pre)
         xs, h = x.clone(), torch.empty(R, E, device=device)
         add_rmsnorm(xs, part, w_post, w_next, h, 1e-6)
         q = torch.empty(R, Hq, D, device=device)
         kp, vp = torch.zeros(3, 12, Hkv, D, device=device), torch.zeros(3, 12, Hkv, D, device=device)
         qk_rope_kv(qpart, q, kp, vp, seq, pos, qn, kn, inv, 1e-6)
         got[pre] = (xs, h, q, kp, vp)
-    for a, b in zip(got[True], got[False], strict=True):
-        assert torch.equal(a, b)
+    for form in ("after_wait", "before_wait"):
+        for a, b in zip(got[form], got["in_order"], strict=True):
+            assert torch.equal(a, b)
+    monkeypatch.setattr(step_fused, "WEIGHT_LOADS", "early")
+    with pytest.raises(ValueError, match="WEIGHT_LOADS='early' is not allowed"):
+        add_rmsnorm(x.clone(), part, w_post, w_next, torch.empty(R, E, device=device), 1e-6)
