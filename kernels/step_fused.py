@@ -376,7 +376,11 @@ ADD_NORM_WARPS = 8
 # first used: the add+norm's w_post and x after the first sum's barriers, w_next after the
 # second, three serial trips to memory; until session 12), "after_wait" (right after the PDL
 # wait, with the partials: one trip), "before_wait" (what no kernel of the step writes, before
-# the wait). The same values in the same arithmetic (tested; the same bits on the H200).
+# the wait). The same values in the same arithmetic (tested; the same bits on the H200). H200,
+# one lease (session 12, run 69), step ms at 1 / 16 / 32 slots: in_order 0.542 / 0.596 / 0.801,
+# after_wait 0.522 / 0.579 / 0.786, before_wait 0.528 / 0.595 / 0.796 (slower than after_wait on
+# two leases, runs 68-69; not explained yet; kept as an option). The persistent step's items
+# (kernels/persistent.py) keep in_order.
 WEIGHT_LOADS = "after_wait"
 WEIGHT_LOADS_FORMS = ("in_order", "after_wait", "before_wait")
 

@@ -16,10 +16,11 @@ Same interface as `runner.TorchRunner` (the engine picks it with EngineConfig(ba
   graphed decode step the attention programs' prologue, ROPE_IN_ATTENTION) ->
   attention_rows (combine folded in) -> wo product -> fused (post-norm, residual add, next
   pre-norm) -> gate|up product with the GeGLU/SwiGLU folded in (its last program per column
-  pair) -> down product -> fused add+norm] -> head, whose programs keep each row's running
-  argmax (ARGMAX_IN_HEAD) -> one launch finishing the argmax and writing the next step's inputs:
-  129 launches per graphed decode step for Gemma 3 270M (the q|k|v of mixed formats as one launch,
-  PAIR_LAUNCH; 147 with the separate QK-norm/rope kernel). The products
+  pair) -> down product -> fused add+norm] -> head (a bfloat16 engine's Q8_0 head: x quantized
+  to Q8_0 blocks, then int8 MMAs, HEAD_MATMUL), whose programs keep each row's running argmax
+  (ARGMAX_IN_HEAD) -> one launch finishing the argmax and writing the next step's inputs: 130
+  launches per graphed decode step for Gemma 3 270M (the q|k|v of mixed formats as one launch,
+  PAIR_LAUNCH; 129 with the dense head, which needs no quantizing launch). The products
   write their fixed split-K partials and the consumer adds them in slice order, so no separate
   sum launch. On sm_90+ every kernel is chained to the previous one by programmatic dependent
   launch (kernels/pdl.py), and a product decodes its first weights before waiting for x. Every kernel computes a row from that row alone, with
@@ -76,10 +77,11 @@ MATMUL_FORMS = ("mma", "gemv", "raw")
 # invariant whichever form each weight takes. Since session 12 the default is "q8i8" (below) for a
 # bfloat16 engine's Q8_0 head, "dense" for any other head and for a float32 engine (which keeps
 # its float32 products) or the cuBLAS variant: on the H200 the int8 head with its argmax in it is
-# 66 us at 16 rows against the copy's 86, the step 0.618 -> 0.601 ms at 16 slots, 0.565 -> 0.550
-# at one, 0.778 -> 0.801 at 32 (run 66), and it needs no 335 MB dense copy. It quantizes the head's
-# input per 32 values as llama.cpp does for its quantized products: a choice of numerics, stated
-# (greedy tokens follow it; batched == solo either way).
+# 66 us at 16 rows against the copy's 86; one lease, run 67: the step 0.569 -> 0.550 ms at one
+# slot, 0.620 -> 0.597 at 16, 0.777 -> 0.799 at 32; and it needs no 335 MB dense copy. It
+# quantizes the head's input per 32 values as llama.cpp does for its quantized products: a
+# choice of numerics, stated (greedy tokens follow it; batched == solo either way, checked on
+# the H200 at 4 / 16 / 32 slots).
 HEAD_MATMUL: str | None = "q8i8"
 # The head's forms on tensor cores beside the layers' (kernels/dense_mma.py): "dense" (above),
 # "q8dense" (the same products from the Q8_0 planes, d * q formed per K step) and "q8f16": the
