@@ -78,7 +78,7 @@ MATMUL_FORMS = ("mma", "gemv", "raw")
 # bfloat16 engine's Q8_0 head, "dense" for any other head and for a float32 engine (which keeps
 # its float32 products) or the cuBLAS variant: on the H200 the int8 head with its argmax in it is
 # 66 us at 16 rows against the copy's 86; one lease, run 67: the step 0.569 -> 0.550 ms at one
-# slot, 0.620 -> 0.597 at 16, 0.777 -> 0.799 at 32; and it needs no 335 MB dense copy. It
+# slot, 0.620 -> 0.597 at 16, 0.777 -> 0.799 at 32; and 157 MB less device memory. It
 # quantizes the head's input per 32 values as llama.cpp does for its quantized products: a
 # choice of numerics, stated (greedy tokens follow it; batched == solo either way, checked on
 # the H200 at 4 / 16 / 32 slots).
