@@ -176,7 +176,21 @@ def _qk_rope_kv_kernel(
     """From the qkv partials of one row: q = rope(qnorm(q)) -> q_out; k = rope(knorm(k)) and v
     -> the row's KV slot (seq, pos). NEOX rope: pairs (i, i + D/2), angle = f32(pos) * inv_freq.
     LOADS 2: ``qk_rope_prep`` before the PDL wait (WEIGHT_LOADS), else after it."""
-    r = tl.program_id(0)
+    qk_rope_kv_row_entered(tl.program_id(0), p_ptr, q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr,
+                           eps, stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
+                           HQ, HKV, D, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM, PDL, LOADS)
+
+
+@triton.jit
+def qk_rope_kv_row_entered(
+    r, p_ptr, q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, eps,
+    stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    HQ_P: tl.constexpr, HKV_P: tl.constexpr, HALF_P: tl.constexpr,
+    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr, LOADS: tl.constexpr,
+):
+    """Row r's QK-norm/rope/KV write as a PDL kernel's first work: the kernel's ``enter(PDL)``,
+    with ``qk_rope_prep`` before it (LOADS 2) or after it (kernels/attention.py's prologue too)."""
     if LOADS == 2:
         pre = qk_rope_prep(r, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF, HALF_P, HAS_NORM)
         enter(PDL)
