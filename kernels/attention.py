@@ -44,7 +44,7 @@ from .pdl import enter, launch_kw
 from . import qmma as _qmma
 from .qmma import dot_acc, l2_prefetch_lines
 from . import step_fused as _step_fused
-from .step_fused import qk_rope_kv_row_entered, qk_rope_row_args
+from .step_fused import qk_rope_kv_row, qk_rope_row_args
 
 # Keys per block, by padded head dim and the KV cache's element size, at most the segment (a
 # shorter segment is one block): fixed per model shape and runner, never per batch or chunk.
@@ -177,9 +177,9 @@ def _attention_rope_kernel(
             r, tl.program_id(1), tl.program_id(2), k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
             stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, D, D_P, BLOCK_N, SEG)
     # (the rope's positions, cos / sin and QK-norm weights where step_fused.WEIGHT_LOADS says)
-    qk_rope_kv_row_entered(r, p_ptr, q_ptr, k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, qn_ptr, kn_ptr, inv_ptr, eps,
-                           stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
-                           HQ, HKV, HD, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM, PDL, LOADS)
+    qk_rope_kv_row(r, p_ptr, q_ptr, k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, qn_ptr, kn_ptr, inv_ptr, eps,
+                   stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
+                   HQ, HKV, HD, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM, PDL, LOADS)
     tl.debug_barrier()  # this program's q, K, V stores before its loads of them
     if PRELOAD:
         attention_item_preloaded(

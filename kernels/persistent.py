@@ -474,7 +474,7 @@ def _item(
                 _a(a, 0, A0), _a(a, 1, A1), _a(a, 2, A2), _a(a, 3, A3), _a(a, 4, A4), _a(a, 5, A5), _a(a, 6, A6),
                 _a(a, 7, A7), _a(a, 8, A8), _a(a, 9, A9), _a(a, 10, A10), _a(a, 11, A11), _a(a, 12, A12),
                 _a(a, 13, A13), _a(a, 14, A14),
-                C0, C1, C2, C3, C4, C5, C6, C7, C8)
+                C0, C1, C2, C3, C4, C5, C6, C7, C8, 0, 1)  # (no PDL inside the persistent launch)
         else:  # _glu_kernel: NSPLIT ACT BLOCK PDL
             glu_item(
                 p0, p1,

@@ -176,29 +176,9 @@ def _qk_rope_kv_kernel(
     """From the qkv partials of one row: q = rope(qnorm(q)) -> q_out; k = rope(knorm(k)) and v
     -> the row's KV slot (seq, pos). NEOX rope: pairs (i, i + D/2), angle = f32(pos) * inv_freq.
     LOADS 2: ``qk_rope_prep`` before the PDL wait (WEIGHT_LOADS), else after it."""
-    qk_rope_kv_row_entered(tl.program_id(0), p_ptr, q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr,
-                           eps, stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
-                           HQ, HKV, D, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM, PDL, LOADS)
-
-
-@triton.jit
-def qk_rope_kv_row_entered(
-    r, p_ptr, q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, eps,
-    stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-    HQ_P: tl.constexpr, HKV_P: tl.constexpr, HALF_P: tl.constexpr,
-    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr, LOADS: tl.constexpr,
-):
-    """Row r's QK-norm/rope/KV write as a PDL kernel's first work: the kernel's ``enter(PDL)``,
-    with ``qk_rope_prep`` before it (LOADS 2) or after it (kernels/attention.py's prologue too)."""
-    if LOADS == 2:
-        pre = qk_rope_prep(r, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF, HALF_P, HAS_NORM)
-        enter(PDL)
-    else:
-        enter(PDL)
-        pre = qk_rope_prep(r, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF, HALF_P, HAS_NORM)
-    qk_rope_kv_body(r, pre, p_ptr, q_ptr, k_ptr, v_ptr, eps, stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
-                    HQ, HKV, D, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM)
+    qk_rope_kv_row(tl.program_id(0), p_ptr, q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr,
+                   eps, stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
+                   HQ, HKV, D, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM, PDL, LOADS)
 
 
 @triton.jit
@@ -207,10 +187,17 @@ def qk_rope_kv_row(
     stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     HQ_P: tl.constexpr, HKV_P: tl.constexpr, HALF_P: tl.constexpr,
-    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
+    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr, LOADS: tl.constexpr,
 ):
-    """Row r of ``_qk_rope_kv_kernel`` (also an item of kernels/persistent.py)."""
-    pre = qk_rope_prep(r, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF, HALF_P, HAS_NORM)
+    """Row r of ``_qk_rope_kv_kernel`` as a PDL kernel's first work: the kernel's ``enter(PDL)``,
+    with ``qk_rope_prep`` before it (LOADS 2) or after it (kernels/attention.py's prologue too;
+    an item of kernels/persistent.py with PDL 0)."""
+    if LOADS == 2:
+        pre = qk_rope_prep(r, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF, HALF_P, HAS_NORM)
+        enter(PDL)
+    else:
+        enter(PDL)
+        pre = qk_rope_prep(r, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF, HALF_P, HAS_NORM)
     qk_rope_kv_body(r, pre, p_ptr, q_ptr, k_ptr, v_ptr, eps, stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
                     HQ, HKV, D, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM)
 
@@ -393,8 +380,8 @@ ADD_NORM_WARPS = 8
 # the wait). The same values in the same arithmetic (tested; the same bits on the H200). H200,
 # one lease (session 12, run 69), step ms at 1 / 16 / 32 slots: in_order 0.542 / 0.596 / 0.801,
 # after_wait 0.522 / 0.579 / 0.786, before_wait 0.528 / 0.595 / 0.796 (slower than after_wait on
-# two leases, runs 68-69; not explained yet; kept as an option). The persistent step's items
-# (kernels/persistent.py) keep in_order.
+# two leases, runs 68-69; not explained yet; kept as an option). The persistent step's add+norm
+# items (kernels/persistent.py) keep in_order.
 WEIGHT_LOADS = "after_wait"
 WEIGHT_LOADS_FORMS = ("in_order", "after_wait", "before_wait")
 
