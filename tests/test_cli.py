@@ -84,3 +84,12 @@ def test_info(tiny_gguf):
     assert p.returncode == 0, p.stderr
     for needle in ("architecture  gemma3", "sha256", "quant types per tensor group", "Q8_0", "context"):
         assert needle in p.stdout
+
+
+def test_bench_head_matmul_needs_the_triton_backend(tiny_gguf, tmp_path):
+    """--head-matmul is the triton backend's: with the torch backend one line, exit 2, no run
+    written."""
+    one_line_error(run("bench", "--model", str(tiny_gguf("gemma3")), "--head-matmul", "q8i8", "--concurrency", "1",
+                       "--prompt-len", "4", "--gen", "2", "--data-dir", str(tmp_path)),
+                   "head_matmul='q8i8' is the triton backend's")
+    assert not list(tmp_path.rglob("*.parquet"))

@@ -74,6 +74,7 @@ def test_config_defaults_round_trip():
         ("policy", "fifo", "policy='fifo' is not allowed: allowed decode-first, prefill-first"),
         ("backend", "cuda", "backend='cuda' is not allowed: allowed torch, triton"),
         ("dtype", "float16", "dtype='float16' is not allowed: allowed bfloat16, float32"),
+        ("head_matmul", "cublas", "head_matmul='cublas' is not allowed: allowed dense, q8i8, q8dense, q8f16, mma, gemv"),
     ],
 )
 def test_bad_config_names_field_and_range(field, value, message):
@@ -81,6 +82,13 @@ def test_bad_config_names_field_and_range(field, value, message):
         EngineConfig(**{field: value})
     assert message in str(e.value)
     assert isinstance(e.value, WorkbenchError)
+
+
+def test_head_matmul_is_the_triton_backends():
+    with pytest.raises(ConfigError, match="head_matmul='q8i8' is the triton backend's: allowed with backend='triton' "
+                                          "only"):
+        EngineConfig(head_matmul="q8i8")
+    assert EngineConfig(backend="triton", head_matmul="dense").head_matmul == "dense"
 
 
 def test_from_dict_rejects_unknown_keys():

@@ -58,6 +58,24 @@ def _generate(model, prompts, concurrency, chunk_size, **kw):
     return eng.generate(prompts, **kw)
 
 
+def test_engine_config_picks_the_head_form(tiny_model):
+    """EngineConfig.head_matmul reaches the runner: by default a bfloat16 engine's Q8_0 head takes
+    the int8 form (llama.cpp's quantized-activation numerics), a float32 engine's the dense copy;
+    head_matmul="dense" asks for the copy; an int8 head for a head of another format is refused."""
+    def eng(m, **kw):
+        cfg = EngineConfig(backend="triton", dtype=m.dtype_name, max_concurrency=2, max_context=64,
+                           memory_budget_bytes=1 << 30, **kw)
+        return Engine(m, cfg).runner.head_matmul
+
+    bf16 = tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW)
+    assert eng(bf16) == "q8i8" and eng(bf16, head_matmul="dense") == "dense"
+    assert eng(tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)) == "dense"
+    q5 = tiny_model("gemma3", "bfloat16", "Q5_0", sliding_window=WINDOW)
+    assert eng(q5) == "dense"
+    with pytest.raises(WorkbenchError, match="head_matmul='q8i8' reads a Q8_0 head"):
+        eng(q5, head_matmul="q8i8")
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_engine_batched_equals_solo(tiny_model, monkeypatch, temperature):
     """Three slots (mixed prefill chunks + decode rows in one forward; prompts crossing the

@@ -44,11 +44,11 @@ def bench_prompts(model, num: int, prompt_len: int) -> list[list[int]]:
 
 
 def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | None, policy: str = "decode-first",
-            backend: str = "torch"):
+            backend: str = "torch", head_matmul: str | None = None):
     from .engine import Engine, EngineConfig
 
     cfg = EngineConfig(max_concurrency=concurrency, chunk_size=chunk, policy=policy, dtype=model.dtype_name,
-                       backend=backend)
+                       backend=backend, head_matmul=head_matmul)
     engine = Engine(model, cfg)
     prompts = bench_prompts(model, concurrency, prompt_len)
     warm_steps = 0
@@ -91,9 +91,13 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
 
 
 def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk: int | None,
-              repeats: int, data_dir: str, backend: str = "torch", progress=print) -> tuple[object, list[dict]]:
+              repeats: int, data_dir: str, backend: str = "torch", head_matmul: str | None = None,
+              progress=print) -> tuple[object, list[dict]]:
+    from .engine_config import EngineConfig
     from .hardware import measure_copy_bandwidth
     from .runstore import RunStore
+
+    EngineConfig(backend=backend, head_matmul=head_matmul)  # (a bad combination: one line, before any work)
 
     if prompt_len + gen > model.config.context_length:
         raise WorkbenchError(
@@ -104,6 +108,7 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
         "model_sha256": model.source.index.sha256,
         "dtype": model.dtype_name,
         "backend": backend,
+        "head_matmul": head_matmul or "default",
         "prompt_len": prompt_len,
         "gen": gen,
         "chunk": chunk if chunk is not None else "auto",
@@ -114,14 +119,14 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
 
     bw = measure_copy_bandwidth("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
     # warm-up: allocators, thread pools, first-touch of the weights, kernel compilation
-    measure(model, 1, min(prompt_len, 32), 4, chunk, backend=backend)
+    measure(model, 1, min(prompt_len, 32), 4, chunk, backend=backend, head_matmul=head_matmul)
     rows = []
     solo_tokens = None
     store = RunStore(data_dir)
     with store.start_run("bench", params) as run:
         for c in concurrency:
             for r in range(repeats):
-                m, toks = measure(model, c, prompt_len, gen, chunk, backend=backend)
+                m, toks = measure(model, c, prompt_len, gen, chunk, backend=backend, head_matmul=head_matmul)
                 if c == 1 and solo_tokens is None:
                     solo_tokens = toks[0]
                 floor = c * bw / m["weight_bytes"]
@@ -174,7 +179,7 @@ def _cmd_bench(args) -> int:
     model = load_model(args.model, dtype=args.dtype)
     run, rows = run_bench(model, concurrency=args.concurrency, prompt_len=args.prompt_len, gen=args.gen,
                           chunk=args.chunk, repeats=args.repeats, data_dir=args.data_dir, backend=args.backend,
-                          progress=lambda s: print(s, flush=True))
+                          head_matmul=args.head_matmul, progress=lambda s: print(s, flush=True))
     print(format_table(rows))
     print(f"results: {run.path}")
     return 0
@@ -182,6 +187,7 @@ def _cmd_bench(args) -> int:
 
 def register_cli(sub) -> None:
     from .cli import add_model_args, int_list, int_range
+    from .engine_config import HEAD_MATMULS
 
     p = sub.add_parser("bench", help="throughput at several concurrencies (tidy parquet in the run store)")
     p.add_argument("--concurrency", type=int_list(1, 64), default=[1, 2, 4, 8], help="comma list, e.g. 1,2,4,8")
@@ -192,5 +198,8 @@ def register_cli(sub) -> None:
     p.add_argument("--data-dir", default="data")
     p.add_argument("--backend", default="torch", choices=["torch", "triton"],
                    help="torch: the CPU reference path; triton: the kernels (a GPU, or the CPU interpreter)")
+    p.add_argument("--head-matmul", default=None, choices=list(HEAD_MATMULS),
+                   help="triton: the output head's form (default: int8 MMAs for a bfloat16 engine's Q8_0 head, "
+                        "llama.cpp's numerics; 'dense': its dequantized copy)")
     add_model_args(p)
     p.set_defaults(func=_cmd_bench)

@@ -158,7 +158,8 @@ class Engine:
         if config.backend == "triton":
             from .triton_runner import TritonRunner
 
-            self.runner = TritonRunner(model, config.max_context or model.config.context_length)
+            self.runner = TritonRunner(model, config.max_context or model.config.context_length,
+                                       head_matmul=config.head_matmul)
         else:
             self.runner = TorchRunner(model, config.max_context or model.config.context_length)
         budget = config.memory_budget_bytes or self._machine_budget()

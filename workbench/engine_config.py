@@ -16,6 +16,10 @@ from .planner import POLICIES
 MAX_CONCURRENCY = 64
 BACKENDS = ("torch", "triton")
 DTYPES = ("bfloat16", "float32")
+# backend "triton": the output head's product form (workbench/triton_runner.py's HEAD_MATMUL says
+# what each computes; None = the runner's default: int8 MMAs against the head's input quantized
+# per 32 values, llama.cpp's numerics, for a bfloat16 engine's Q8_0 head; the dense copy else)
+HEAD_MATMULS = ("dense", "q8i8", "q8dense", "q8f16", "mma", "gemv")
 
 
 class ConfigError(WorkbenchError):
@@ -33,6 +37,7 @@ class EngineConfig:
     backend: str = "torch"  # or "triton"
     dtype: str | None = None  # None: the loaded model's precision; else it must match it
     max_batch_rows: int = 64  # most decode rows in one batched group
+    head_matmul: str | None = None  # backend "triton" only: the head's form (HEAD_MATMULS; None: the default)
 
     def __post_init__(self):
         _int_in_range("max_concurrency", self.max_concurrency, 1, MAX_CONCURRENCY)
@@ -45,6 +50,11 @@ class EngineConfig:
         _choice("backend", self.backend, BACKENDS)
         if self.dtype is not None:
             _choice("dtype", self.dtype, DTYPES)
+        if self.head_matmul is not None:
+            _choice("head_matmul", self.head_matmul, HEAD_MATMULS)
+            if self.backend != "triton":
+                raise ConfigError(f"head_matmul={self.head_matmul!r} is the triton backend's: allowed with "
+                                  f"backend='triton' only (backend={self.backend!r})")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EngineConfig":

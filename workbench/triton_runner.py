@@ -81,7 +81,7 @@ MATMUL_FORMS = ("mma", "gemv", "raw")
 # slot, 0.620 -> 0.597 at 16, 0.777 -> 0.799 at 32; and 157 MB less device memory. It
 # quantizes the head's input per 32 values as llama.cpp does for its quantized products: a
 # choice of numerics, stated (greedy tokens follow it; batched == solo either way, checked on
-# the H200 at 4 / 16 / 32 slots).
+# the H200 at 4 / 16 / 32 slots); EngineConfig(head_matmul=...) / `bench --head-matmul` pick another.
 HEAD_MATMUL: str | None = "q8i8"
 # The head's forms on tensor cores beside the layers' (kernels/dense_mma.py): "dense" (above),
 # "q8dense" (the same products from the Q8_0 planes, d * q formed per K step) and "q8f16": the
