@@ -35,6 +35,9 @@ if [ "${LLAMA:-0}" = 1 ]; then
     mkdir -p "$stage/llama" && cp .whl/llama_cpp_python-*.tar.gz "$stage/llama/" && LLAMA_DIR=llama
 fi
 rm -rf .carry/parts && mkdir -p .carry/parts
-tar -C "$stage" -chf - model.gguf tok whl $LLAMA_DIR | split -b "$PART" -d -a 1 - .carry/parts/part
+# part0 .. part9 (one digit) where ten parts hold it, part00 .. above (LLAMA=1 makes eleven or more)
+total=$(du -cbL "$stage" | tail -1 | cut -f1)
+digits=1; [ $(( (total + PART - 1) / PART )) -gt 10 ] && digits=2
+tar -C "$stage" -chf - model.gguf tok whl $LLAMA_DIR | split -b "$PART" -d -a $digits - .carry/parts/part
 ls -l .carry/parts
 echo "parts: $(ls .carry/parts | wc -l)"
