@@ -143,15 +143,14 @@ def test_q8i8_mma_integer_blocks(device, quant_rows):
     # a step's four blocks in one batched dot: the same arithmetic (128-weight steps only); bitwise
     # under the interpreter, on a GPU as far as the compiler fuses the forms' scalings alike
     k128 = DenseConfig(block_n=64, block_k=128, num_stages=2, block_m=32, programs_per_sm=1)
-    y128 = q8i8_mma(xq, xd, pw, config=k128)
-    for step in ("batched",):
-        yb = q8i8_mma(xq, xd, pw, config=k128, step=step)
-        if device.type == "cpu":
-            assert torch.equal(yb, y128)
-        torch.testing.assert_close(yb, y128, rtol=1e-6, atol=1e-5)
-        assert torch.equal(q8i8_mma(xq[3:4].clone(), xd[3:4].clone(), pw, config=k128, step=step), yb[3:4])
-        with pytest.raises(ValueError, match="128-weight K steps"):
-            q8i8_mma(xq, xd, pw, config=DenseConfig(block_k=64), step=step)
+    y128 = q8i8_mma(xq, xd, pw, config=k128, step="serial")
+    yb = q8i8_mma(xq, xd, pw, config=k128, step="batched")
+    if device.type == "cpu":
+        assert torch.equal(yb, y128)
+    torch.testing.assert_close(yb, y128, rtol=1e-6, atol=1e-5)
+    assert torch.equal(q8i8_mma(xq[3:4].clone(), xd[3:4].clone(), pw, config=k128, step="batched"), yb[3:4])
+    with pytest.raises(ValueError, match="128-weight K steps"):
+        q8i8_mma(xq, xd, pw, config=DenseConfig(block_k=64), step="batched")
     # the default tiles follow M (i8_config: 16-row tiles up to 16 rows, 32-row above): an exact
     # integer dot, then elementwise float32 operations, so a row's bits do not follow the tile
     assert i8_config(device, 1).block_m == 16 and i8_config(device, 18).block_m == 32
