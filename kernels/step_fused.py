@@ -83,9 +83,12 @@ def _add_rmsnorm_kernel(
     if LOADS == 2:
         wpost, wn = _add_rmsnorm_weights(wpost_ptr, wn_ptr, E, BLOCK)
         enter(PDL)
-    else:
+    elif LOADS == 1:
         enter(PDL)
         wpost, wn = _add_rmsnorm_weights(wpost_ptr, wn_ptr, E, BLOCK)
+    else:  # (add_rmsnorm_row loads each where it is first used)
+        enter(PDL)
+        wpost, wn = None, None
     add_rmsnorm_row(tl.program_id(0), x_ptr, p_ptr, wpost_ptr, wn_ptr, h_ptr, E, eps,
                     stride_x, stride_ps, stride_pm, stride_h, NSPLIT, HAS_POST, BLOCK, wpost, wn, LOADS)
 
@@ -372,6 +375,8 @@ def add_norm_epilogue(part_ptr, stride_ps, stride_pm, count_ptr, tile_idx, row_i
 # 1 and 2 warps slower); qk_rope_kv: 8 (session 8, run 38: 0.639 / 0.737 -> 0.630 / 0.732 against 4,
 # through the exactness stage; 1, 2: within the spread).
 ADD_NORM_WARPS = 8
+QK_ROPE_WARPS = 8
+
 # Where the add+norm kernel loads its norm weights and x, and the QK-norm/rope (its own kernel or
 # the attention prologue) its positions, cos / sin and QK-norm weights: "in_order" (each where
 # first used: the add+norm's w_post and x after the first sum's barriers, w_next after the
@@ -387,10 +392,10 @@ WEIGHT_LOADS_FORMS = ("in_order", "after_wait", "before_wait")
 
 
 def _loads() -> int:
+    """WEIGHT_LOADS as the kernels' LOADS constexpr (its index), checked."""
     if WEIGHT_LOADS not in WEIGHT_LOADS_FORMS:
         raise ValueError(f"WEIGHT_LOADS={WEIGHT_LOADS!r} is not allowed: allowed {', '.join(WEIGHT_LOADS_FORMS)}")
     return WEIGHT_LOADS_FORMS.index(WEIGHT_LOADS)
-QK_ROPE_WARPS = 8
 
 
 def _check_part(part: torch.Tensor, n: int) -> None:

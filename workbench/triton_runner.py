@@ -891,7 +891,8 @@ class TritonRunner:
 
     def _argmax_partials(self, bucket: int):
         """The head's running-argmax buffers for a decode graph of ``bucket`` rows, or None
-        (ARGMAX_IN_HEAD off, a head form without the streaming kernel, or two row tiles)."""
+        (ARGMAX_IN_HEAD off, a head form not in ARGMAX_IN_HEAD_FORMS or a bucket above its limit,
+        a head form without the streaming kernel, or two row tiles)."""
         w = self.head.parts[0][1]
         if not ARGMAX_IN_HEAD or self.dense != "quant" or bucket > ARGMAX_IN_HEAD_FORMS.get(w.form, 0):
             return None
