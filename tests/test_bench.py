@@ -8,8 +8,15 @@ from workbench.model import load_model
 
 def test_bench_writes_tidy_rows(tiny_gguf, tmp_path):
     m = load_model(tiny_gguf("gemma3"), dtype="bfloat16")
+    lines = []
     run, rows = run_bench(m, concurrency=[1, 2], prompt_len=12, gen=3, chunk=None, repeats=1,
-                          data_dir=str(tmp_path), progress=lambda s: None)
+                          data_dir=str(tmp_path), progress=lines.append)
+    # progress: the plan, the bandwidth, one line per measurement with its result, the total
+    assert len(lines) == 2 + len(rows) + 1
+    for i, (line, row) in enumerate(zip(lines[2:], rows)):
+        assert line.startswith(f"[{i + 1}/2] concurrency {row['concurrency']}, "
+                               f"prompt 12, repeat 1/1: decode {row['decode_tok_s_aggregate']:.1f} tok/s aggregate")
+    assert lines[-1].startswith("bench: 2 measurements in ")
     frame = pl.read_parquet(run.path / "summary.parquet")
     assert frame.height == 2
     for col in ("concurrency", "decode_tok_s_aggregate", "prefill_tok_s", "ttft_s_max", "peak_memory_bytes",

@@ -69,14 +69,45 @@ def test_decode_round_trips(tok):
         ids = tok.encode(s, add_bos=False)
         # A literal U+2581 is the vocabulary's own spelling of a space, so it decodes as a space
         # (llama.cpp's detokenizer does the same).
-        assert tok.decode(ids) == s.replace(METASPACE, " "), s
+        assert tok.decode(ids, skip_special=False) == s.replace(METASPACE, " "), s
 
 
 @pytest.mark.real_model
 def test_skip_special(tok):
     ids = tok.encode("<start_of_turn>user\nhi<end_of_turn>")
-    assert tok.decode(ids) == "<bos><start_of_turn>user\nhi<end_of_turn>"
+    assert tok.decode(ids, skip_special=False) == "<bos><start_of_turn>user\nhi<end_of_turn>"
     assert tok.decode(ids, skip_special=True) == "user\nhi"
+
+
+# Gemma 3's control tokens and its image markers (typed USER_DEFINED in the GGUF, like the HTML
+# tags and whitespace runs beside them, which are text and stay).
+CHAT = "<start_of_turn>user\n<start_of_image><end_of_image>Look<unused0> at <h1>this</h1>\n\n<mask><end_of_turn>"
+
+
+@pytest.mark.real_model
+def test_special_ids_are_the_tokens_that_are_not_text(tok):
+    for text in ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>", "<unused0>",
+                 "<unused6241>", "[multimodal]", "<start_of_image>", "<end_of_image>"):
+        assert tok.is_special(tok.token_id(text)), text
+    for text in ("<h1>", "</td>", "\n", "\n\n", "\t\t", "<0x41>", "\u2581Paris", "Paris"):
+        i = tok.token_id(text)
+        assert i is not None and not tok.is_special(i), text
+    assert len(tok.special_ids) == 6249 + 3  # every CONTROL token, [multimodal] and the two image markers
+
+
+@pytest.mark.real_model
+def test_decode_leaves_special_tokens_out_unless_asked(tok):
+    ids = tok.encode(CHAT)
+    specials = [tok.token_id(t) for t in ("<bos>", "<start_of_turn>", "<start_of_image>", "<end_of_image>",
+                                          "<unused0>", "<mask>", "<end_of_turn>")]
+    assert [i for i in ids if tok.is_special(i)] == specials  # each spelled marker is one token
+    assert tok.decode(ids) == "user\nLook at <h1>this</h1>\n\n"
+    assert tok.decode(ids, skip_special=False) == "<bos>" + CHAT
+    for skip in (True, False):
+        sd = tok.stream(skip_special=skip)
+        assert "".join(sd.push(i) for i in ids) + sd.flush() == tok.decode(ids, skip_special=skip)
+    sd = tok.stream()
+    assert [sd.push(i) for i in specials] == [""] * len(specials)  # nothing streams for them
 
 
 @pytest.mark.real_model
@@ -113,10 +144,11 @@ def test_stream_decoder_flushes_invalid_bytes(tok):
 def test_json_round_trip(tok, tok_json):
     for case in CASES:
         assert tok_json.encode(case["text"]) == case["ids"]
-    for attr in ("bos_id", "eos_ids", "add_bos", "vocab_size", "model", "architecture"):
+    for attr in ("bos_id", "eos_ids", "add_bos", "vocab_size", "model", "architecture", "special_ids"):
         assert getattr(tok_json, attr) == getattr(tok, attr)
-    ids = tok.encode(MULTIBYTE[1])
+    ids = tok.encode(MULTIBYTE[1] + CHAT)
     assert tok_json.decode(ids) == tok.decode(ids)
+    assert tok_json.decode(ids, skip_special=False) == tok.decode(ids, skip_special=False)
 
 
 def test_unsupported_model_is_a_workbench_error():
@@ -127,5 +159,7 @@ def test_unsupported_model_is_a_workbench_error():
 def test_bad_cache_is_a_workbench_error():
     with pytest.raises(WorkbenchError):
         Tokenizer.from_json('{"format": "something-else"}')
+    with pytest.raises(WorkbenchError, match="workbench-tokenizer/1"):  # a cache without special_ids
+        Tokenizer.from_json('{"format": "workbench-tokenizer/1"}')
     with pytest.raises(WorkbenchError):
         Tokenizer.from_json("not json")

@@ -11,11 +11,16 @@ For each concurrency C and repeat, C distinct prompts of `prompt_len` tokens run
 - bandwidth floor: C * copy-bandwidth / weight-bytes-per-step, the decode rate no version can
   beat when every step streams the weights once; `fraction_of_floor` = measured / floor;
 - matches_solo: slot 0's tokens equal the C=1 run of the same prompt (exactness evidence).
+
+Progress goes to a `progress(line)` callback: the plan, then one line per measurement as it
+finishes (its configuration and result), then the total wall time. The CLI prints them on stderr
+(`--no-progress` drops them); the table goes to stdout.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 from .errors import WorkbenchError
@@ -114,10 +119,18 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
         "chunk": chunk if chunk is not None else "auto",
         "repeats": repeats,
     }
-    progress("measuring copy bandwidth ...")
+    from .cli import format_duration
+
+    started = time.perf_counter()
+    num = len(concurrency) * repeats
+    progress(f"bench: {num} measurement{'s' if num != 1 else ''} (concurrency {','.join(map(str, concurrency))}"
+             f" x {repeats} repeat{'s' if repeats != 1 else ''}), prompt {prompt_len} tokens, gen {gen} tokens, "
+             f"backend {backend}, {model.dtype_name}")
     import torch
 
-    bw = measure_copy_bandwidth("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    bw = measure_copy_bandwidth(device)
+    progress(f"copy bandwidth ({device}) {bw / 1e9:.1f} GB/s; warming up")
     # warm-up: allocators, thread pools, first-touch of the weights, kernel compilation
     measure(model, 1, min(prompt_len, 32), 4, chunk, backend=backend, head_matmul=head_matmul)
     rows = []
@@ -126,6 +139,7 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
     with store.start_run("bench", params) as run:
         for c in concurrency:
             for r in range(repeats):
+                t_measure = time.perf_counter()
                 m, toks = measure(model, c, prompt_len, gen, chunk, backend=backend, head_matmul=head_matmul)
                 if c == 1 and solo_tokens is None:
                     solo_tokens = toks[0]
@@ -140,11 +154,15 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
                     "matches_solo": None if solo_tokens is None else toks[0] == solo_tokens,
                 }
                 rows.append(row)
+                exact = {None: "", True: ", exact vs solo", False: ", DIFFERS from solo"}[row["matches_solo"]]
                 progress(
-                    f"C={c} repeat {r}: decode {m['decode_tok_s_aggregate']:.1f} tok/s aggregate, "
-                    f"prefill {m['prefill_tok_s']:.1f} tok/s, TTFT {m['ttft_s_max']:.2f}s"
+                    f"[{len(rows)}/{num}] concurrency {c}, prompt {prompt_len}, repeat {r + 1}/{repeats}: "
+                    f"decode {m['decode_tok_s_aggregate']:.1f} tok/s aggregate ({row['fraction_of_floor']:.2f} of "
+                    f"the floor), prefill {m['prefill_tok_s']:.1f} tok/s, TTFT max {m['ttft_s_max']:.2f} s{exact} "
+                    f"({format_duration(time.perf_counter() - t_measure)})"
                 )
         run.write_rows("summary", rows)
+    progress(f"bench: {num} measurement{'s' if num != 1 else ''} in {format_duration(time.perf_counter() - started)}")
     return run, rows
 
 
@@ -176,10 +194,13 @@ def format_table(rows: list[dict]) -> str:
 def _cmd_bench(args) -> int:
     from .model import load_model
 
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
     model = load_model(args.model, dtype=args.dtype)
     run, rows = run_bench(model, concurrency=args.concurrency, prompt_len=args.prompt_len, gen=args.gen,
                           chunk=args.chunk, repeats=args.repeats, data_dir=args.data_dir, backend=args.backend,
-                          head_matmul=args.head_matmul, progress=lambda s: print(s, flush=True))
+                          head_matmul=args.head_matmul, progress=progress if args.progress else lambda line: None)
     print(format_table(rows))
     print(f"results: {run.path}")
     return 0
@@ -189,13 +210,23 @@ def register_cli(sub) -> None:
     from .cli import add_model_args, int_list, int_range
     from .engine_config import HEAD_MATMULS
 
-    p = sub.add_parser("bench", help="throughput at several concurrencies (tidy parquet in the run store)")
-    p.add_argument("--concurrency", type=int_list(1, 64), default=[1, 2, 4, 8], help="comma list, e.g. 1,2,4,8")
-    p.add_argument("--prompt-len", type=int_range(1), default=512)
-    p.add_argument("--gen", type=int_range(1), default=128)
-    p.add_argument("--chunk", type=int_range(1), default=None, help="prefill chunk rows (default: auto)")
-    p.add_argument("--repeats", type=int_range(1, 100), default=1)
-    p.add_argument("--data-dir", default="data")
+    p = sub.add_parser(
+        "bench", help="throughput at several concurrencies (tidy parquet in the run store)",
+        description="Measure prefill and decode throughput, TTFT and memory at each concurrency: C distinct "
+        "prompts run together, EOS ignored. Progress on stderr, a table on stdout, one parquet row per "
+        "measurement in the run store.",
+    )
+    p.add_argument("--concurrency", type=int_list(1, 64), default=[1, 2, 4, 8], metavar="C,C,...",
+                   help="concurrencies to measure, a comma list of 1..64")
+    p.add_argument("--prompt-len", type=int_range(1), default=512, metavar="N", help="tokens in each prompt")
+    p.add_argument("--gen", type=int_range(1), default=128, metavar="N", help="tokens generated per prompt")
+    p.add_argument("--chunk", type=int_range(1), default=None, metavar="ROWS",
+                   help="prefill rows per step (default: auto, sized from the memory budget)")
+    p.add_argument("--repeats", type=int_range(1, 100), default=1, metavar="N",
+                   help="measurements per concurrency")
+    p.add_argument("--data-dir", default="data", metavar="DIR", help="run store root the results go to")
+    p.add_argument("--no-progress", "--quiet", dest="progress", action="store_false",
+                   help="no progress lines on stderr (the plan, each measurement as it finishes, the total time)")
     p.add_argument("--backend", default="torch", choices=["torch", "triton"],
                    help="torch: the CPU reference path; triton: the kernels (a GPU, or the CPU interpreter)")
     p.add_argument("--head-matmul", default=None, choices=list(HEAD_MATMULS),

@@ -156,10 +156,9 @@ class Engine:
                 f"load_model(..., dtype={config.dtype!r}) or set EngineConfig(dtype={model.dtype_name!r})"
             )
         if config.backend == "triton":
-            from .triton_runner import TritonRunner
+            from .runners.triton_runner import TritonRunner
 
-            self.runner = TritonRunner(model, config.max_context or model.config.context_length,
-                                       head_matmul=config.head_matmul)
+            self.runner = TritonRunner(model, config.max_context or model.config.context_length, config.triton)
         else:
             self.runner = TorchRunner(model, config.max_context or model.config.context_length)
         budget = config.memory_budget_bytes or self._machine_budget()
@@ -190,6 +189,10 @@ class Engine:
         request_id: Hashable | None = None,
         ignore_eos: bool = False,
     ) -> RequestHandle:
+        if isinstance(prompt, str) and not prompt.strip():
+            raise WorkbenchError("the prompt is empty: give some text to continue")
+        if not isinstance(prompt, str) and len(prompt) == 0:
+            raise WorkbenchError("the prompt has no token ids: give at least one")
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         ids = self.model.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         vocab = self.model.config.vocab_size

@@ -117,8 +117,9 @@ class Model:
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
         return self.tokenizer.encode(text, add_bos=add_bos)
 
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids))
+    def detokenize(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """Text of `ids`; control and media-marker tokens are left out unless `skip_special=False`."""
+        return self.tokenizer.decode(list(ids), skip_special=skip_special)
 
     def new_state(self, capacity: int | None = None) -> KVState:
         nb = round_up_capacity(capacity or self.config.context_length) // KV_BLOCK

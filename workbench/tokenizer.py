@@ -19,6 +19,11 @@ user-defined tokens (Gemma's runs of spaces) match as llama.cpp matches them; se
 `_match_user_tokens_like_llamacpp`. A literal U+2581 in the text is the vocabulary's spelling of a
 space, so it decodes as " " (llama.cpp does the same).
 
+Special tokens: ids that stand for no text (the GGUF's CONTROL, UNKNOWN and UNUSED token types,
+e.g. <bos>, <end_of_turn>, <unused7>, and user-defined tokens that mark media, e.g.
+<start_of_image>) are left out of decoded text unless `skip_special=False` asks for them; the
+ids themselves are never changed.
+
 Streaming: `StreamDecoder` turns ids into text increments, holding back bytes of a UTF-8
 character split across byte-fallback tokens (<0xE2><0x82><0xAC> -> "€") until it is complete.
 """
@@ -32,7 +37,7 @@ from typing import Any
 
 from .errors import WorkbenchError
 
-JSON_FORMAT = "workbench-tokenizer/1"
+JSON_FORMAT = "workbench-tokenizer/2"  # /2: special_ids (a /1 cache is rebuilt)
 
 # `tokenizer.ggml.model` values we build, and for "gpt2" the pre-tokenizers we know how to split.
 ALLOWED_MODELS = ("llama", "gpt2")
@@ -40,8 +45,22 @@ ALLOWED_MODELS = ("llama", "gpt2")
 # Control tokens that end a turn in chat-tuned models: generation stops on them as on EOS
 # (llama.cpp's end-of-generation set does the same by token text).
 _END_OF_TURN_TEXTS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>", "<|eom_id|>")
+# GGUF token types (gguf.TokenType): NORMAL 1, UNKNOWN 2, CONTROL 3, USER_DEFINED 4, UNUSED 5, BYTE 6
+_TOKEN_TYPE_UNKNOWN = 2
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
+_TOKEN_TYPE_UNUSED = 5
+# Types whose tokens are never text (llama.cpp's detokenizer drops CONTROL and UNKNOWN tokens
+# too unless asked for them; UNUSED ones should never be produced at all).
+_NON_TEXT_TYPES = (_TOKEN_TYPE_UNKNOWN, _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_UNUSED)
+# User-defined tokens that mark where media goes, not text. Gemma 3's GGUF types its image
+# markers USER_DEFINED (beside its HTML tags and runs of spaces and newlines, which are text), so
+# the type alone does not tell them apart; these spellings do.
+_MEDIA_MARKER_TEXTS = (
+    "[multimodal]", "<start_of_image>", "<end_of_image>", "<image_soft_token>",
+    "<start_of_audio>", "<end_of_audio>", "<audio_soft_token>",
+    "<|image|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+)
 
 # GGUF key -> key in transformers' tokenizer dict (transformers' GGUF_TOKENIZER_MAPPING, "tokenizer").
 _TOKENIZER_KEYS = {
@@ -118,6 +137,15 @@ def _match_user_tokens_like_llamacpp(backend, tokens: list[str], types: list[int
     return out
 
 
+def _special_ids(backend, tokens: list[str], types: list[int]) -> set[int]:
+    """Ids that stand for no text: the non-text token types, the media markers among user-defined
+    tokens, and whatever the converter itself marked special (for a GGUF without token types)."""
+    out = {i for i, kind in enumerate(types) if kind in _NON_TEXT_TYPES}
+    out |= {i for i, kind in enumerate(types) if kind == _TOKEN_TYPE_USER_DEFINED and tokens[i] in _MEDIA_MARKER_TEXTS}
+    out |= {i for i, added in backend.get_added_tokens_decoder().items() if added.special}
+    return out
+
+
 class Tokenizer:
     """Encode / decode with the model's own vocabulary. Build with `from_gguf` / `from_metadata`
     (slow, once), cache `to_json()`, load with `from_json` (fast)."""
@@ -132,6 +160,7 @@ class Tokenizer:
         vocab_size: int,
         model: str,
         architecture: str,
+        special_ids: Iterable[int] = (),
     ):
         self._tk = backend
         self.bos_id = bos_id
@@ -140,6 +169,7 @@ class Tokenizer:
         self.vocab_size = int(vocab_size)
         self.model = model
         self.architecture = architecture
+        self.special_ids = frozenset(int(i) for i in special_ids)  # ids that stand for no text
         if self.add_bos and self.bos_id is None:
             raise WorkbenchError("the GGUF asks for a BOS token (tokenizer.ggml.add_bos_token) but names no bos_token_id")
 
@@ -231,6 +261,7 @@ class Tokenizer:
             vocab_size=len(tokens),
             model=model,
             architecture=architecture,
+            special_ids=_special_ids(backend, tokens, types),
         )
 
     # ------------------------------------------------------------------ caching
@@ -245,6 +276,7 @@ class Tokenizer:
                 "eos_ids": sorted(self.eos_ids),
                 "add_bos": self.add_bos,
                 "vocab_size": self.vocab_size,
+                "special_ids": sorted(self.special_ids),
                 "tokenizers_json": self._tk.to_str(),
             },
             ensure_ascii=False,
@@ -270,6 +302,7 @@ class Tokenizer:
             vocab_size=d["vocab_size"],
             model=d["model"],
             architecture=d["architecture"],
+            special_ids=d["special_ids"],
         )
 
     # --------------------------------------------------------------------- use
@@ -293,9 +326,18 @@ class Tokenizer:
         encs = self._tk.encode_batch(texts, add_special_tokens=False)
         return [([self.bos_id] if bos else []) + list(e.ids) for e in encs]
 
-    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
-        """Text of `ids`; with `skip_special`, control tokens (BOS, <end_of_turn>, ...) are dropped."""
-        return self._tk.decode(list(ids), skip_special_tokens=skip_special)
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        """Text of `ids`. Special tokens (`special_ids`: <bos>, <end_of_turn>, <start_of_image>,
+        ...) are left out unless `skip_special=False`, which spells each as its vocabulary text."""
+        ids = [int(i) for i in ids]
+        if skip_special:
+            ids = [i for i in ids if i not in self.special_ids]
+        # (the backend's own skip knows only the tokens transformers marked special, not the media markers)
+        return self._tk.decode(ids, skip_special_tokens=False)
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether the id stands for no text (see `special_ids`)."""
+        return int(token_id) in self.special_ids
 
     def piece(self, token_id: int) -> str | None:
         """The vocabulary entry of one id, as the backend spells it (e.g. '▁world', '<0xE2>')."""
@@ -304,7 +346,7 @@ class Tokenizer:
     def token_id(self, piece: str) -> int | None:
         return self._tk.token_to_id(piece)
 
-    def stream(self, skip_special: bool = False) -> "StreamDecoder":
+    def stream(self, skip_special: bool = True) -> "StreamDecoder":
         return StreamDecoder(self, skip_special=skip_special)
 
     def __repr__(self) -> str:
@@ -324,7 +366,7 @@ class StreamDecoder:
     held back (e.g. a truly invalid byte sequence, as U+FFFD) at the end of a stream.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
         self._tok = tokenizer
         self._skip = skip_special
         self._ids: list[int] = []
