@@ -35,11 +35,15 @@ def test_manifest_fields(tmp_path):
     assert re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{6}", run.run_id)
     assert run.path == tmp_path / "runs" / run.run_id
     manifest = json.loads((run.path / "manifest.json").read_text())
-    for key in ("run_id", "ablation", "params", "hardware", "hardware_id", "git_commit", "git_dirty",
+    for key in ("run_id", "ablation", "params", "quick", "hardware", "hardware_id", "git_commit", "git_dirty",
                 "versions", "started_at", "ended_at", "status", "error", "tables"):
         assert key in manifest, key
     assert manifest["status"] == "complete" and manifest["ended_at"] >= manifest["started_at"]
     assert manifest["params"] == {"chunk_size": 512}
+    assert manifest["quick"] is False
+    assert store.start_run("chunk-sizing", {}, hardware=CPU, quick=True).manifest["quick"] is True
+    with pytest.raises(WorkbenchError, match="quick='yes' is not allowed: allowed True or False"):
+        store.start_run("chunk-sizing", {}, hardware=CPU, quick="yes")
     assert manifest["hardware"] == CPU and manifest["hardware_id"] == CPU["hardware_id"]
     assert set(manifest["versions"]) >= {"workbench", "torch", "triton", "polars", "altair", "gguf"}
     assert manifest["versions"]["polars"] == pl.__version__
@@ -170,6 +174,29 @@ def test_list_runs_filters(tmp_path):
         store.list_runs(status="done")
 
 
+def test_list_runs_quick_column(tmp_path):
+    store = RunStore(tmp_path)
+    with store.start_run("chunk-sizing", {"repeats": 1}, hardware=CPU, quick=True) as quick:
+        pass
+    with store.start_run("chunk-sizing", {"repeats": 3}, hardware=CPU) as full:
+        pass
+    with store.start_run("bench", {}, hardware=CPU) as legacy:  # a manifest from before `quick`
+        pass
+    manifest = json.loads((legacy.path / "manifest.json").read_text())
+    del manifest["quick"]
+    (legacy.path / "manifest.json").write_text(json.dumps(manifest))
+    (store.runs_dir / "broken").mkdir()
+    (store.runs_dir / "broken" / "manifest.json").write_text("{not json")
+    runs = store.list_runs()
+    assert runs.schema["quick"] == pl.Boolean
+    assert dict(zip(runs["run_id"], runs["quick"])) == {quick.run_id: True, full.run_id: False,
+                                                        legacy.run_id: False, "broken": False}
+    assert store.list_runs(quick=True)["run_id"].to_list() == [quick.run_id]
+    assert set(store.list_runs(quick=False)["run_id"]) == {full.run_id, legacy.run_id, "broken"}
+    with pytest.raises(WorkbenchError, match="quick='no' is not allowed"):
+        store.list_runs(quick="no")
+
+
 def test_load_concatenates_diagonally_and_filters(tmp_path):
     store = RunStore(tmp_path)
     with store.start_run("a", {"chunk_size": 256}, hardware=CPU) as run:
@@ -222,6 +249,31 @@ def test_runs_cli(tmp_path, capsys):
     assert "1 run(s)" in out
     with pytest.raises(SystemExit):
         parser.parse_args(["runs", "--status", "bogus"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["runs", "--quick", "--full"])
+
+
+def test_runs_cli_quick_and_full(tmp_path, capsys):
+    parser = argparse.ArgumentParser(prog="workbench")
+    runstore.register_cli(parser.add_subparsers(dest="command"))
+    store = RunStore(tmp_path)
+    with store.start_run("chunk-sizing", {}, hardware=CPU, quick=True) as quick:
+        pass
+    with store.start_run("chunk-sizing", {}, hardware=CPU) as full:
+        pass
+    for flags, shown, hidden in (([], [quick, full], []), (["--quick"], [quick], [full]),
+                                 (["--full"], [full], [quick])):
+        args = parser.parse_args(["runs", "--data-dir", str(tmp_path), *flags])
+        assert args.func(args) == 0
+        out = capsys.readouterr().out
+        header = out.splitlines()[0]
+        assert "| quick " in header
+        assert all(r.run_id in out for r in shown) and not any(r.run_id in out for r in hidden), flags
+    quick_line = [line for line in out.splitlines() if full.run_id in line]
+    assert quick_line and "false" in quick_line[0]
+    args = parser.parse_args(["runs", "--data-dir", str(tmp_path), "--quick", "--ablation", "bench"])
+    assert args.func(args) == 0
+    assert "matching the filters" in capsys.readouterr().out
 
 
 def test_default_hardware_is_this_machine(tmp_path):

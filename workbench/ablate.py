@@ -5,7 +5,9 @@
 
 Every run is planned and validated before the first one starts: a bad -p value ends with one
 line naming the parameter and what it allows, exit 2. A scalar parameter given several values
-(`-p concurrency=2,4`) is swept across runs, one run each.
+(`-p concurrency=2,4`) is swept across runs, one run each. Each run's manifest records its full
+parameters and `quick` (true for --quick). The notebook also runs by hand: in JupyterLab, or as
+`papermill notebooks/chunk_sizing.ipynb out.ipynb -p prompt_lens '[32]'`.
 """
 
 from __future__ import annotations
@@ -29,11 +31,15 @@ def register_cli(subparsers) -> None:
     )
     p.add_argument("name", nargs="?", choices=names, help="the ablation (see --list)")
     p.add_argument("-p", "--param", dest="params", action="append", default=[], metavar="NAME=VALUE",
-                   help="override a parameter; lists as 16,64,auto; several values of a scalar sweep it across runs")
-    p.add_argument("--quick", action="store_true", help="the ablation's quick settings (minutes on a CPU)")
-    p.add_argument("--data-dir", type=Path, default=Path("data"), help="run store root (default: data)")
-    p.add_argument("--list", action="store_true", help="list the ablations with their parameters and defaults")
-    p.add_argument("--no-progress", action="store_true", help="no papermill progress bar")
+                   help="override a parameter, repeatable; lists as 16,64,auto or [16, 64]; several values of a "
+                   "scalar sweep it across runs (default: the notebook's defaults, see --list)")
+    p.add_argument("--quick", action="store_true",
+                   help="start from the ablation's quick settings (minutes on a CPU); the manifest records quick")
+    p.add_argument("--data-dir", type=Path, default=Path("data"), help="run store root")
+    p.add_argument("--list", action="store_true", help="list the ablations with their parameters, defaults and "
+                   "quick settings")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (papermill's over the cells, the notebook's over its measurements)")
     p.set_defaults(func=cmd_ablate)
 
 

@@ -14,17 +14,25 @@ Each run is recorded in the run store: the runner starts it, the notebook writes
 into it, the runner ends it ("complete", or "failed" with the error line) and saves the
 executed notebook beside the tables in ``runs/<run_id>/``.
 
+A run's manifest records its full parameters (defaults filled in) and whether it is quick: a
+run planned with the quick overrides (`workbench ablate X --quick`, `run-all --quick`) is
+quick, whatever else it overrides; a run started by hand (JupyterLab, papermill) is quick when
+its parameters hold every quick override's value (`Ablation.is_quick`).
+
 The chunk-sizing measurement itself (`measure_chunk_sizing`) lives here too, so that the
 notebook holds only parameters and calls.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import itertools
 import json
 import math
+import os
 import random
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -35,8 +43,9 @@ from typing import Any, Callable, Protocol
 from workbench.errors import WorkbenchError
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
-# Parameters every ablation notebook has and the runner sets (never the user, never recorded).
-RUNNER_PARAMS = ("data_dir", "run_id")
+# Parameters every ablation notebook has and the runner sets (never recorded): the run store's
+# root, the run the notebook writes into (None: it starts its own) and its progress bars.
+RUNNER_PARAMS = ("data_dir", "run_id", "progress")
 SUMMARY_TABLE = "summary"  # the table the dashboards read (workbench.dashboard.SUMMARY_TABLE)
 KERNEL_NAME = "python3"
 
@@ -74,7 +83,13 @@ class Param:
         return f"a non-empty list of distinct integers {span}{extra}"
 
     def check(self, value: Any) -> Any:
-        """The value, normalized (tuples to lists); WorkbenchError naming what is allowed."""
+        """The value, normalized (tuples to lists); WorkbenchError naming what is allowed.
+
+        Text is first read as `parse` reads it (papermill's `-p prompt_lens '[32]'` passes the
+        string "[32]", and `-r` passes every value as a string).
+        """
+        if isinstance(value, str):
+            value = self.parse(value)
         if value is None and self.optional:
             return None
         if self.kind == "path":
@@ -94,18 +109,30 @@ class Param:
         return list(value)
 
     def parse(self, text: str) -> Any:
-        """A command-line value: "none", "7", "7,8" (several values: a list), or "[7, 8]".
+        """A value given as text: a Python or JSON literal ("7", "[7, 8]", "None", "null"), or
+        bare words ("auto", "16,64,auto", "[16, auto]"). Several values make a list; one value
+        of a list parameter becomes a list of one.
 
-        Items that are not integers stay text, so that `check` names them in its message.
+        Text that reads as neither stays text, and items that are not integers stay words, so
+        that `check` names them in its message.
         """
         text = text.strip()
-        if self.kind == "path":
-            return None if text.lower() == "none" else text
-        if text.lower() == "none":
+        if text.lower() in ("none", "null"):
             return None
-        items = [p.strip().strip("'\"") for p in text.strip("[]").split(",")]
-        values = [int(p) if _is_int(p) else p for p in items if p]
-        return values if (self.is_list or "," in text or text.startswith("[")) else (values[0] if values else text)
+        if self.kind == "path":
+            return text
+        value = _literal(text)
+        if value is _NOT_LITERAL:
+            bracketed = text.startswith("[") and text.endswith("]")
+            if text.startswith("[") and not bracketed:
+                return text
+            inner = text[1:-1] if bracketed else text
+            items = [p.strip().strip("'\"") for p in inner.split(",")]
+            value = [int(p) if _is_int(p) else p for p in items if p]
+            value = value if (bracketed or "," in text) else (value[0] if value else text)
+        if isinstance(value, tuple):  # "7,8" reads as a tuple
+            value = list(value)
+        return [value] if self.is_list and not isinstance(value, list) else value
 
     def describe(self) -> str:
         return f"{self.name} = {self.default!r}: {self.help} (allowed: {self.allowed()})"
@@ -126,6 +153,31 @@ def _is_int(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+_NOT_LITERAL = object()
+
+
+def _literal(text: str) -> Any:
+    """`text` as a Python literal (`ast.literal_eval`: no names, no calls) or, failing that, a
+    JSON one (null, true, false); `_NOT_LITERAL` if it is neither."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        pass
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return _NOT_LITERAL
+
+
+def _flag(name: str, value: Any) -> bool:
+    """A runner's on/off parameter: a bool, or its text ("True", "false")."""
+    if isinstance(value, str):
+        value = {"true": True, "false": False}.get(value.strip().lower(), value)
+    if not isinstance(value, bool):
+        raise WorkbenchError(f"{name}={value!r} is not allowed: allowed True or False")
+    return value
 
 
 @dataclass(frozen=True)
@@ -150,6 +202,12 @@ class Ablation:
 
     def defaults(self) -> dict[str, Any]:
         return {p.name: p.default for p in self.params}
+
+    def is_quick(self, params: Mapping[str, Any]) -> bool:
+        """Whether validated `params` hold every quick override's value: how a run is classed
+        when nobody said whether it was planned with --quick (a notebook run by hand, a run
+        recorded before manifests held the flag)."""
+        return bool(self.quick) and all(params.get(k) == v for k, v in self.quick.items())
 
 
 def _chunk_sizing() -> Ablation:
@@ -195,8 +253,8 @@ def validate(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
     """Every parameter of ablation `name`, defaults filled in, each checked; refuses unknown
     names and bad values with a WorkbenchError naming the parameter and what it allows.
 
-    The runner's parameters (`RUNNER_PARAMS`: data_dir, run_id) pass through, defaulting to
-    "data" and None.
+    The runner's parameters (`RUNNER_PARAMS`: data_dir, run_id, progress) pass through,
+    defaulting to "data", None and True.
     """
     ablation = get(name)
     known = [p.name for p in ablation.params]
@@ -212,7 +270,10 @@ def validate(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
         raise WorkbenchError(f"data_dir={data_dir!r} is not allowed: allowed a folder path")
     if run_id is not None and not isinstance(run_id, str):
         raise WorkbenchError(f"run_id={run_id!r} is not allowed: allowed a run id (text) or None")
-    return config | {"data_dir": str(data_dir), "run_id": run_id}
+    if run_id is not None and run_id.strip().lower() in ("none", "null"):  # papermill -r passes text
+        run_id = None
+    progress = _flag("progress", params.get("progress", True))
+    return config | {"data_dir": str(data_dir), "run_id": run_id, "progress": progress}
 
 
 def describe(name: str) -> str:
@@ -235,7 +296,8 @@ def parse_overrides(name: str, pairs: Sequence[str]) -> dict[str, Any]:
             raise WorkbenchError(f"-p {pair!r} is not name=value; parameters: "
                                  f"{', '.join(p.name for p in ablation.params)}")
         if key in RUNNER_PARAMS:
-            raise WorkbenchError(f"-p {key}: set by the runner, not a parameter (use --data-dir for the run store)")
+            raise WorkbenchError(f"-p {key}: set by the runner, not a parameter "
+                                 "(use --data-dir for the run store, --no-progress for no progress bars)")
         out[key] = ablation.param(key).parse(text)
     return out
 
@@ -256,6 +318,7 @@ class RunSpec:
     data_dir: str  # absolute path of the run store's root
     index: int = 0  # position in its sweep
     swept: Mapping[str, Any] = field(default_factory=dict)  # the values that differ across the sweep
+    quick: bool = False  # planned with the ablation's quick overrides (recorded in the manifest)
 
     @property
     def label(self) -> str:
@@ -281,6 +344,7 @@ def plan_sweep(name: str, params: Mapping[str, Any] | None = None, *, quick: boo
 
     `params` override the quick overrides (`quick=True`), which override the defaults. A
     scalar parameter given a list of values is an axis: one RunSpec per combination of axes.
+    Every spec carries `quick`, and its params hold every parameter (defaults filled in).
     """
     ablation = get(name)
     params = dict(params or {})
@@ -303,7 +367,7 @@ def plan_sweep(name: str, params: Mapping[str, Any] | None = None, *, quick: boo
         user = {k: v for k, v in config.items() if k not in RUNNER_PARAMS}
         if user.get("model") is not None:
             user["model"] = str(Path(user["model"]).resolve())
-        specs.append(RunSpec(name, str(ablation.notebook_path), user, root, index, swept))
+        specs.append(RunSpec(name, str(ablation.notebook_path), user, root, index, swept, quick))
     return specs
 
 
@@ -317,7 +381,9 @@ class Executor(Protocol):
 class LocalExecutor:
     """Runs the specs one after another in this process's Python, each in its own kernel.
 
-    A run that fails is recorded as failed and the next one still runs.
+    A run that fails is recorded as failed and the next one still runs. With `progress_bar`,
+    papermill's bar over the cells and the notebook's own bars (its `progress` parameter,
+    written to the kernel's stderr, which comes through to this process's stderr).
 
     A Ray executor would map each `RunSpec` to one task, since specs are independent and hold
     plain data::
@@ -350,25 +416,30 @@ class LocalExecutor:
 
 def execute_run(spec: RunSpec, *, progress_bar: bool = True, log_output: bool = False) -> RunResult:
     """Run one spec: start a run in the store, execute the notebook into the run's folder
-    through papermill, then end the run complete (or failed, with the error line)."""
+    through papermill, then end the run complete (or failed, with the error line).
+
+    With `progress_bar`, papermill shows its bar over the cells and the notebook its own bars
+    (`progress`), whose text lines come through the kernel's stderr to this process's stderr.
+    """
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
     from workbench.runstore import RunStore
 
     started = time.perf_counter()
-    run = RunStore(spec.data_dir).start_run(spec.ablation, dict(spec.params))
+    run = RunStore(spec.data_dir).start_run(spec.ablation, dict(spec.params), quick=spec.quick)
     notebook_out = run.path / Path(spec.notebook).name
     error = None
     try:
         papermill.execute_notebook(
             spec.notebook,
             str(notebook_out),
-            parameters={**spec.params, "data_dir": spec.data_dir, "run_id": run.run_id},
+            parameters={**spec.params, "data_dir": spec.data_dir, "run_id": run.run_id, "progress": progress_bar},
             kernel_name=KERNEL_NAME,
             language="python",
             progress_bar=progress_bar,
             log_output=log_output,
+            stderr_file=sys.stderr if progress_bar and not log_output else None,
             kernel_manager_class=this_python_kernel_manager(),
         )
     except PapermillExecutionError as exc:  # a cell raised
@@ -446,7 +517,8 @@ def recording(config: Mapping[str, Any], ablation: str) -> Iterator[Any]:
 
     With `config["run_id"]` set (the runner's run), that run, which the runner ends. Without
     (the notebook run by hand), a new run in `config["data_dir"]`, ended here: complete, or
-    failed if the block raises.
+    failed if the block raises; it is recorded as quick when its parameters hold every quick
+    override's value (`Ablation.is_quick`), since nothing else says how it was planned.
     """
     if config.get("run_id"):
         run = attach_run(config["data_dir"], config["run_id"])
@@ -458,8 +530,36 @@ def recording(config: Mapping[str, Any], ablation: str) -> Iterator[Any]:
     from workbench.runstore import RunStore
 
     params = {k: v for k, v in config.items() if k not in RUNNER_PARAMS}
-    with RunStore(config["data_dir"]).start_run(ablation, params) as run:
+    quick = get(ablation).is_quick(params)
+    with RunStore(config["data_dir"]).start_run(ablation, params, quick=quick) as run:
         yield run
+
+
+def measurement_bar(labels: Sequence[str], *, enabled: bool = True):
+    """A tqdm bar with one step per label, described by the first (a no-op one when not
+    `enabled`); `next_measurement` counts a step done and names the next.
+
+    `tqdm.auto`'s widget where a Jupyter server started the kernel (JupyterLab: the browser
+    draws it); text on stderr everywhere else. Under papermill the widget would leave only its
+    first frame (0%) in the log and the executed notebook, since later frames travel as widget
+    messages, not outputs; the text bar's updates are stderr output, which papermill's
+    --log-output prints and the executed notebook keeps. A Jupyter server marks the kernels it
+    starts with JPY_SESSION_NAME (ipykernel reads it for `__session__`); papermill does not.
+    """
+    if "JPY_SESSION_NAME" in os.environ:
+        from tqdm.auto import tqdm
+    else:
+        from tqdm.std import tqdm
+    return tqdm(total=len(labels), desc=labels[0] if labels else None, disable=not enabled, file=sys.stderr,
+                unit="measurement")
+
+
+def next_measurement(bar, labels: Sequence[str]) -> None:
+    """Count one measurement done and describe the bar by the next one, in a single refresh:
+    the bar names what runs now, and a log gets one line per measurement."""
+    if bar.n + 1 < len(labels):
+        bar.set_description(labels[bar.n + 1], refresh=False)
+    bar.update()
 
 
 def run_rows(run, table: str = SUMMARY_TABLE):
@@ -495,9 +595,11 @@ def measure_chunk_sizing(
     decode_prompt_len: int,
     repeats: int,
     seed: int,
+    progress: bool = True,
 ):
     """One row per (prompt length, repeat, chunk size): a long prompt arrives while the other
-    `concurrency - 1` slots are decoding.
+    `concurrency - 1` slots are decoding. With `progress`, a bar with one step per measurement
+    (`measurement_bar`), described by the measurement it is on.
 
     The decoding slots generate long enough to keep decoding through the whole prefill at the
     smallest chunk size. Measured: TTFT (the long prompt's, and the worst), the inter-token
@@ -522,35 +624,40 @@ def measure_chunk_sizing(
     context = model.config.context_length
     _warm_up(model, EngineConfig(max_concurrency=concurrency, dtype=model.dtype_name))
     rows = []
-    for prompt_len in prompt_lens:
-        decode_tokens = gen_tokens + math.ceil(prompt_len / smallest) + 1
-        if prompt_len + gen_tokens > context or decode_prompt_len + decode_tokens > context:
-            raise WorkbenchError(
-                f"prompt_len={prompt_len} with gen_tokens={gen_tokens} (decoding slots: {decode_prompt_len} + "
-                f"{decode_tokens}) does not fit the model's context of {context} tokens"
-            )
-        short = [prompt_ids(model, decode_prompt_len, f"{seed}-decode-{i}") for i in range(concurrency - 1)]
-        long = prompt_ids(model, prompt_len, f"{seed}-long-{prompt_len}")
-        reference = None
-        for repeat in range(repeats):
-            for chunk in chunk_sizes:
-                config = EngineConfig(max_concurrency=concurrency, chunk_size=None if chunk == "auto" else chunk,
-                                      chunk_cap=chunk_cap, dtype=model.dtype_name)
-                row, outputs = _long_prompt_arrives(Engine(model, config), short, long, decode_tokens, gen_tokens,
-                                                    percentile)
-                reference = outputs if reference is None else reference
-                rows.append({
-                    "prompt_len": prompt_len,
-                    "chunk_setting": str(chunk),
-                    "repeat": repeat,
-                    **row,
-                    "decode_prompt_len": decode_prompt_len,
-                    "decode_slot_tokens": decode_tokens,
-                    "outputs_identical": outputs == reference,
-                    "tokens_sha256": hashlib.sha256(json.dumps(outputs).encode()).hexdigest(),
-                    "model_name": str(model.source.get("general.name", model.path.stem)),
-                    "model_sha256": model.source.index.sha256,
-                })
+    labels = [f"prompt_len={prompt_len} chunk={chunk} repeat={repeat + 1}/{repeats}"
+              for prompt_len in prompt_lens for repeat in range(repeats) for chunk in chunk_sizes]
+    with measurement_bar(labels, enabled=progress) as bar:
+        for prompt_len in prompt_lens:
+            decode_tokens = gen_tokens + math.ceil(prompt_len / smallest) + 1
+            if prompt_len + gen_tokens > context or decode_prompt_len + decode_tokens > context:
+                raise WorkbenchError(
+                    f"prompt_len={prompt_len} with gen_tokens={gen_tokens} (decoding slots: {decode_prompt_len} + "
+                    f"{decode_tokens}) does not fit the model's context of {context} tokens"
+                )
+            short = [prompt_ids(model, decode_prompt_len, f"{seed}-decode-{i}") for i in range(concurrency - 1)]
+            long = prompt_ids(model, prompt_len, f"{seed}-long-{prompt_len}")
+            reference = None
+            for repeat in range(repeats):
+                for chunk in chunk_sizes:
+                    config = EngineConfig(max_concurrency=concurrency,
+                                          chunk_size=None if chunk == "auto" else chunk,
+                                          chunk_cap=chunk_cap, dtype=model.dtype_name)
+                    row, outputs = _long_prompt_arrives(Engine(model, config), short, long, decode_tokens,
+                                                        gen_tokens, percentile)
+                    reference = outputs if reference is None else reference
+                    rows.append({
+                        "prompt_len": prompt_len,
+                        "chunk_setting": str(chunk),
+                        "repeat": repeat,
+                        **row,
+                        "decode_prompt_len": decode_prompt_len,
+                        "decode_slot_tokens": decode_tokens,
+                        "outputs_identical": outputs == reference,
+                        "tokens_sha256": hashlib.sha256(json.dumps(outputs).encode()).hexdigest(),
+                        "model_name": str(model.source.get("general.name", model.path.stem)),
+                        "model_sha256": model.source.index.sha256,
+                    })
+                    next_measurement(bar, labels)
     return pl.DataFrame(rows, infer_schema_length=None)
 
 

@@ -2,7 +2,7 @@
 
 Layout under the store's root (default ``./data``)::
 
-    runs/<run_id>/manifest.json      what ran: ablation, params, hardware, commit, versions, status
+    runs/<run_id>/manifest.json      what ran: ablation, params, quick, hardware, commit, versions, status
     runs/<run_id>/<name>.parquet     tidy rows; every row carries run_id, ablation, hardware_id
                                      and the run's params (flattened, nested keys joined by "_")
 
@@ -10,6 +10,12 @@ Every file is written to a temporary file in the same folder and moved into plac
 `os.replace`, so a reader (or a process killed mid-run) only ever sees whole files. A run
 used as a context manager ends "complete", or "failed" with the error line and its parquet
 tables removed; a killed process leaves the manifest at "running" and only whole tables.
+
+A manifest's `params` are the run's full parameters as its maker passes them (an ablation
+passes every parameter, defaults filled in); its top-level boolean `quick` says whether the
+run used reduced settings (an ablation's --quick; see `workbench.ablations`), so that readers
+keep quick runs apart from full ones. A manifest written before `quick` existed reads as
+quick = False. A field filled in or fixed after the run is listed in `corrections`, with a note.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ _RUN_COLUMNS = {
     "duration_s": pl.Float64,
     "git_commit": pl.String,
     "git_dirty": pl.Boolean,
+    "quick": pl.Boolean,
     "tables": pl.String,
     "error": pl.String,
     "params": pl.String,
@@ -172,15 +179,19 @@ class RunStore:
         params: Mapping[str, Any],
         *,
         hardware: Mapping[str, Any] | None = None,
+        quick: bool = False,
     ) -> Run:
         """Create a run folder and its manifest (status "running"); use the Run as a context manager.
 
         `hardware` defaults to this machine's `hardware.fingerprint()`; pass one (it must hold a
-        `hardware_id`) to record runs made elsewhere or, in tests, on fake machines.
+        `hardware_id`) to record runs made elsewhere or, in tests, on fake machines. `quick`:
+        the run used reduced settings (recorded as the manifest's top-level `quick`).
         """
         _check_name(ablation, "ablation")
         if not isinstance(params, Mapping):
             raise WorkbenchError(f"params must be a mapping, got {type(params).__name__}")
+        if not isinstance(quick, bool):
+            raise WorkbenchError(f"quick={quick!r} is not allowed: allowed True or False")
         flatten_params(params)  # reject colliding keys before anything is written
         hw = dict(hardware) if hardware is not None else self._this_machine()
         if not hw.get("hardware_id"):
@@ -193,6 +204,7 @@ class RunStore:
             "run_id": run_id,
             "ablation": ablation,
             "params": json.loads(json.dumps(dict(params), default=str)),
+            "quick": quick,
             "hardware_id": hw["hardware_id"],
             "hardware": hw,
             "git_commit": commit,
@@ -227,13 +239,21 @@ class RunStore:
         ablation: str | None = None,
         hardware: str | None = None,
         status: str | None = None,
+        quick: bool | None = None,
     ) -> pl.DataFrame:
-        """One row per run (see `_RUN_COLUMNS`), oldest first, optionally filtered."""
+        """One row per run (see `_RUN_COLUMNS`), oldest first, optionally filtered.
+
+        `quick` is the manifest's flag (False where the manifest lacks it); filter with
+        quick=True (quick runs only) or quick=False (full runs only).
+        """
         if status is not None and status not in RUN_STATUSES:
             raise WorkbenchError(f"status {status!r} is not one of {', '.join(RUN_STATUSES)}")
+        if quick is not None and not isinstance(quick, bool):
+            raise WorkbenchError(f"quick={quick!r} is not allowed: allowed True, False or None (every run)")
         rows = [_run_row(m) for m in self.manifests()]
         frame = pl.DataFrame(rows, schema=_RUN_COLUMNS)
-        for column, value in (("ablation", ablation), ("hardware_id", hardware), ("status", status)):
+        for column, value in (("ablation", ablation), ("hardware_id", hardware), ("status", status),
+                              ("quick", quick)):
             if value is not None:
                 frame = frame.filter(pl.col(column) == value)
         return frame
@@ -336,6 +356,7 @@ def _run_row(m: Mapping[str, Any]) -> dict[str, Any]:
         "duration_s": duration,
         "git_commit": m.get("git_commit"),
         "git_dirty": m.get("git_dirty"),
+        "quick": m.get("quick") is True,
         "tables": ",".join(m.get("tables") or []),
         "error": m.get("error"),
         "params": json.dumps(m.get("params"), sort_keys=True) if "params" in m else None,
@@ -400,17 +421,22 @@ def _now() -> str:
 
 def register_cli(subparsers) -> None:
     """Add `workbench runs` to an argparse subparsers object."""
-    p = subparsers.add_parser("runs", help="list recorded runs", description="List recorded runs.")
-    p.add_argument("--data-dir", type=Path, default=Path("data"), help="run store root (default: data)")
-    p.add_argument("--ablation", help="only runs of this ablation")
-    p.add_argument("--hardware", help="only runs on this hardware_id")
-    p.add_argument("--status", choices=RUN_STATUSES, help="only runs with this status")
+    p = subparsers.add_parser("runs", help="list recorded runs", description="List recorded runs, oldest first.")
+    p.add_argument("--data-dir", type=Path, default=Path("data"), help="run store root")
+    p.add_argument("--ablation", help="only runs of this ablation (default: every ablation)")
+    p.add_argument("--hardware", help="only runs on this hardware_id (default: any hardware)")
+    p.add_argument("--status", choices=RUN_STATUSES, help="only runs with this status (default: any status)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--quick", dest="quick", action="store_const", const=True,
+                       help="only quick runs, made with an ablation's --quick settings (default: quick and full runs)")
+    which.add_argument("--full", dest="quick", action="store_const", const=False,
+                       help="only full runs, not quick (default: quick and full runs)")
     p.set_defaults(func=_cmd_runs)
 
 
 def _cmd_runs(args) -> int:
     store = RunStore(args.data_dir)
-    runs = store.list_runs(ablation=args.ablation, hardware=args.hardware, status=args.status)
+    runs = store.list_runs(ablation=args.ablation, hardware=args.hardware, status=args.status, quick=args.quick)
     if runs.is_empty():
         print(f"no runs in {store.runs_dir}" + (" matching the filters" if _any_filter(args) else ""))
         return 0
@@ -419,6 +445,7 @@ def _cmd_runs(args) -> int:
         "ablation",
         "hardware_id",
         "status",
+        "quick",
         pl.col("started_at").str.slice(0, 19).alias("started (UTC)"),
         pl.col("duration_s").round(1),
         pl.col("git_commit").str.slice(0, 10).alias("commit"),
@@ -432,5 +459,5 @@ def _cmd_runs(args) -> int:
 
 
 def _any_filter(args) -> bool:
-    return any(v is not None for v in (args.ablation, args.hardware, args.status))
+    return any(v is not None for v in (args.ablation, args.hardware, args.status, args.quick))
 
