@@ -309,6 +309,24 @@ def test_bench_progress_on_stderr_unless_turned_off(tiny_gguf, tmp_path, capsys)
     assert err == "" and "| 2 |" in out
 
 
+def test_run_specs_reports_each_run_as_it_ends(monkeypatch, capsys):
+    from workbench import ablate, ablations
+
+    specs = [SimpleNamespace(label="a", notebook="a.ipynb"), SimpleNamespace(label="b", notebook="b.ipynb")]
+    printed_before = []
+
+    def fake_execute(spec, **kw):
+        printed_before.append(capsys.readouterr().out)  # what was printed before this run started
+        return SimpleNamespace(spec=spec, status="complete", wall_s=1.0, run_id=f"r-{spec.label}", error=None)
+
+    monkeypatch.setattr(ablations, "execute_run", fake_execute)
+    monkeypatch.setattr(ablate, "report_line", lambda r: f"{r.spec.label}: {r.status}")
+    results = ablate.run_specs(specs, progress_bar=False)
+    assert [r.run_id for r in results] == ["r-a", "r-b"]
+    assert printed_before[1] == "[1/2] a: complete\n"  # run a reported before run b started
+    assert capsys.readouterr().out == "[2/2] b: complete\n"
+
+
 def test_run_all_says_what_it_does(monkeypatch, tmp_path, capsys):
     from workbench import ablations, dashboard, mainjob
 
@@ -325,10 +343,9 @@ def test_run_all_says_what_it_does(monkeypatch, tmp_path, capsys):
     out, err = capsys.readouterr()
     lines = err.splitlines()
     assert lines[0] == f"run-all: 2 runs (quick settings) into {tmp_path / 'data'}: chunk-sizing, decode-batching concurrency=4"
-    assert lines[1:3] == ["run-all: [1/2] chunk-sizing: complete in 12.5 s",
-                          "run-all: [2/2] decode-batching concurrency=4: failed in 1 min 15 s"]
-    assert lines[3] == f"run-all: building the dashboards into {tmp_path / 'dash'} ..."
-    assert re.fullmatch(r"run-all: 1 dashboard page in \d+\.\d+ s", lines[4]), lines[4]
-    assert re.fullmatch(r"run-all: 1 of 2 run\(s\) complete; total \d+\.\d+ s", lines[5]), lines[5]
-    assert "decode-batching concurrency=4 (r2): ValueError: x" in lines[6]
+    # each run's start and end come from run_specs as they happen (mocked here)
+    assert lines[1] == f"run-all: building the dashboards into {tmp_path / 'dash'} ..."
+    assert re.fullmatch(r"run-all: 1 dashboard page in \d+\.\d+ s", lines[2]), lines[2]
+    assert re.fullmatch(r"run-all: 1 of 2 run\(s\) complete; total \d+\.\d+ s", lines[3]), lines[3]
+    assert "decode-batching concurrency=4 (r2): ValueError: x" in lines[4]
     assert f"wrote {tmp_path / 'overview.html'}" in out

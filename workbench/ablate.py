@@ -56,15 +56,16 @@ def cmd_ablate(args) -> int:
 
 
 def run_specs(specs, *, progress_bar: bool = True) -> list:
-    """Run the specs with the local executor, printing each run's start and where it went."""
+    """Run the specs with the local executor, printing each run's start, and its end (status,
+    time, where it went) as soon as it ends."""
 
     def started(spec, i, n):
         print(f"[{i + 1}/{n}] {spec.label}: running {Path(spec.notebook).name}", file=sys.stderr, flush=True)
 
-    results = ablations.LocalExecutor(progress_bar=progress_bar, on_start=started).run(specs)
-    for r in results:
-        print(report_line(r), flush=True)
-    return results
+    def finished(result, i, n):
+        print(f"[{i + 1}/{n}] {report_line(result)}", flush=True)
+
+    return ablations.LocalExecutor(progress_bar=progress_bar, on_start=started, on_finish=finished).run(specs)
 
 
 def report_line(result) -> str:

@@ -400,10 +400,12 @@ class LocalExecutor:
     """
 
     def __init__(self, *, progress_bar: bool = True, log_output: bool = False,
-                 on_start: Callable[[RunSpec, int, int], None] | None = None):
+                 on_start: Callable[[RunSpec, int, int], None] | None = None,
+                 on_finish: Callable[[RunResult, int, int], None] | None = None):
         self.progress_bar = progress_bar
         self.log_output = log_output
         self.on_start = on_start
+        self.on_finish = on_finish
 
     def run(self, specs: Sequence[RunSpec]) -> list[RunResult]:
         results = []
@@ -411,6 +413,8 @@ class LocalExecutor:
             if self.on_start is not None:
                 self.on_start(spec, i, len(specs))
             results.append(execute_run(spec, progress_bar=self.progress_bar, log_output=self.log_output))
+            if self.on_finish is not None:
+                self.on_finish(results[-1], i, len(specs))
         return results
 
 

@@ -31,7 +31,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--out", type=Path, default=Path("dashboards"), metavar="DIR",
                    help="folder the dashboard pages are written to")
     p.add_argument("--no-progress", action="store_true",
-                   help="no papermill progress bars (the lines saying which run starts and ends stay)")
+                   help="no progress bars, neither papermill's nor the notebooks' (the lines saying which run starts and ends stay)")
     p.set_defaults(func=cmd_run_all)
 
 
@@ -50,9 +50,7 @@ def cmd_run_all(args) -> int:
         specs += ablations.plan_sweep(name, default_model, quick=args.quick, data_dir=args.data_dir)
     _say(f"{len(specs)} run{'s' if len(specs) != 1 else ''}{' (quick settings)' if args.quick else ''} into "
          f"{args.data_dir}: {', '.join(spec.label for spec in specs)}")
-    results = run_specs(specs, progress_bar=not args.no_progress)
-    for i, r in enumerate(results):
-        _say(f"[{i + 1}/{len(results)}] {r.spec.label}: {r.status} in {format_duration(r.wall_s)}")
+    results = run_specs(specs, progress_bar=not args.no_progress)  # prints each run's start and end
     _say(f"building the dashboards into {args.out} ...")
     t_pages = time.perf_counter()
     pages = build_dashboards(args.data_dir, args.out)
