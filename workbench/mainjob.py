@@ -18,6 +18,7 @@ from pathlib import Path
 
 from workbench import ablations
 from workbench.ablate import EXIT_RUN_FAILED, run_specs
+from workbench.dashboard import DEFAULT_OUT_DIR
 
 
 def register_cli(subparsers) -> None:
@@ -28,8 +29,8 @@ def register_cli(subparsers) -> None:
     )
     p.add_argument("--quick", action="store_true", help="each ablation's quick settings (minutes on a CPU)")
     p.add_argument("--data-dir", type=Path, default=Path("data"), metavar="DIR", help="run store root")
-    p.add_argument("--out", type=Path, default=Path("dashboards"), metavar="DIR",
-                   help="folder the dashboard pages are written to")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR, metavar="DIR",
+                   help="folder the dashboard pages are written to (built outputs, ignored by git)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars, neither papermill's nor the notebooks' (the lines saying which run starts and ends stay)")
     p.set_defaults(func=cmd_run_all)
