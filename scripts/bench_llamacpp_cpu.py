@@ -7,7 +7,9 @@ also needs polars:
     /opt/llamaenv/bin/python scripts/bench_llamacpp_cpu.py [--repeats 2] [--gen 128] [--threads 2]
         [--concurrency 1 2 4 8] [--batch-prompt 512] [--batch-steps 128]
 
-Do not run it under `nice` or beside other heavy work: it measures the machine.
+Do not run it under `nice` or beside other heavy work: it measures the machine. Its figures alone
+do not compare with this project's from another run (the machine drifts); scripts/compare_cpu.py
+runs both engines alternately, reusing `run_once` and `Batched` from here, and reports the ratios.
 
 mode "single" (through llama_cpp.Llama): one sequence, a ~32-token prompt is prefilled in one
 batch, then --gen tokens are generated greedily (argmax of the last logits), one `llama_decode` per
