@@ -241,3 +241,18 @@ def test_cli_names_a_truncated_file_in_one_line(tiny_gguf, tmp_path, command):
     assert "Traceback" not in r.stderr and r.stdout == ""
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"workbench: error: {p} is truncated: it has "), r.stderr
+
+
+def test_generate_names_a_damaged_or_missing_model_before_loading(tmp_path):
+    """`workbench generate --model` checks the file before torch is imported: one line, exit 2."""
+    import subprocess
+    import sys
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 8)
+    for path, words in ((cut, "truncated"), (tmp_path / "missing.gguf", "not found"), (tmp_path, "not a file")):
+        p = subprocess.run([sys.executable, "-m", "workbench", "generate", "--model", str(path), "hi"],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2, p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0] and "Traceback" not in p.stderr, p.stderr

@@ -1,5 +1,7 @@
 """`python -m workbench ...`: the `workbench` command without the installed console script."""
 
+import sys
+
 from .cli import main
 
-main()
+sys.exit(main())

@@ -199,10 +199,16 @@ def read_prompt(text: str | None, path: str | None) -> str:
 
 
 def cmd_generate(args) -> int:
+    prompt = read_prompt(args.prompt, args.prompt_file)  # before the model loads: bad input fails fast
+    if args.model is not None:  # a damaged file is named before torch is imported
+        from pathlib import Path
+
+        from .gguf_file import check_extents
+
+        check_extents(Path(args.model))
     from .engine import Engine, EngineConfig
     from .model import load_model
 
-    prompt = read_prompt(args.prompt, args.prompt_file)  # before the model loads: bad input fails fast
     model = load_model(args.model, dtype=args.dtype)
     ids = model.tokenize(prompt)
     context = model.config.context_length

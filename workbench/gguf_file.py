@@ -260,7 +260,12 @@ def read_layout(path: Path) -> GGUFLayout:
 
 
 def check_extents(path: Path) -> GGUFLayout:
-    """`read_layout`, then WorkbenchError (one line) if the file is shorter than its tensor data."""
+    """`read_layout`, then WorkbenchError (one line) if the file is missing, not a file, or
+    shorter than its tensor data."""
+    if not path.exists():
+        raise WorkbenchError(f"model file not found: {path} (pass --model PATH to a .gguf file)")
+    if not path.is_file():
+        raise WorkbenchError(f"model path is not a file: {path} (pass --model PATH to a .gguf file)")
     layout = read_layout(path)
     size = path.stat().st_size
     if size < layout.data_end:
@@ -273,12 +278,8 @@ def check_extents(path: Path) -> GGUFLayout:
 
 def _check_header(path: Path) -> tuple[int, int]:
     """(size, mtime_ns), once the file is known to be a GGUF file that holds all its tensor data."""
-    if not path.exists():
-        raise WorkbenchError(f"model file not found: {path} (pass --model PATH to a .gguf file)")
-    if not path.is_file():
-        raise WorkbenchError(f"model path is not a file: {path} (pass --model PATH to a .gguf file)")
-    st = path.stat()
     check_extents(path)
+    st = path.stat()
     return st.st_size, st.st_mtime_ns
 
 
