@@ -731,5 +731,4 @@ def chunk_sizing_charts(rows) -> list:
     """The dashboard's chunk-sizing views over tagged summary rows (as the store holds them)."""
     from workbench import dashboard
 
-    return [view(rows) for _, columns, view in dashboard.ABLATION_VIEWS["chunk-sizing"]
-            if all(c in rows.columns and rows[c].null_count() < rows.height for c in columns)]
+    return dashboard.ablation_charts("chunk-sizing", rows)
