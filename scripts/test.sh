@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Headless Chromium for the dashboard browser test (Debian's package; the test skips without it).
+# Headless Chromium for the browser tests (dashboards, JupyterLab; Debian's package; they skip without it).
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
     || echo "warning: could not install chromium; the browser test will be skipped"

@@ -2,8 +2,11 @@
 chart its per-step and per-request telemetry, and wire both to ipywidgets controls.
 
     steps, requests = run_config(model, concurrency=4, chunk_cap=256, prompt_len=128, gen_tokens=16)
-    steps_chart(steps); requests_chart(requests)      # Altair charts
-    explorer()                                         # sliders, a Run button, the charts
+    show(steps_chart(steps)); show(requests_chart(requests))   # Altair charts, displayed
+    explorer()                                                  # sliders, a Run button, the charts
+
+Charts are displayed as Vega, which JupyterLab draws with the renderer it ships: no script
+from the network, and they draw in untrusted (reopened) notebooks too.
 """
 
 from __future__ import annotations
@@ -37,6 +40,29 @@ def run_config(model, *, concurrency: int, chunk_cap: int, prompt_len: int, gen_
     prompts = [prompt_ids(model, prompt_len, f"{seed}-explore-{i}") for i in range(concurrency)]
     engine.generate(prompts, max_tokens=gen_tokens, ignore_eos=True)
     return engine.telemetry.steps(), engine.telemetry.requests()
+
+
+# JupyterLab 4 draws Vega 5 and Vega-Lite 3-5 with the renderer it ships; Altair 6 writes
+# Vega-Lite 6, which only Altair's HTML output draws, loading vega from a CDN at view time
+# (nothing shows offline, nor in an untrusted notebook). So the chart goes to Lab as Vega,
+# compiled by Altair itself (vl-convert); Lab's Vega 5 draws these specs, as
+# tests/test_lab_browser.py checks mark by mark.
+VEGA_MIME = "application/vnd.vega.v5+json"
+VEGA_SCHEMA = "https://vega.github.io/schema/vega/v5.json"
+
+
+def vega_bundle(chart: alt.TopLevelMixin) -> dict[str, Any]:
+    """The chart as a display bundle: compiled Vega for JupyterLab, and a plain-text stand-in."""
+    spec = chart.to_dict(format="vega")
+    spec["$schema"] = VEGA_SCHEMA  # the version Lab's renderer checks it against
+    return {VEGA_MIME: spec, "text/plain": f"<Altair {type(chart).__name__}>"}
+
+
+def show(chart: alt.TopLevelMixin) -> None:
+    """Display an Altair chart in the notebook (see VEGA_MIME), drawn as SVG."""
+    from IPython.display import display
+
+    display(vega_bundle(chart), raw=True, metadata={VEGA_MIME: {"embed_options": {"renderer": "svg"}}})
 
 
 def steps_chart(steps: pl.DataFrame) -> alt.VConcatChart:
@@ -75,7 +101,6 @@ def explorer(*, model: str | None = None, concurrency: int = 4, chunk_cap: int =
     """Controls (concurrency, chunk cap, prompt length, tokens, model path), a Run button, and
     the two charts, redrawn after each run. Models are loaded once per path."""
     import ipywidgets as w
-    from IPython.display import display
 
     models: dict[str, Any] = {}
     conc = w.IntSlider(value=concurrency, min=1, max=16, description="concurrency")
@@ -101,8 +126,8 @@ def explorer(*, model: str | None = None, concurrency: int = 4, chunk_cap: int =
                                          prompt_len=plen.value, gen_tokens=gen.value)
             out.clear_output(wait=True)
             with out:
-                display(steps_chart(steps))
-                display(requests_chart(requests))
+                show(steps_chart(steps))
+                show(requests_chart(requests))
             status.value = f"{steps.height} steps, {requests['generated_tokens'].sum()} tokens"
         except Exception as exc:  # shown in the UI; the explorer stays usable
             status.value = f"error: {type(exc).__name__}: {exc}"
