@@ -19,6 +19,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from browser import ARTIFACTS, chromium
 from workbench import dashboard
 from workbench.cli import main as cli_main
 from workbench.dashboard import build_dashboards, group_runs, load_pages, measurement_params, run_table
@@ -28,8 +29,6 @@ from workbench.runstore import RunStore
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "data" / "reference" / "seeds.parquet"
 LLAMACPP = REPO / "data" / "reference" / "llamacpp_cpu.parquet"
-ARTIFACTS = REPO / "test-artifacts"
-CHROMIUM = Path("/usr/bin/chromium")
 # Fake measurements on the ids of the project's machines, so that their reference figures attach.
 CPU, GPU = "cpu:AMD-EPYC:2c", "gpu:NVIDIA-H200"
 SPEED = {CPU: 1.0, GPU: 40.0}
@@ -362,22 +361,8 @@ async () => {
 
 @pytest.fixture(scope="module")
 def browser_context(tmp_path_factory):
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is absent (apt-get install chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    with sync_api.sync_playwright() as pw:
-        context = pw.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")),
-            executable_path=str(CHROMIUM),
-            headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync", "--no-first-run"],
-            viewport={"width": 1400, "height": 900},
-        )
-        try:
-            yield context
-        finally:
-            context.close()
+    with chromium(tmp_path_factory.mktemp("chromium-profile"), width=1400) as context:
+        yield context
 
 
 def _open_and_check(context, page_path: Path, shot_name: str) -> dict:
