@@ -7,8 +7,9 @@ at pos = len - 1; a prefill chunk is C rows of one sequence at start..start+C-1;
 any mix of both. All of them go through the same two kernels:
 
 1. ``_attention_partial_kernel``, one program per (row, kv head, segment): the keys are cut into
-   segments of ATTENTION_SEGMENT positions at ABSOLUTE positions [s*SEG, (s+1)*SEG) (split-K
-   for parallelism, but never chosen from the batch). A program walks its segment in blocks of
+   segments of ``segment`` positions (one value per caller; ATTENTION_SEGMENT by default) at
+   ABSOLUTE positions [s*SEG, (s+1)*SEG) (split-K for parallelism, but never chosen from the
+   batch). A program walks its segment in blocks of
    BLOCK_N keys, also at absolute positions, in increasing order, with an online softmax (exp2,
    scale in log2 units), and writes the unnormalized (max, sum, acc) of the segment. Keys
    outside [lo, pos] are masked and never loaded. The GROUP = Hq / Hkv query heads that share a
@@ -41,9 +42,7 @@ import triton
 import triton.language as tl
 
 from .pdl import enter, launch_kw
-from . import qmma as _qmma
-from .qmma import dot_acc, l2_prefetch_lines
-from . import step_fused as _step_fused
+from .qmma import dot_acc
 from .step_fused import qk_rope_kv_row, qk_rope_row_args
 
 # Keys per block, by padded head dim and the KV cache's element size, at most the segment (a
@@ -55,7 +54,7 @@ ATTENTION_BLOCK_N: dict[int, int] = {16: 32, 32: 32, 64: 32, 128: 32, 256: 16, 5
 # the step went 0.615 / 0.642 / 0.692 / 0.875 -> 0.609 / 0.626 / 0.668 / 0.843 ms at 1 / 4 / 16 /
 # 32 slots; 141 KB of shared memory at 4 warps, so float32 K/V keeps 16).
 ATTENTION_BLOCK_N_16BIT: dict[int, int] = {**ATTENTION_BLOCK_N, 256: 64}
-ATTENTION_SEGMENT = 256  # keys per partial program (a multiple of every BLOCK_N)
+ATTENTION_SEGMENT = 256  # keys per partial program by default (attention_rows(segment=); a multiple of BLOCK_N)
 ATTENTION_SMALL_TILE = 8192  # QROWS * BLOCK_N * D_P up to this: 4 warps, above: 8
 # tl.dot precision on a GPU: "tf32x3" (about fp32; on an H200 1.5-2.5x faster than "ieee" for
 # Gemma's 4x256 heads at long contexts). Never "tf32". A call may ask for "bf16" instead (a
@@ -64,56 +63,21 @@ ATTENTION_SMALL_TILE = 8192  # QROWS * BLOCK_N * D_P up to this: 4 warps, above:
 ATTENTION_INPUT_PRECISION = "tf32x3"
 ATTENTION_PRECISIONS = ("tf32x3", "ieee", "bf16")
 _LOG2E = 1.4426950408889634
-# GPU only: before its PDL wait a partial program asks L2 for its segment's K and V lines
-# (``prefetch.global.L2``: no data comes back, so nothing of the result can change). Old
-# positions were written by earlier steps, and a line the producer writes after the prefetch is
-# read from L2, the point of coherence, anyway: the wait still orders every load. Off: within
-# a lease's spread on an H200 (session 7, run 32: -5 to -8 us per step at 1-16 slots, +3 at 32).
-ATTENTION_PREFETCH = False
-# Software-pipelining stages of the partial kernel's key-block loop (None: Triton's default, 3 on
-# sm_90). With the runner's one-block segments the loop has one iteration, so the extra stages
-# only hold shared memory: at D = 256 in 64-key bf16 blocks 141 KB (one program per SM) with the
-# default, 43 KB with 1 stage (187 registers instead of 146: two programs per SM). The same bits
-# (H200, session 10, run 50), no faster: 1 stage 0.668 -> 0.680 ms at 16 slots, 2 stages 0.669.
-ATTENTION_NUM_STAGES: int | None = None
-# The rope kernel (decode) with one-block segments (SEG == BLOCK_N): before its PDL wait a program
-# loads its segment's K and V rows older than the row's position into registers (those were
-# written by earlier steps; nothing of this step writes them), so after the prologue only q and
-# the current row's K/V, just stored by the program itself, are read. The same values in the
-# same arithmetic as the loads after the barrier (masked lanes 0, the current row from the pool).
-# Written in session 11.
-ATTENTION_PRELOAD = True
+# (Removed in session 13, measured on an H200 and not faster: the segment's K/V lines asked of
+# L2 before the PDL wait, session 7 run 32 and session 10 run 50, within the spread; 1 or 2
+# pipelining stages for the key-block loop, run 50: 0.680 / 0.669 ms at 16 slots against 0.668.)
 
 
-def _stages() -> dict:
-    """The partial kernels' num_stages launch option, where ATTENTION_NUM_STAGES sets one."""
-    return {} if ATTENTION_NUM_STAGES is None else {"num_stages": ATTENTION_NUM_STAGES}
-
-
-def _attention_config(qrows: int, d_p: int, kv_bytes: int = 4) -> tuple[int, int]:
-    """(BLOCK_N, num_warps): a function of the model's head shape and KV element size only."""
+def _attention_config(qrows: int, d_p: int, kv_bytes: int = 4, segment: int = ATTENTION_SEGMENT) -> tuple[int, int]:
+    """(BLOCK_N, num_warps): a function of the model's head shape, KV element size and the
+    caller's segment only."""
     table = ATTENTION_BLOCK_N_16BIT if kv_bytes == 2 else ATTENTION_BLOCK_N
     if d_p not in table:
         raise ValueError(f"head dim up to {max(table)} supported, got padded {d_p}")
-    block_n = min(table[d_p], ATTENTION_SEGMENT)
-    if ATTENTION_SEGMENT % block_n:
-        raise ValueError(f"ATTENTION_SEGMENT={ATTENTION_SEGMENT} must be a multiple of BLOCK_N={block_n}")
+    block_n = min(table[d_p], segment)
+    if segment % block_n:
+        raise ValueError(f"segment={segment} must be a multiple of BLOCK_N={block_n}")
     return block_n, (4 if qrows * block_n * d_p <= ATTENTION_SMALL_TILE else 8)
-
-
-@triton.jit
-def _prefetch_segment(base, j_lo, j_hi, stride_l, D, SEG: tl.constexpr, D_P: tl.constexpr):
-    """``prefetch.global.L2`` of the 128-byte lines of rows j_lo..j_hi - 1 (D elements each, at
-    stride_l) from base; lanes outside repeat row j_lo's first line (an empty range: nothing)."""
-    ELEM: tl.constexpr = base.dtype.element_ty.primitive_bitwidth // 8
-    PER: tl.constexpr = 128 // ELEM  # elements per line
-    LINES: tl.constexpr = max(1, D_P // PER)
-    j = j_lo + tl.arange(0, SEG)
-    c = tl.arange(0, LINES) * PER
-    ok = (j < j_hi)[:, None] & (c < D)[None, :]
-    off = tl.where(ok, j[:, None].to(tl.int64) * stride_l + c[None, :], j_lo.to(tl.int64) * stride_l)
-    if j_lo < j_hi:
-        l2_prefetch_lines(base + off)
 
 
 @triton.jit
@@ -133,16 +97,7 @@ def _attention_partial_kernel(
     qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
     GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
     SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
-    if PREFETCH:  # (the row tables are written before the step's first kernel, never during it)
-        r, kvh, sg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
-        seq = tl.load(row_seq_ptr + r).to(tl.int64)
-        _prefetch_segment(k_ptr + seq * stride_ks + kvh * stride_kh, tl.maximum(lo, sg * SEG),
-                          tl.minimum(hi, (sg + 1) * SEG), stride_kl, D, SEG, D_P)
-        _prefetch_segment(v_ptr + seq * stride_vs + kvh * stride_vh, tl.maximum(lo, sg * SEG),
-                          tl.minimum(hi, (sg + 1) * SEG), stride_vl, D, SEG, D_P)
     enter(PDL)
     attention_item(
         tl.program_id(0), tl.program_id(1), tl.program_id(2),
@@ -162,24 +117,29 @@ def _attention_rope_kernel(
     SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, HQ_P: tl.constexpr,
     HKV_P: tl.constexpr, HALF_P: tl.constexpr, NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
-    PRELOAD: tl.constexpr, LOADS: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     """``_attention_partial_kernel`` with ``step_fused.qk_rope_kv`` as every program's prologue:
     the program first runs row r's ``qk_rope_kv_row`` (the separate kernel's body: q into q_ptr,
     K/V into the pools at the row's position), then, after a barrier, its attention program,
     which reads them back. Every program of a row writes the same bytes, and a row's keys are
     read only by its own programs, so this holds where each row's slot has exactly one row in
-    the launch (decode). One kernel boundary fewer per layer. PRELOAD (one block per segment):
-    the segment's older K/V rows are loaded before the PDL wait (ATTENTION_PRELOAD)."""
+    the launch (decode). One kernel boundary fewer per layer. PRELOAD (where a segment is one
+    block, as the runner's 64-key segments are): before the PDL wait a program loads its
+    segment's K and V rows older than the row's position into registers (earlier steps wrote
+    them; nothing of this step does), so after the prologue only q and the current row's K/V,
+    just stored by the program itself, are read: the same values in the same arithmetic as the
+    loads after the barrier (masked lanes 0, the current row from the pool). H200, session 11,
+    run 61: 0.570 / 0.623 / 0.790 -> 0.567 / 0.619 / 0.777 ms per step at 1 / 16 / 32 slots."""
     r = tl.program_id(0)
     if PRELOAD:
         k_old, v_old, lo, hi, seq = _segment_kv_before(
             r, tl.program_id(1), tl.program_id(2), k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
             stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, D, D_P, BLOCK_N, SEG)
-    # (the rope's positions, cos / sin and QK-norm weights where step_fused.WEIGHT_LOADS says)
+    # (the rope's positions, cos / sin and QK-norm weights right after the PDL wait)
     qk_rope_kv_row(r, p_ptr, q_ptr, k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, qn_ptr, kn_ptr, inv_ptr, eps,
                    stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
-                   HQ, HKV, HD, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM, PDL, LOADS)
+                   HQ, HKV, HD, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM, PDL)
     tl.debug_barrier()  # this program's q, K, V stores before its loads of them
     if PRELOAD:
         attention_item_preloaded(
@@ -281,8 +241,8 @@ def attention_item(
     GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
     SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
 ):
-    """Program (r, kvh, sg) of ``_attention_partial_kernel``: the kernel's body, also an item of
-    the persistent step kernel (kernels/persistent.py)."""
+    """Program (r, kvh, sg) of ``_attention_partial_kernel``: the kernel's body (the rope
+    kernel's too, where its segments are not one block)."""
     lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
     seg_lo = tl.maximum(lo, sg * SEG)
     seg_hi = tl.minimum(hi, (sg + 1) * SEG)  # empty segments run no block; the combine skips them
@@ -425,6 +385,7 @@ def attention_rows(
     precision: str | None = None,
     num_warps: int | None = None,
     rope: RopePrologue | None = None,
+    segment: int | None = None,
 ) -> torch.Tensor:
     """Attention of R query rows, each against its own sequence's cache.
 
@@ -437,13 +398,14 @@ def attention_rows(
     call leaves them zero): the last partial program of a row merges the row itself (one launch
     instead of two; bitwise the same result). ``precision``: the products' (ATTENTION_PRECISIONS;
     default ATTENTION_INPUT_PRECISION), one choice per caller, so rows stay invariant.
-    ``num_warps``: the partial kernel's (default: by tile size); a caller that runs these
-    programs inside kernels/persistent.py fixes it for all its launches (a reduction's order
-    follows the warps, so one value per caller). ``rope`` (a RopePrologue; the fused combine
-    only): q is first written from the q|k|v partials, and K/V at the rows' positions, by
-    QK-norm + rope inside this launch (``_attention_rope_kernel``); each row's slot must have
-    exactly one row here (a decode step).
+    ``num_warps``: the partial kernel's (default: by tile size; a reduction's order follows the
+    warps, so one value per caller). ``rope`` (a RopePrologue; the fused combine only): q is
+    first written from the q|k|v partials, and K/V at the rows' positions, by QK-norm + rope
+    inside this launch (``_attention_rope_kernel``); each row's slot must have exactly one row
+    here (a decode step). ``segment``: keys per partial program (default ATTENTION_SEGMENT), one
+    value per caller (prefill and decode alike), so rows stay invariant.
     """
+    segment = segment or ATTENTION_SEGMENT
     precision = precision or ATTENTION_INPUT_PRECISION
     if precision not in ATTENTION_PRECISIONS:
         raise ValueError(f"precision={precision!r} is not allowed: allowed {', '.join(ATTENTION_PRECISIONS)}")
@@ -481,9 +443,9 @@ def attention_rows(
     group = Hq // Hkv
     qrows = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
     d_p = max(16, triton.next_power_of_2(D))
-    block_n, warps = _attention_config(qrows, d_p, k_cache.element_size())
+    block_n, warps = _attention_config(qrows, d_p, k_cache.element_size(), segment)
     num_warps = num_warps or warps
-    num_seg = triton.cdiv(min(L_max, L_max if max_pos is None else max_pos + 1), ATTENTION_SEGMENT)
+    num_seg = triton.cdiv(min(L_max, L_max if max_pos is None else max_pos + 1), segment)
     ws_m = torch.empty((R, Hkv, num_seg, qrows), dtype=torch.float32, device=q.device)
     ws_l = torch.empty_like(ws_m)
     ws_acc = torch.empty((R, Hkv, num_seg, qrows, d_p), dtype=torch.float32, device=q.device)
@@ -494,18 +456,16 @@ def attention_rows(
               q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
               float(scale) * _LOG2E, D, Hkv, num_seg, counters if fused else ws_m, out, out.stride(0), out.stride(1))
-    consts = dict(GROUP=group, QROWS=qrows, D_P=d_p, BLOCK_N=block_n, SEG=ATTENTION_SEGMENT, USE_DOT=use_dot,
+    consts = dict(GROUP=group, QROWS=qrows, D_P=d_p, BLOCK_N=block_n, SEG=segment, USE_DOT=use_dot,
                   INPUT_PRECISION=precision, FUSED=fused, num_warps=num_warps)
     if rope is not None:
         _launch_rope(common, consts, rope, q, k_cache, v_cache, num_seg)
         return out
-    _attention_partial_kernel[(R, Hkv, num_seg)](
-        *common, **consts, PREFETCH=ATTENTION_PREFETCH and _qmma._native(q), **launch_kw(q), **_stages(),
-    )
+    _attention_partial_kernel[(R, Hkv, num_seg)](*common, **consts, **launch_kw(q))
     if not fused:
         _attention_combine_kernel[(R, Hkv)](
             ws_m, ws_l, ws_acc, out, row_pos, row_window, out.stride(0), out.stride(1), D, Hkv, num_seg,
-            GROUP=group, QROWS=qrows, D_P=d_p, SEG=ATTENTION_SEGMENT, num_warps=4, **launch_kw(q),
+            GROUP=group, QROWS=qrows, D_P=d_p, SEG=segment, num_warps=4, **launch_kw(q),
         )
     return out
 
@@ -517,10 +477,8 @@ def _launch_rope(common: tuple, consts: dict, rope: RopePrologue, q, k_cache, v_
                          "and contiguous caches")
     args, row = qk_rope_row_args(rope.part, q, k_cache, rope.q_norm, rope.k_norm, rope.inv_freq, rope.eps)
     row["HD"] = row.pop("D")  # (the partial kernel's D is its runtime head dim)
-    preload = ATTENTION_PRELOAD and consts["SEG"] == consts["BLOCK_N"]
     _attention_rope_kernel[(q.shape[0], k_cache.shape[2], num_seg)](
-        *common, rope.part, *args, **consts, **row, PRELOAD=preload, LOADS=_step_fused._loads(),
-        **launch_kw(q), **_stages(),
+        *common, rope.part, *args, **consts, **row, PRELOAD=consts["SEG"] == consts["BLOCK_N"], **launch_kw(q),
     )
 
 
@@ -533,6 +491,7 @@ def decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     use_dot: bool | None = None,
+    segment: int | None = None,
 ) -> torch.Tensor:
     """One decode token per sequence: q [B, Hq, D] against caches [B, L_max, Hkv, D].
 
@@ -543,7 +502,8 @@ def decode_attention(
     if k_cache.dim() != 4 or k_cache.shape[0] != B:
         raise ValueError(f"k_cache must be [{B}, L_max, Hkv, D], got {tuple(k_cache.shape)}")
     row_seq = torch.arange(B, device=q.device, dtype=torch.int32)
-    return attention_rows(q, k_cache, v_cache, row_seq, lens - 1, window, scale, out, use_dot=use_dot)
+    return attention_rows(q, k_cache, v_cache, row_seq, lens - 1, window, scale, out, use_dot=use_dot,
+                          segment=segment)
 
 
 def prefill_attention(
@@ -555,6 +515,7 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     use_dot: bool | None = None,
+    segment: int | None = None,
 ) -> torch.Tensor:
     """A chunk of C queries at positions start..start+C-1 of one sequence (causal, windowed).
 
@@ -569,7 +530,7 @@ def prefill_attention(
     row_seq = torch.zeros(C, device=q.device, dtype=torch.int32)
     row_win = torch.full((C,), window, device=q.device, dtype=torch.int32)
     return attention_rows(q, k_cache[None], v_cache[None], row_seq, row_pos, row_win, scale, out,
-                          max_pos=start + C - 1, use_dot=use_dot)
+                          max_pos=start + C - 1, use_dot=use_dot, segment=segment)
 
 
 def attention_rows_ref(

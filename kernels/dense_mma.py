@@ -10,9 +10,13 @@ values that decode produces (``bf16(d * q)``, dequantized once at load: 335 MB i
 * Operands swapped as in ``qmma``: a program owns BLOCK_N outputs x a fixed tile of BLOCK_M rows
   (32; ``DenseConfig.block_m``) and computes ``y^T[BLOCK_N, BM] = W[BLOCK_N, K] @ x^T[K, BM]``.
 * Precision as ``qmma``'s: "bf16" (x rounded to bfloat16, products exact in float32, float32
-  accumulation; W bfloat16) or "tf32x3" (float32 W and x, three TF32 products); or "f16" (W and
-  x in float16, products exact in float32: for a head whose operands provably fit float16).
-  x may come already rounded to the operand type (the same bits, half the bytes read).
+  accumulation; W bfloat16) or "tf32x3" (float32 W and x, three TF32 products). x may come
+  already rounded to the operand type (the same bits, half the bytes read).
+* ``q8i8_mma``: a Q8_0 weight's packed planes against x quantized per row to Q8_0 blocks, one
+  exact integer product per 32-weight block (the runner's int8 head, its default since session
+  12). (The Q8_0 planes' products with bf16 or float16 operands formed per K step, ``q8dense`` /
+  ``q8f16``, were no faster than the dense copy, sessions 7 and 9, and slower than the int8 form;
+  removed in session 13.)
 * Invariance: tiles, K steps and their order are fixed by the weight's shape, M is not
   specialized, a row is one column of the MMA's output. Under the CPU interpreter the same
   products are a broadcast multiply + ``tl.sum`` (``qmma._plane_dot``'s reason).
@@ -28,7 +32,7 @@ import triton.language as tl
 
 from .pdl import enter, launch_kw
 from . import qmma as _qmma
-from .qmma import DENSE_PRECISIONS, dot_acc
+from .qmma import QMMA_PRECISIONS, dot_acc
 from .sampling import best_of, running_best
 
 
@@ -52,22 +56,13 @@ class DenseConfig:
 
 
 DENSE_CONFIG = DenseConfig()
-OPERAND_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "tf32x3": torch.float32}  # by precision
-# The Q8_0-plane forms (``q8_dense_mma``): 3 programs per multiprocessor. Half the weight bytes
-# per tile means half the bytes in flight per program, and the head alone ran latency-bound
-# (H200, session 9, scripts/head_bench.py, 16 rows, x in float16: 129 us at 2 programs, 91 at 3;
-# 4 does not fit the registers). The dense copy stays at 2 (85 us at 2, 91 at 3).
-Q8_PROGRAMS_PER_SM = 3
+OPERAND_DTYPES = {"bf16": torch.bfloat16, "tf32x3": torch.float32}  # the weight's dtype, by precision
 STREAM_INTERPRETER_PROGRAMS = 3  # the streaming form's grid under the CPU interpreter
-# q8i8's K step (``q8i8_mma(step=)``'s default), one of I8_STEPS, each the same arithmetic (the same
-# per-block integer products, scalings and additions in block order: bitwise alike under the
-# interpreter): "serial" (``_k_step_i8``: four dots, each scaled before the next is issued: a
-# wgmma waited for per block; alone 80 us at 16 rows, session 10) or "batched"
-# (``_k_step_i8_batched``: the step's four blocks in one batched integer dot, mma.sync: 66 us,
-# H200 session 11). (Four dots written before any is consumed compile to the serial form's waits:
-# Triton keeps dots outside its loop pipelining synchronous; measured as fast, not kept.)
-I8_STEPS = ("serial", "batched")
-I8_STEP = "batched"
+# q8i8's K step: a step's four Q8_0 blocks in ONE batched integer dot (``_k_step_i8``, mma.sync),
+# then the same per-block scaling and additions in block order. H200, session 11 (the head
+# alone, 16 rows): 66 us against 80 for four dots each scaled before the next is issued (a
+# wgmma waited for per block; that form removed in session 13, ``q8i8_mma_ref`` keeps its
+# arithmetic as the reference). 128-weight K steps only.
 # q8i8's tiles by row count, ((rows up to, block_m, programs per SM), ...; None: any). Its
 # arithmetic per output is an exact integer dot followed by elementwise float32 operations, so,
 # unlike the float forms (whose MMA sums follow the tile), the row tile may follow M without
@@ -81,43 +76,7 @@ I8_TILES: tuple = ((16, 16, 4), (None, 32, 3))
 # SM instead of 4 (the head alone 102 us instead of 66, H200 session 11); capped at 128: 12 bytes
 # spilled.
 STREAM_REGISTER_FILE = 65536
-# The batched int8 step's running argmax (``best=``) kept in the tile store's layout (how:
-# ``_dense_stream_kernel``): one accumulation layout, 128 registers at 16-row tiles without
-# spills, the loop still pipelined. H200 (session 12, run 65): the head alone 66 us at 16 rows with
-# its argmax, as without it (95 in tl.full's layout); in the step 0.601 ms at 16 slots against
-# 0.628. The runner's `q8i8` head keeps its argmax up to 16 rows (``triton_runner.
-# ARGMAX_IN_HEAD_FORMS``); the values are the same either way.
-I8_BEST_IN_STORE_LAYOUT = True
 DENSE_INTERPRETER_MIN_BLOCK_N = 128  # fewer, wider programs under the CPU interpreter
-
-
-@triton.jit
-def _w_tile(w_rows, d_rows, k0, K, nmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, Q8: tl.constexpr,
-            PREC: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] weight tile at K offset k0: the dense weight as stored, or (Q8) the
-    Q8_0 planes' d * q: in float32 (exact; ``dot_acc`` rounds it as the dense copy was rounded),
-    or for PREC "f16" float16(d * q) (the float16 dense copy's values)."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    mask = nmask[:, None] & (k < K)[None, :]
-    if Q8:
-        u = tl.load(w_rows + k[None, :], mask=mask, other=0)
-        j = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        dd = tl.load(d_rows + j[None, :], mask=nmask[:, None] & (j * 32 < K)[None, :], other=0.0)
-        if PREC == "f16":
-            # q exactly, in float16 arithmetic: the bits 0x6400 | (q + 128) are 1024 + q + 128, so
-            # an OR and a (packed) subtraction replace the integer-to-float conversion, a
-            # quarter-rate instruction on sm_90; then the scale in float16 (d is float16: one
-            # rounding, to nearest, on both paths). On the H200 the conversion turned out not to
-            # be the bound: this form and the bf16 one both stay near 2 TB/s (GPU_NOTES, session 9)
-            q = ((u.to(tl.uint16) ^ 0x80) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
-            dq = dd.to(tl.float16)
-        else:
-            q = u.to(tl.int8, bitcast=True).to(tl.float32)
-            dq = dd.to(tl.float32)
-        w = tl.reshape(tl.reshape(q, [BLOCK_N, BLOCK_K // 32, 32]) * dq[:, :, None], [BLOCK_N, BLOCK_K])
-    else:
-        w = tl.load(w_rows + k[None, :], mask=mask, other=0.0)
-    return w
 
 
 @triton.jit
@@ -140,26 +99,13 @@ def _i32_as_f32(p):
 
 @triton.jit
 def _k_step_i8(acc, k0, K, xq_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
-               BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
-    """PREC "i8": acc += the K step at k0, one Q8_0 block (32 weights) at a time: the int8 quants
-    of W and of x (``quantize_rows_q8``) in one integer MMA (exact: |sum| <= 32 * 127 * 128 <
-    2^22), that int32 made float32 without a conversion instruction (``_i32_as_f32``), times
-    d_w * d_x (float32)."""
-    for j in tl.static_range(BLOCK_K // 32):
-        p = _i8_block(j, k0, K, xq_ptr, stride_xm, m, mmask, w_rows, nmask, USE_DOT)
-        acc = _i8_scaled(acc, p, k0 // 32 + j, K, xd_ptr, stride_xdm, m, mmask, d_rows, nmask)
-    return acc
-
-
-@triton.jit
-def _k_step_i8_batched(acc, k0, K, xq_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
-    """PREC "i8b": ``_k_step_i8``'s arithmetic with the step's four blocks in ONE batched integer
-    dot ([4, BN, 32] x [4, 32, BM] -> [4, BN, BM]) instead of four dots each consumed before the
-    next is issued, so the MMAs of a step can be in flight together; then the same per-block
-    scaling and the same additions in block order (the blocks taken apart by two splits): the
-    same bits as "i8" under the interpreter (on a GPU as far as the compiler fuses both forms'
-    multiply-adds alike; the gpu_bench stage "q8i8 batched same bits" checks). BLOCK_K 128 only."""
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+    """PREC "i8": acc += the K step at k0, its four Q8_0 blocks (32 weights each) in ONE batched
+    integer dot ([4, BN, 32] x [4, 32, BM] -> [4, BN, BM]) of the int8 quants of W and of x
+    (``quantize_rows_q8``; exact: |sum| <= 32 * 127 * 128 < 2^22), so the MMAs of a step can be
+    in flight together; each block's int32 made float32 without a conversion instruction
+    (``_i32_as_f32``), times d_w * d_x (float32), added in block order (the blocks taken apart by
+    two splits): ``q8i8_mma_ref``'s arithmetic. BLOCK_K 128 only."""
     tl.static_assert(BLOCK_K == 128, "the batched int8 step takes 128-weight K steps")
     k = k0 + tl.arange(0, BLOCK_K)
     kmask = k < K
@@ -185,43 +131,16 @@ def _k_step_i8_batched(acc, k0, K, xq_ptr, stride_xm, xd_ptr, stride_xdm, m, mma
 
 
 @triton.jit
-def _i8_block(j: tl.constexpr, k0, K, xq_ptr, stride_xm, m, mmask, w_rows, nmask, USE_DOT: tl.constexpr):
-    """Block j of the K step at k0: the int32 product of W's and x's int8 quants (exact)."""
-    k = k0 + j * 32 + tl.arange(0, 32)
-    kmask = k < K
-    w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0).to(tl.int8, bitcast=True)
-    xt = tl.load(xq_ptr + m[None, :] * stride_xm + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0)
-    if USE_DOT:
-        p = tl.dot(w, xt, out_dtype=tl.int32)
-    else:  # (the interpreter) the same integer sums
-        p = tl.sum(w.to(tl.int32)[:, :, None] * xt.to(tl.int32)[None, :, :], axis=1)
-    return p
-
-
-@triton.jit
-def _i8_scaled(acc, p, kb, K, xd_ptr, stride_xdm, m, mmask, d_rows, nmask):
-    """acc + block kb's int32 product p, made float32 (``_i32_as_f32``), times d_w * d_x."""
-    inside = (kb * 32 + tl.zeros([1], tl.int32)) < K  # (a [1] tensor: a scalar mask fails the interpreter)
-    dw = tl.load(d_rows + kb, mask=nmask[:, None] & inside[None, :], other=0.0).to(tl.float32)
-    dx = tl.load(xd_ptr + m * stride_xdm + kb, mask=mmask & inside, other=0.0)
-    return acc + _i32_as_f32(p) * (dw * dx[None, :])
-
-
-@triton.jit
 def _k_step(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, USE_DOT: tl.constexpr,
-            Q8: tl.constexpr):
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, USE_DOT: tl.constexpr):
     """acc += the K step at k0 of the tile's product (the weight tile, x^T, one dot_acc; PREC
-    "i8": ``_k_step_i8``, "i8b": ``_k_step_i8_batched``)."""
+    "i8": ``_k_step_i8``)."""
     if PREC == "i8":
         acc = _k_step_i8(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
-                         BLOCK_K, USE_DOT)
-    elif PREC == "i8b":
-        acc = _k_step_i8_batched(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
-                                 BLOCK_N, BLOCK_K, USE_DOT)
+                         BLOCK_N, BLOCK_K, USE_DOT)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        w = _w_tile(w_rows, d_rows, k0, K, nmask, BLOCK_N, BLOCK_K, Q8, PREC)
+        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & (k < K)[None, :], other=0.0)
         xt = tl.load(x_ptr + m[None, :] * stride_xm + k[:, None], mask=(k < K)[:, None] & mmask[None, :], other=0.0)
         acc = dot_acc(acc, w, xt, PREC, USE_DOT)
     return acc
@@ -231,7 +150,7 @@ def _k_step(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, 
 def _dense_mma_kernel(
     x_ptr, w_ptr, d_ptr, y_ptr, xd_ptr, M, N, K, stride_xm, stride_wn, stride_dn, stride_ym, stride_xdm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PREC: tl.constexpr, USE_DOT: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr,
+    PREC: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
     n, nmask, m, mmask, w_rows, d_rows = _tile(tl.program_id(0), M, N, w_ptr, d_ptr, stride_wn, stride_dn,
                                                BLOCK_M, BLOCK_N)
@@ -239,7 +158,7 @@ def _dense_mma_kernel(
     enter(PDL)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         acc = _k_step(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
-                      BLOCK_N, BLOCK_K, PREC, USE_DOT, Q8)
+                      BLOCK_N, BLOCK_K, PREC, USE_DOT)
     tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc, mask=nmask[:, None] & mmask[None, :])
 
 
@@ -247,8 +166,7 @@ def _dense_mma_kernel(
 def _dense_stream_kernel(
     x_ptr, w_ptr, d_ptr, y_ptr, xd_ptr, bv_ptr, bi_ptr, M, N, K, stride_xm, stride_wn, stride_dn, stride_ym, stride_xdm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PREC: tl.constexpr, USE_DOT: tl.constexpr, Q8: tl.constexpr, BEST: tl.constexpr, PDL: tl.constexpr,
-    BEST_IN_STORE_LAYOUT: tl.constexpr,
+    PREC: tl.constexpr, USE_DOT: tl.constexpr, BEST: tl.constexpr, PDL: tl.constexpr,
 ):
     """``_dense_mma_kernel``'s tiles (same products, same K order), program p taking tiles p,
     p + P, ... in one flattened loop that Triton pipelines across tile boundaries. BEST (one row
@@ -256,11 +174,13 @@ def _dense_stream_kernel(
     lane's running (value, index) best and stores, per row, its best over its tiles at
     bv/bi[row, p] (``sampling.argmax_from_partials`` finishes the argmax)."""
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    if BEST and PREC == "i8b" and BEST_IN_STORE_LAYOUT:
+    if BEST and PREC == "i8":
         # the running best born in the tile store's layout: loads through the store's pointer
         # pattern under a mask that is never true (M < 0; a constant mask would fold away) read
         # nothing and give the initial values. From tl.full, the batched int8 step's accumulation
-        # was carried in both layouts, each K step's product converted twice (GPU_NOTES session 11)
+        # was carried in both layouts, each K step's product converted twice (GPU_NOTES session
+        # 11). H200, session 12, run 65: the head alone 66 us at 16 rows with its argmax, as
+        # without it (95 from tl.full); the step 0.628 -> 0.601 ms at 16 slots. The same values.
         c0 = tl.arange(0, BLOCK_M)[None, :] * stride_ym + tl.arange(0, BLOCK_N)[:, None]
         never = (c0 < 0) & ((c0 * 0 + M) < 0)
         bv = tl.load(y_ptr + c0, mask=never, other=float("-inf"))
@@ -274,7 +194,7 @@ def _dense_stream_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             acc = _k_step(acc, k0, K, x_ptr, stride_xm, xd_ptr, stride_xdm, m, mmask, w_rows, d_rows, nmask,
-                          BLOCK_N, BLOCK_K, PREC, USE_DOT, Q8)
+                          BLOCK_N, BLOCK_K, PREC, USE_DOT)
         tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc, mask=nmask[:, None] & mmask[None, :])
         if BEST:
             bv, bi = running_best(bv, bi, acc, (n[:, None] + 0 * m[None, :]).to(tl.int32),
@@ -296,12 +216,12 @@ def dense_config(device: torch.device | str = "cuda") -> DenseConfig:
 
 def dense_mma(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16", out: torch.Tensor | None = None,
               config: DenseConfig | None = None, use_dot: bool | None = None, best=None) -> torch.Tensor:
-    """float32 [M, N] = x[M, K] @ w^T. w: bfloat16 [N, K] for prec "bf16", float16 for "f16",
-    float32 for "tf32x3", unit stride along K; x float32, bfloat16 or float16 [M, K]. Row i equals the product of
-    x[i:i+1] alone, bitwise. ``use_dot``: tl.dot (default on a GPU) or the tl.sum form.
-    ``best`` (``best_partials``' buffers): also each program's running argmax per row."""
-    if prec not in DENSE_PRECISIONS:
-        raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(DENSE_PRECISIONS)}")
+    """float32 [M, N] = x[M, K] @ w^T. w: bfloat16 [N, K] for prec "bf16", float32 for "tf32x3",
+    unit stride along K; x float32 or bfloat16 [M, K]. Row i equals the product of x[i:i+1]
+    alone, bitwise. ``use_dot``: tl.dot (default on a GPU) or the tl.sum form. ``best``
+    (``best_partials``' buffers): also each program's running argmax per row."""
+    if prec not in QMMA_PRECISIONS:
+        raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(QMMA_PRECISIONS)}")
     want = OPERAND_DTYPES[prec]
     if w.dim() != 2 or w.dtype != want or w.stride(1) != 1:
         raise ValueError(f"w must be {want} [N, K] with unit stride along K for prec={prec!r}, "
@@ -316,10 +236,9 @@ def dense_mma(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16", out: torch.T
 
 
 def _x_out(x: torch.Tensor, N: int, K: int, out: torch.Tensor | None) -> torch.Tensor:
-    """x checked (float32/bfloat16/float16 [M, K], unit stride); out checked, or a new float32 [M, N]."""
-    if x.dim() != 2 or x.shape[1] != K or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16,
-                                                                               torch.float16):
-        raise ValueError(f"x must be float32/bfloat16/float16 [M, {K}] with unit stride, got {x.dtype} {tuple(x.shape)}")
+    """x checked (float32/bfloat16 [M, K], unit stride); out checked, or a new float32 [M, N]."""
+    if x.dim() != 2 or x.shape[1] != K or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x must be float32/bfloat16 [M, {K}] with unit stride, got {x.dtype} {tuple(x.shape)}")
     return _out(out, x.shape[0], N, x.device)
 
 
@@ -366,8 +285,9 @@ def _register_cap(x: torch.Tensor, cfg: DenseConfig) -> dict:
 
 def _launch(x, w, d, out, cfg: DenseConfig, prec: str, use_dot: bool | None, best=None, xd=None) -> None:
     M, N, K = x.shape[0], out.shape[1], x.shape[1]
-    if cfg.block_m not in (16, 32) or (d is not None and cfg.block_k % 32):
-        raise ValueError(f"bad dense config {cfg}: block_m must be 16 or 32 (and block_k a multiple of 32 for Q8_0)")
+    if cfg.block_m not in (16, 32) or (d is not None and cfg.block_k != 128):
+        raise ValueError(f"bad dense config {cfg}: block_m must be 16 or 32 (and the int8 form takes 128-weight "
+                         f"K steps)")
     P = _programs(x.device, M, N, cfg)
     if best is not None and (cfg.programs_per_sm <= 0 or M > cfg.block_m or best[0].shape != (M, P)):
         raise ValueError(f"best= needs the streaming form, at most {cfg.block_m} rows and [M, {P}] buffers "
@@ -376,35 +296,13 @@ def _launch(x, w, d, out, cfg: DenseConfig, prec: str, use_dot: bool | None, bes
     strides = (M, N, K, x.stride(0), w.stride(0), 0 if d is None else d.stride(0), out.stride(0),
                0 if xd is None else xd.stride(0))
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, PREC=prec,
-                  USE_DOT=x.is_cuda if use_dot is None else use_dot, Q8=d is not None, num_warps=cfg.num_warps,
+                  USE_DOT=x.is_cuda if use_dot is None else use_dot, num_warps=cfg.num_warps,
                   **launch_kw(x), **_register_cap(x, cfg))
     if cfg.programs_per_sm > 0:
         bv, bi = best if best is not None else (out, out)
-        _dense_stream_kernel[(P,)](*common, bv, bi, *strides, BEST=best is not None,
-                                   BEST_IN_STORE_LAYOUT=I8_BEST_IN_STORE_LAYOUT, **consts)
+        _dense_stream_kernel[(P,)](*common, bv, bi, *strides, BEST=best is not None, **consts)
     else:
         _dense_mma_kernel[(P,)](*common, *strides, **consts)
-
-
-def q8_dense_mma(x: torch.Tensor, w, prec: str = "bf16", out: torch.Tensor | None = None,
-                 config: DenseConfig | None = None, use_dot: bool | None = None, best=None) -> torch.Tensor:
-    """``dense_mma`` of a Q8_0 weight read as its packed planes (``qmatmul.PackedWeight``: int8
-    quants [N, K], float16 scales [N, K/32]): each K step forms d * q in float32 (exact) and the
-    product rounds it as ``dense_mma`` rounds its operands, so the operands are the bf16(d * q)
-    of the dequantized copy at half its bytes (1.06 per weight instead of 2). Batch-invariant as
-    ``dense_mma``; its results are those of ``dense_mma`` on the dequantized copy under the
-    interpreter (same operands, same order); on a GPU the MMA takes its operand from registers
-    instead of memory, one fixed choice per weight either way."""
-    if prec not in DENSE_PRECISIONS:
-        raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(DENSE_PRECISIONS)}")
-    if getattr(w, "fmt", None) is None or w.fmt.name != "Q8_0":
-        raise ValueError("q8_dense_mma takes a Q8_0 PackedWeight (kernels.qmatmul.pack_weights)")
-    N, K = w.N, w.K
-    out = _x_out(x, N, K, out)
-    if x.shape[0] == 0:
-        return out
-    _launch(x, w.qs, w.d, out, config or head_config("q8", x.device, x.shape[0]), prec, use_dot, best)
-    return out
 
 
 @triton.jit
@@ -457,16 +355,14 @@ def quantize_rows_q8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def q8i8_mma(xq: torch.Tensor, xd: torch.Tensor, w, out: torch.Tensor | None = None,
-             config: DenseConfig | None = None, use_dot: bool | None = None, best=None,
-             step: str | None = None) -> torch.Tensor:
+             config: DenseConfig | None = None, use_dot: bool | None = None, best=None) -> torch.Tensor:
     """float32 [M, N] = x @ W^T for a Q8_0 weight (its packed planes) and x given as its Q8_0 blocks
     (``quantize_rows_q8``): per block of 32, an exact integer MMA of the two int8 quants, scaled by
-    d_w * d_x in float32 (``_k_step_i8``); default tiles by M (``i8_config``). No decode of W at all: the quants go to the tensor cores
-    as stored (1.06 bytes per weight). ``dense_mma``'s tiles, streaming and ``best=``; batch-invariant
-    as it; the same bits with tl.dot or with the interpreter's sums (integer products are exact).
-    ``step`` (default I8_STEP, "serial" where the tiling's K steps are not 128 weights): how a K
-    step's blocks are written, one of I8_STEPS ("batched" takes 128-weight K steps), the same
-    arithmetic."""
+    d_w * d_x in float32, a K step's four blocks in one batched dot (``_k_step_i8``; 128-weight K
+    steps); default tiles by M (``i8_config``). No decode of W at all: the quants go to the tensor
+    cores as stored (1.06 bytes per weight). ``dense_mma``'s tiles, streaming and ``best=``;
+    batch-invariant as it; the same bits with tl.dot or with the interpreter's sums (integer
+    products are exact)."""
     if getattr(w, "fmt", None) is None or w.fmt.name != "Q8_0":
         raise ValueError("q8i8_mma takes a Q8_0 PackedWeight (kernels.qmatmul.pack_weights)")
     N, K = w.N, w.K
@@ -477,14 +373,7 @@ def q8i8_mma(xq: torch.Tensor, xd: torch.Tensor, w, out: torch.Tensor | None = N
     out = _out(out, xq.shape[0], N, xq.device)
     if xq.shape[0] == 0:
         return out
-    cfg = config or head_config("q8i8", xq.device, xq.shape[0])
-    if step is None:  # (the default; a tiling without 128-weight steps takes the serial step, the same arithmetic)
-        step = I8_STEP if cfg.block_k == 128 else "serial"
-    if step not in I8_STEPS:
-        raise ValueError(f"step={step!r} is not allowed: allowed {', '.join(I8_STEPS)}")
-    if step != "serial" and cfg.block_k != 128:
-        raise ValueError(f"step={step!r} takes 128-weight K steps, got {cfg}")
-    _launch(xq, w.qs, w.d, out, cfg, {"serial": "i8", "batched": "i8b"}[step], use_dot, best, xd=xd)
+    _launch(xq, w.qs, w.d, out, config or head_config("q8i8", xq.device, xq.shape[0]), "i8", use_dot, best, xd=xd)
     return out
 
 
@@ -502,12 +391,6 @@ def q8i8_mma_ref(xq: torch.Tensor, xd: torch.Tensor, qs: torch.Tensor, d: torch.
     return acc
 
 
-def q8_config(device: torch.device | str = "cuda") -> DenseConfig:
-    """The Q8_0-plane forms' configuration: ``dense_config`` at Q8_PROGRAMS_PER_SM."""
-    cfg = dense_config(device)
-    return replace(cfg, programs_per_sm=Q8_PROGRAMS_PER_SM) if cfg.programs_per_sm else cfg
-
-
 def i8_config(device: torch.device | str, M: int) -> DenseConfig:
     """``q8i8_mma``'s configuration for M rows: ``dense_config`` with I8_TILES' row tile and
     programs per multiprocessor (the streaming form) for M."""
@@ -518,18 +401,16 @@ def i8_config(device: torch.device | str, M: int) -> DenseConfig:
 
 def head_config(kernel: str, device: torch.device | str, M: int) -> DenseConfig:
     """The configuration each head kernel takes by default for M rows: "dense" (``dense_mma``),
-    "q8" (``q8_dense_mma``), "q8i8" (``q8i8_mma``); one mapping, also for a caller sizing
-    ``best_partials`` for the launch."""
+    "q8i8" (``q8i8_mma``); one mapping, also for a caller sizing ``best_partials`` for the
+    launch."""
     if kernel == "dense":
         return dense_config(device)
-    if kernel == "q8":
-        return q8_config(device)
     if kernel == "q8i8":
         return i8_config(device, M)
-    raise ValueError(f"kernel={kernel!r} is not allowed: allowed dense, q8, q8i8")
+    raise ValueError(f"kernel={kernel!r} is not allowed: allowed dense, q8i8")
 
 
 def dense_mma_ref(x: torch.Tensor, w: torch.Tensor, prec: str = "bf16") -> torch.Tensor:
-    """float64 reference of the same product (x rounded to bfloat16 for "bf16", float16 for "f16")."""
+    """float64 reference of the same product (x rounded to bfloat16 for "bf16")."""
     xr = x.to(OPERAND_DTYPES[prec])
     return xr.double() @ w.double().T

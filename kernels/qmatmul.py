@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from .pdl import enter, enter_or_wait, launch_kw
+from .pdl import enter, launch_kw
 from .quant_tiles import (
     QuantFormat,
     check_quant_rows,
@@ -342,8 +342,7 @@ def _int_to_f32(v, OFFSET: tl.constexpr):
 @triton.jit
 def _load_planes(qs_rows, qh_rows, sc_rows, d_rows, gg3, s3, mask, QTYPE: tl.constexpr):
     """The bytes ``_decode_planes`` decodes, as loaded (five tensors; unused ones repeat the
-    last): the memory half of the decode, so a program can fetch a step's bytes early and
-    decode them later (``MmaConfig.preload``)."""
+    last): the memory half of the decode."""
     if QTYPE == 8:  # Q8_0: bytes 0..15 and 16..31 of each block, its scale
         r0 = tl.load(qs_rows + gg3 * 32 + s3, mask=mask, other=0)
         r1 = tl.load(qs_rows + gg3 * 32 + 16 + s3, mask=mask, other=0)
@@ -438,15 +437,6 @@ def _step_planes(k0, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows, GW:
 
 
 @triton.jit
-def _step_loads(k0, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows, GW: tl.constexpr, QTYPE: tl.constexpr):
-    """``_step_planes``' bytes, not yet decoded (``_decode_loaded``); nothing is read for groups
-    past k_end (a step past the slice loads nothing)."""
-    gg = k0 // GW + g
-    mask = nmask[:, None, None] & (k0 + g * GW < k_end)[None, :, None]
-    return _load_planes(qs_rows, qh_rows, sc_rows, d_rows, gg[None, :, None], s3, mask, QTYPE)
-
-
-@triton.jit
 def _x_offsets(gg, s, QTYPE: tl.constexpr, GW: tl.constexpr):
     """K index [G, S] of plane 0's weights (plane c: + c * PSTEP)."""
     if QTYPE == 14:
@@ -519,24 +509,24 @@ def _qgemv_kernel(
     M_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     LATE_REDUCE: tl.constexpr, GLU: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
-    qgemv_item(tl.program_id(0), tl.program_id(1), count_ptr, 0,
+    qgemv_item(tl.program_id(0), tl.program_id(1),
                x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr,
                M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row, o_ptr, stride_o,
                count_ptr, QTYPE, GW, S, NPLANE, PSTEP, M_TILE, BLOCK_N, BLOCK_K, NUM_STAGES, LATE_REDUCE, GLU, NSPLIT,
-               PDL, 0)
+               PDL)
 
 
 @triton.jit
 def qgemv_item(
-    pid, pid_k, wait_ptr, wait_need,
+    pid, pid_k,
     x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr,
     M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row, o_ptr, stride_o, count_ptr,
     QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
     M_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    LATE_REDUCE: tl.constexpr, GLU: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
+    LATE_REDUCE: tl.constexpr, GLU: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (pid, pid_k) of ``_qgemv_kernel``'s grid; the kernel's body, also an item of the
-    persistent step kernel (``pdl.enter_or_wait``: WAIT > 0 waits on wait_ptr >= wait_need)."""
+    """Program (pid, pid_k) of ``_qgemv_kernel``'s grid: the kernel's body (the pair kernel's GEMV
+    programs too)."""
     G: tl.constexpr = BLOCK_K // GW
     pid_m, n, nmask, k_begin, k_end, qs_rows, qh_rows, sc_rows, d_rows = _packed_program(
         pid, pid_k, M, N, K, k_split, qs_ptr, qh_ptr, sc_ptr, d_ptr, qs_row, qh_row, sc_row, d_row, M_TILE, BLOCK_N)
@@ -559,7 +549,7 @@ def qgemv_item(
     # the first step's weights are fetched and decoded BEFORE waiting for the kernel that writes
     # x (pdl.enter): no step writes weights, and with PDL this overlaps the producer's work
     w0, w1, w2, w3 = _step_planes(k_begin, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows, GW, QTYPE)
-    enter_or_wait(PDL, WAIT, wait_ptr, wait_need)
+    enter(PDL)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
         gg = k0 // GW + g  # global group index
         gval = k0 + g * GW < k_end
@@ -638,60 +628,6 @@ def glu_args(glu: GluEpilogue | None, y: torch.Tensor, splits: int, block_n: int
     if glu.out.shape != (M, N // 2) or glu.out.stride(1) != 1:
         raise ValueError(f"glu out must be [{M}, {N // 2}] with unit stride")
     return (glu.out, glu.out.stride(0), glu.counters)
-
-
-@dataclass(frozen=True)
-class HeadsEpilogue:
-    """Fold ``step_fused.qk_rope_kv`` into the q|k|v product (tensor-core form;
-    ``step_fused.heads_epilogue``): besides its partials the product writes q_out [M, Hq, D]
-    (QK-norm + rope), and k, v into the pools at (seq, pos). ``counters``: int32 zeros (each
-    launch leaves them zero), at least ``heads_counters(...)`` of them."""
-
-    q_out: torch.Tensor
-    k_pool: torch.Tensor
-    v_pool: torch.Tensor
-    seq: torch.Tensor
-    pos: torch.Tensor
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    inv_freq: torch.Tensor
-    eps: float
-    counters: torch.Tensor
-
-
-def heads_counters(M: int, N: int, col0: int, D: int, block_n: int, m_tile: int) -> int | None:
-    """Counters a heads-fused launch of N columns starting at column col0 of q|k|v needs, or
-    None where the fold does not apply (heads must not straddle N tiles or launches)."""
-    if N % D or col0 % D or D % block_n:
-        return None
-    return triton.cdiv(M, m_tile) * (N // D)
-
-
-@dataclass(frozen=True)
-class NormEpilogue:
-    """Fold ``step_fused.add_rmsnorm`` into the product that feeds it (tensor-core form;
-    ``step_fused.add_norm_epilogue``): x [M, N] += post_norm(x_in @ W^T) (``w_post`` None: the
-    plain product), then h = rmsnorm(x) * w_next. The product's split-0 partials end up holding
-    the summed product. ``counters``: int32 zeros (each launch leaves them zero), at least
-    ``norm_counters(...)`` of them."""
-
-    x: torch.Tensor
-    h: torch.Tensor
-    w_post: torch.Tensor | None
-    w_next: torch.Tensor
-    eps: float
-    counters: torch.Tensor
-
-
-NORM_FOLD_MAX_N = 4096  # widest row the fold's last program normalizes (one [rows, E] tile)
-
-
-def norm_counters(M: int, N: int, block_n: int, m_tile: int) -> int | None:
-    """Counters an add+norm-fused launch needs (column tiles + one per row tile), or None where
-    the fold does not apply (a row wider than NORM_FOLD_MAX_N)."""
-    if N > NORM_FOLD_MAX_N:
-        return None
-    return triton.cdiv(M, m_tile) * (triton.cdiv(N, block_n) + 1)
 
 
 def packed_launch_args(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, stride_ys: int) -> tuple:

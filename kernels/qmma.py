@@ -10,10 +10,11 @@ The third form of the quantized product (``qmatmul.py`` has the other two). It r
   rows therefore cost one tile, as in llama.cpp's MMQ kernels and TensorRT-LLM's "swap AB" GEMMs.
 * the first K step's weights are fetched and decoded before ``pdl.enter`` (weights are never
   written by a step), so under programmatic dependent launch they overlap the producer of x.
-* epilogues that ride on the launch: ``GluEpilogue`` (a [gate | up] weight also writes
-  act(gate) * up) and ``HeadsEpilogue`` (a q|k|v weight also does QK-norm + rope + the KV write),
-  and ``NormEpilogue`` (the attention-output and FFN-down weights also do the residual add and
-  the next norm), each by the last program of its column group over acquire-release counters.
+* an epilogue that rides on the launch: ``GluEpilogue`` (a [gate | up] weight also writes
+  act(gate) * up), by the last program of each column pair over acquire-release counters.
+  (The QK-norm/rope and add+norm epilogues, the down product forming its own GLU input, the
+  L2 prefetch of the head's tiles and fetching a step's bytes a step ahead were each measured
+  on an H200 and lost: docs/GPU_NOTES.md; removed in session 13.)
 * per fixed BLOCK_K step of the program's K range the weight tile is decoded once in registers,
   plane by plane ([BLOCK_N, G*S] per plane, see ``PackedWeight``), and each plane is one
   ``tl.dot`` against the x values at that plane's K positions (gathered; x is small and cached).
@@ -38,26 +39,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import enter_or_wait, launch_kw
+from .pdl import enter, launch_kw
 from .qmatmul import (
     _GEMV_GEOMETRY,
-    NORM_FOLD_MAX_N,
-    GLU_ACTS,
     GluEpilogue,
-    HeadsEpilogue,
-    NormEpilogue,
     PackedWeight,
     clamp_block_k,
     _packed_program,
-    _decode_loaded,
-    _step_loads,
     _step_planes,
     _x_offsets,
     check_x_out,
     gemv_config,
     glu_args,
-    heads_counters,
-    norm_counters,
     num_k_splits,
     packed_geometry,
     packed_launch_args,
@@ -65,7 +58,7 @@ from .qmatmul import (
     steps_fit,
     sum_splits,
 )
-from .step_fused import _glu_math, _sum_parts, add_norm_epilogue, glu_pair_epilogue, heads_epilogue
+from .step_fused import glu_pair_epilogue
 
 QMMA_BLOCK_M = 16  # rows of x per program (the MMA's narrow side) unless a config says otherwise
 
@@ -80,14 +73,6 @@ class MmaConfig:
     # decoding the weights again), at the price of a 32-wide MMA for 1..16 rows (measured slower
     # at every slot count: docs/GPU_NOTES.md, session 5).
     block_m: int = QMMA_BLOCK_M
-    # L2 prefetch (GPU only; unsplit weights, whose program tiles are contiguous bytes): None
-    # off; 0: a program first asks L2 for its whole tile (every K step in flight at once, not one
-    # step ahead); p > 0: also the tile p programs ahead (a later wave's weights during this one).
-    prefetch: int | None = None
-    # Fetch each K step's bytes one step ahead (the second step's before the PDL wait) and decode
-    # them when the step comes, so that a program of two or more steps does not wait on a weight
-    # load after its input is ready. Same bits: the same decode and products in the same order.
-    preload: bool = False
 
 
 # Per format; fixed (never chosen from M). Wide weights (the head, unsplit) may differ.
@@ -101,17 +86,13 @@ QMMA_CONFIGS: dict[str, MmaConfig] = {
     "Q4_K": MmaConfig(block_n=64, block_k=256),
     "Q6_K": MmaConfig(block_n=64, block_k=256),
 }
-# The head (unsplit; when the runner keeps it packed): unpipelined was the fastest of six
-# tilings on an H200 (session 3). It runs at ~1 TB/s (160-210 us of a step); an L2 prefetch of
-# each program's tile first (``MmaConfig.prefetch`` 0) gained 1%, of tiles 132-1056 programs
-# ahead nothing (session 5): the decode's instructions bound it, not memory.
+# Unsplit weights (N > QMATMUL_SPLIT_MAX_N: a head-sized weight; the runner's head takes
+# kernels/dense_mma.py since session 5): unpipelined was the fastest of six tilings on an H200
+# (session 3), at ~1 TB/s, bound by the decode's instructions, not memory.
 QMMA_WIDE_CONFIGS: dict[str, MmaConfig] = {
-    "Q8_0": MmaConfig(block_n=64, block_k=128, num_warps=4, num_stages=1, prefetch=0),
+    "Q8_0": MmaConfig(block_n=64, block_k=128, num_warps=4, num_stages=1),
 }
 QMMA_PRECISIONS = ("bf16", "tf32x3")
-# The dense head's products may also take float16 operands ("f16": dense_mma / q8_dense_mma only,
-# where the runner has proved at load that x and the weights stay inside float16's range)
-DENSE_PRECISIONS = (*QMMA_PRECISIONS, "f16")
 QMMA_INTERPRETER_MIN_BLOCK_N = 128  # fewer, wider programs under the CPU interpreter
 
 
@@ -139,31 +120,13 @@ def _round_bf16(v, EXPLICIT: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(x_ptr, offs, mask, stride_xs, XF, XGLU: tl.constexpr, XSPLIT: tl.constexpr):
-    """x at ``offs``: as stored, or (XGLU = 1 + the activation's index in GLU_ACTS) act(gate) * up
-    formed from a fused [gate | up] product's split-K partials (x_ptr: split 0's gate columns,
-    XF: where up's start, stride_xs: the split stride): both added in slice order, then
-    ``_glu_math``, the arithmetic of the GLU fold and kernel: the values their float32 output
-    held, bitwise under the interpreter (on a GPU the compiler may contract either kernel's
-    expression into FMAs its own way)."""
-    if XGLU > 0:
-        g = _sum_parts(x_ptr, offs, mask, stride_xs, XSPLIT, "")
-        u = _sum_parts(x_ptr + XF, offs, mask, stride_xs, XSPLIT, "")
-        xt = _glu_math(g, u, XGLU - 1)
-    else:
-        xt = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    return xt
-
-
-@triton.jit
-def _plane_dot(acc, w, x_ptr, xoff, xmask, m, mmask, stride_xm, stride_xs, XF,
-               GS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, USE_DOT: tl.constexpr,
-               XGLU: tl.constexpr, XSPLIT: tl.constexpr):
-    """acc[BN, BM] += W_plane[BN, GS] @ x^T[GS, BM], x^T gathered at K offsets ``xoff`` [GS]
-    (``_x_tile``: x, or the GLU of the partials it points at)."""
+def _plane_dot(acc, w, x_ptr, xoff, xmask, m, mmask, stride_xm,
+               GS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, USE_DOT: tl.constexpr):
+    """acc[BN, BM] += W_plane[BN, GS] @ x^T[GS, BM], x^T gathered at K offsets ``xoff`` [GS]."""
     w = tl.reshape(w, [BLOCK_N, GS])
-    xt = _x_tile(x_ptr, m[None, :] * stride_xm + xoff[:, None], xmask[:, None] & mmask[None, :], stride_xs, XF,
-                 XGLU, XSPLIT)
+    offs = m[None, :] * stride_xm + xoff[:, None]
+    mask = xmask[:, None] & mmask[None, :]
+    xt = tl.load(x_ptr + offs, mask=mask, other=0.0)
     return dot_acc(acc, w, xt, PREC, USE_DOT)
 
 
@@ -172,14 +135,7 @@ def dot_acc(acc, w, xt, PREC: tl.constexpr, USE_DOT: tl.constexpr):
     """acc[BN, BM] += w[BN, K] @ xt[K, BM] at precision PREC (the module docstring's): w float32
     (rounded here for "bf16") or already bfloat16; tl.dot, or under the interpreter the same
     products summed with tl.sum."""
-    if PREC == "f16":  # float16 operands (RN on both paths), exact float32 products
-        wh = w if w.dtype == tl.float16 else w.to(tl.float16)
-        xh = xt.to(tl.float32).to(tl.float16)
-        if USE_DOT:
-            acc = tl.dot(wh, xh, acc)
-        else:
-            acc += tl.sum(wh.to(tl.float32)[:, :, None] * xh.to(tl.float32)[None, :, :], axis=1)
-    elif PREC == "bf16":
+    if PREC == "bf16":
         if w.dtype == tl.bfloat16:
             wb = w
         else:
@@ -198,59 +154,17 @@ def dot_acc(acc, w, xt, PREC: tl.constexpr, USE_DOT: tl.constexpr):
     return acc
 
 
-PREFETCH_LANES = tl.constexpr(128)  # cache lines a prefetch asks for per instruction across the program
-
-
-@triton.jit
-def l2_prefetch_lines(ptrs):
-    """``prefetch.global.L2`` of the line holding each pointer (a hint: nothing comes back, no
-    result can change). Inline PTX: GPU launches only (``_native``)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _l2_prefetch(ptr, nelem, ELEM: tl.constexpr):
-    """Ask L2 for ``nelem`` elements of ELEM bytes from ``ptr`` on: one ``prefetch.global.L2``
-    per 128-byte line (lanes past the end repeat the last line). No data comes back to
-    registers, so it costs a few instructions, and every line is in flight at once."""
-    lanes = tl.arange(0, PREFETCH_LANES)
-    lines = tl.cdiv(nelem * ELEM, 128)
-    for l0 in range(0, lines, PREFETCH_LANES):
-        li = tl.minimum(l0 + lanes, lines - 1).to(tl.int64)
-        l2_prefetch_lines(ptr + li * (128 // ELEM))
-
-
-@triton.jit
-def _prefetch_tile(t, N, qs_ptr, qs_row, d_ptr, d_row, BLOCK_N: tl.constexpr, DBYTES: tl.constexpr):
-    """L2 prefetch of N tile ``t``'s quant bytes and scales (rows t BLOCK_N .. + BLOCK_N of an
-    unsplit weight: contiguous), if the tile exists."""
-    rows = tl.minimum(BLOCK_N, N - t * BLOCK_N)
-    if rows > 0:
-        r0 = (t * BLOCK_N).to(tl.int64)
-        _l2_prefetch(qs_ptr + r0 * qs_row, rows * qs_row, 1)
-        _l2_prefetch(d_ptr + r0 * d_row, rows * d_row, DBYTES)
-
-
 @triton.jit
 def _qmma_program(
-    pid, pid_k, wait_ptr, wait_need,
+    pid, pid_k,
     x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
     qs_row, qh_row, sc_row, d_row,
     QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PREC: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr,
-    PRELOAD: tl.constexpr, stride_xs, XF, XGLU: tl.constexpr, XSPLIT: tl.constexpr,
+    PREC: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (pid, pid_k)'s product over its K slice, stored as its split-K partial of y: its
-    outputs x its rows. Returns (pid_m, m, mmask, n, nmask) for the kernels' epilogues. PREFETCH
-    >= 0 (``MmaConfig.prefetch``; GPU, unsplit): L2 prefetch of its tile and the one PREFETCH
-    ahead. WAIT > 0 (an item of kernels/persistent.py): waits on wait_ptr >= wait_need where a
-    kernel of the chain waits for its predecessor (``pdl.enter_or_wait``). PRELOAD
-    (``MmaConfig.preload``): each step's bytes are fetched one step ahead, the second step's
-    before the wait, and decoded when the step comes: the same decode and products in the same
-    order, so the same bits. XGLU > 0 (``_qmma_glu_x_kernel``): x is act(gate) * up of a fused
-    [gate | up] product's partials, formed as each step gathers it (``_x_tile``)."""
+    outputs x its rows. Returns (pid_m, m, mmask, n, nmask) for the kernels' epilogue."""
     G: tl.constexpr = BLOCK_K // GW
     GS: tl.constexpr = G * S
     pid_m, n, nmask, k_begin, k_end, qs_rows, qh_rows, sc_rows, d_rows = _packed_program(
@@ -261,41 +175,23 @@ def _qmma_program(
     s = tl.arange(0, S)
     s3 = s[None, None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if PREFETCH >= 0:
-        t = pid // tl.cdiv(M, BLOCK_M)
-        DBYTES: tl.constexpr = d_ptr.dtype.element_ty.primitive_bitwidth // 8
-        _prefetch_tile(t, N, qs_ptr, qs_row, d_ptr, d_row, BLOCK_N, DBYTES)
-        if PREFETCH > 0:
-            _prefetch_tile(t + PREFETCH, N, qs_ptr, qs_row, d_ptr, d_row, BLOCK_N, DBYTES)
     # the first step's weights before waiting for x's producer (as in qmatmul's GEMV)
     w0, w1, w2, w3 = _step_planes(k_begin, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows, GW, QTYPE)
-    if PRELOAD:  # and the second step's bytes
-        r0, r1, r2, r3, r4 = _step_loads(k_begin + BLOCK_K, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows,
-                                         GW, QTYPE)
-    enter_or_wait(PDL, WAIT, wait_ptr, wait_need)
+    enter(PDL)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=NUM_STAGES):
         gg = k0 // GW + g  # global group index
         gval = k0 + g * GW < k_end
         xo = tl.reshape(_x_offsets(gg, s, QTYPE, GW), [GS])
         xm = tl.reshape(gval[:, None] & (s[None, :] >= 0), [GS])
-        acc = _plane_dot(acc, w0, x_ptr, xo, xm, m, mmask, stride_xm, stride_xs, XF, GS, BLOCK_N, PREC, USE_DOT,
-                         XGLU, XSPLIT)
+        acc = _plane_dot(acc, w0, x_ptr, xo, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
         if NPLANE > 1:
-            acc = _plane_dot(acc, w1, x_ptr, xo + PSTEP, xm, m, mmask, stride_xm, stride_xs, XF, GS, BLOCK_N, PREC,
-                             USE_DOT, XGLU, XSPLIT)
+            acc = _plane_dot(acc, w1, x_ptr, xo + PSTEP, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
         if NPLANE > 2:
-            acc = _plane_dot(acc, w2, x_ptr, xo + 2 * PSTEP, xm, m, mmask, stride_xm, stride_xs, XF, GS, BLOCK_N,
-                             PREC, USE_DOT, XGLU, XSPLIT)
-            acc = _plane_dot(acc, w3, x_ptr, xo + 3 * PSTEP, xm, m, mmask, stride_xm, stride_xs, XF, GS, BLOCK_N,
-                             PREC, USE_DOT, XGLU, XSPLIT)
+            acc = _plane_dot(acc, w2, x_ptr, xo + 2 * PSTEP, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
+            acc = _plane_dot(acc, w3, x_ptr, xo + 3 * PSTEP, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
         if k0 + BLOCK_K < k_end:  # the next step's weights
-            if PRELOAD:
-                w0, w1, w2, w3 = _decode_loaded(r0, r1, r2, r3, r4, s3, QTYPE)
-                r0, r1, r2, r3, r4 = _step_loads(k0 + 2 * BLOCK_K, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows,
-                                                 d_rows, GW, QTYPE)
-            else:
-                w0, w1, w2, w3 = _step_planes(k0 + BLOCK_K, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows,
-                                              GW, QTYPE)
+            w0, w1, w2, w3 = _step_planes(k0 + BLOCK_K, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows,
+                                          GW, QTYPE)
     yp = y_ptr + pid_k * stride_ys + m[None, :] * stride_ym + n[:, None]
     tl.store(yp, acc, mask=nmask[:, None] & mmask[None, :])
     return pid_m, m, mmask, n, nmask
@@ -308,105 +204,35 @@ def _qmma_kernel(
     QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     PREC: tl.constexpr, USE_DOT: tl.constexpr, GLU: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, PRELOAD: tl.constexpr,
 ):
-    qmma_item(tl.program_id(0), tl.program_id(1), count_ptr, 0,
+    qmma_item(tl.program_id(0), tl.program_id(1),
               x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr,
               M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row, o_ptr, stride_o,
               count_ptr, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC, USE_DOT, GLU,
-              NSPLIT, PDL, PREFETCH, PRELOAD, 0)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _qmma_glu_x_kernel(
-    x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr,
-    M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row, stride_xs,
-    QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PREC: tl.constexpr, USE_DOT: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr,
-    XGLU: tl.constexpr, XSPLIT: tl.constexpr,
-):
-    """``_qmma_kernel`` whose x is act(gate) * up of the [gate | up] partials at x_ptr
-    (``launch_qmma(glu_x=)``: the FFN down product forming its input from gate|up's partials,
-    K = F; up at column K)."""
-    _qmma_program(tl.program_id(0), tl.program_id(1), y_ptr, 0,
-                  x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
-                  qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
-                  PREC, USE_DOT, PDL, -1, 0, PRELOAD, stride_xs, K, XGLU, XSPLIT)
+              NSPLIT, PDL)
 
 
 @triton.jit
 def qmma_item(
-    pid, pid_k, wait_ptr, wait_need,
+    pid, pid_k,
     x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr,
     M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row, o_ptr, stride_o, count_ptr,
     QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     PREC: tl.constexpr, USE_DOT: tl.constexpr, GLU: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, WAIT: tl.constexpr,
 ):
-    """Program (pid, pid_k) of ``_qmma_kernel``'s grid: the kernel's body, also an item of the
-    persistent step kernel (kernels/persistent.py)."""
+    """Program (pid, pid_k) of ``_qmma_kernel``'s grid: the kernel's body (the pair kernel's
+    tensor-core programs too)."""
     pid_m, m, mmask, n, nmask = _qmma_program(
-        pid, pid_k, wait_ptr, wait_need,
+        pid, pid_k,
         x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
         qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC,
-        USE_DOT, PDL, PREFETCH, WAIT, PRELOAD, 0, 0, 0, 1)
+        USE_DOT, PDL)
     if GLU > 0:  # a fused [gate | up] weight: the pair's last program writes act(gate) * up
         pairs = (N // 2) // BLOCK_N
         pid_n = pid // tl.cdiv(M, BLOCK_M)
         glu_pair_epilogue(y_ptr, stride_ys, stride_ym, o_ptr, stride_o, count_ptr, pid_m * pairs + pid_n % pairs,
                           n, nmask, m, mmask, N // 2, NSPLIT, GLU - 1)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _qmma_heads_kernel(
-    x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr,
-    M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row, count_ptr, col0,
-    q_ptr, stride_qr, k_ptr, v_ptr, stride_ks, stride_kl, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, eps,
-    QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PREC: tl.constexpr, USE_DOT: tl.constexpr, NSPLIT: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-    D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
-):
-    """``_qmma_kernel`` for (a member of) the q|k|v product with ``step_fused.heads_epilogue``."""
-    pid_m, m, mmask, n, nmask = _qmma_program(
-        tl.program_id(0), tl.program_id(1), count_ptr, 0,
-        x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
-        qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC,
-        USE_DOT, PDL, -1, 0, False, 0, 0, 0, 1)
-    heads = N // D
-    head = (tl.program_id(0) // tl.cdiv(M, BLOCK_M)) * BLOCK_N // D
-    heads_epilogue(y_ptr, stride_ys, stride_ym, count_ptr, pid_m * heads + head, head, m, mmask, col0,
-                   q_ptr, stride_qr, k_ptr, v_ptr, stride_ks, stride_kl, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr,
-                   eps, (D // BLOCK_N) * NSPLIT, NSPLIT, HQ, HKV, D, HALF, HALF_P, HAS_NORM)
-
-
-NORM_ROWS = 4  # rows the add+norm epilogue handles at once ([4, E] tiles)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _qmma_norm_kernel(
-    x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr,
-    M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row, count_ptr,
-    r_ptr, stride_r, h_ptr, stride_h, wpost_ptr, wn_ptr, eps,
-    QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PREC: tl.constexpr, USE_DOT: tl.constexpr, NSPLIT: tl.constexpr, HAS_POST: tl.constexpr,
-    BLOCK_E: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
-):
-    """``_qmma_kernel`` with ``step_fused.add_norm_epilogue`` (residual r, next input h)."""
-    pid_m, m, mmask, n, nmask = _qmma_program(
-        tl.program_id(0), tl.program_id(1), count_ptr, 0,
-        x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
-        qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC,
-        USE_DOT, PDL, -1, 0, False, 0, 0, 0, 1)
-    ntiles = tl.cdiv(N, BLOCK_N)
-    pid_n = tl.program_id(0) // tl.cdiv(M, BLOCK_M)
-    add_norm_epilogue(y_ptr, stride_ys, stride_ym, count_ptr, pid_m * ntiles + pid_n,
-                      tl.cdiv(M, BLOCK_M) * ntiles + pid_m, ntiles, pid_m * BLOCK_M, M, n, nmask,
-                      r_ptr, stride_r, h_ptr, stride_h, wpost_ptr, wn_ptr, N, eps,
-                      NSPLIT, HAS_POST, BLOCK_M, BLOCK_E, ROWS)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -419,22 +245,22 @@ def _mma_gemv_pair_kernel(
     PREC: tl.constexpr, USE_DOT: tl.constexpr,
     QTYPE_B: tl.constexpr, GW_B: tl.constexpr, S_B: tl.constexpr, NPLANE_B: tl.constexpr, PSTEP_B: tl.constexpr,
     M_TILE: tl.constexpr, BLOCK_N_B: tl.constexpr, BLOCK_K_B: tl.constexpr, NUM_STAGES_B: tl.constexpr,
-    LATE_REDUCE: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr, PRELOAD_A: tl.constexpr,
+    LATE_REDUCE: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Two products of one x in one launch: programs [0, programs_a) are ``_qmma_kernel``'s for
     weight A, the rest ``_qgemv_kernel``'s for weight B, each running its kernel's body with its
     constexprs (one kernel boundary fewer where a fused q|k|v mixes formats)."""
     pid = tl.program_id(0)
     if pid < programs_a:
-        qmma_item(pid, tl.program_id(1), y_a, 0, x_ptr, qs_a, qh_a, sc_a, d_a, y_a,
+        qmma_item(pid, tl.program_id(1), x_ptr, qs_a, qh_a, sc_a, d_a, y_a,
                   M, N_a, K, k_split, stride_xm, stride_ym, stride_ys, qs_row_a, qh_row_a, sc_row_a, d_row_a, y_a, 0,
                   y_a, QTYPE_A, GW_A, S_A, NPLANE_A, PSTEP_A, BLOCK_M, BLOCK_N_A, BLOCK_K_A, NUM_STAGES_A, PREC,
-                  USE_DOT, 0, NSPLIT, PDL, -1, PRELOAD_A, 0)
+                  USE_DOT, 0, NSPLIT, PDL)
     else:
-        qgemv_item(pid - programs_a, tl.program_id(1), y_b, 0, x_ptr, qs_b, qh_b, sc_b, d_b, y_b,
+        qgemv_item(pid - programs_a, tl.program_id(1), x_ptr, qs_b, qh_b, sc_b, d_b, y_b,
                    M, N_b, K, k_split, stride_xm, stride_ym, stride_ys, qs_row_b, qh_row_b, sc_row_b, d_row_b, y_b, 0,
                    y_b, QTYPE_B, GW_B, S_B, NPLANE_B, PSTEP_B, M_TILE, BLOCK_N_B, BLOCK_K_B, NUM_STAGES_B, LATE_REDUCE,
-                   0, NSPLIT, PDL, 0)
+                   0, NSPLIT, PDL)
 
 
 def launch_mma_gemv_pair(x: torch.Tensor, wa: PackedWeight, ya: torch.Tensor, wb: PackedWeight, yb: torch.Tensor,
@@ -463,7 +289,7 @@ def launch_mma_gemv_pair(x: torch.Tensor, wa: PackedWeight, ya: torch.Tensor, wb
         USE_DOT=x.is_cuda if use_dot is None else use_dot,
         QTYPE_B=gb["QTYPE"], GW_B=gb["GW"], S_B=gb["S"], NPLANE_B=gb["NPLANE"], PSTEP_B=gb["PSTEP"],
         M_TILE=cb.m_tile, BLOCK_N_B=cb.block_n, BLOCK_K_B=cb.block_k, NUM_STAGES_B=cb.num_stages,
-        LATE_REDUCE=cb.late_reduce, NSPLIT=splits, PRELOAD_A=ca.preload, num_warps=ca.num_warps,
+        LATE_REDUCE=cb.late_reduce, NSPLIT=splits, num_warps=ca.num_warps,
         **launch_kw(x),
     )
 
@@ -476,17 +302,10 @@ def _native(x: torch.Tensor) -> bool:
 
 def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, stride_ys: int,
                 prec: str = "bf16", config: MmaConfig | None = None, use_dot: bool | None = None,
-                glu: GluEpilogue | None = None, heads: HeadsEpilogue | None = None, col0: int = 0,
-                norm: NormEpilogue | None = None, glu_x: str | None = None) -> None:
+                glu: GluEpilogue | None = None) -> None:
     """Launch ``_qmma_kernel``: y[s, m, n] (s < splits, at stride_ys; y's row stride is
     y.stride(-2)) = the K slice s of x[m] @ W[n]^T; with ``glu`` also act(gate) * up into glu.out
-    (``step_fused.glu_pair_epilogue``); with ``heads`` (this weight's columns start at column
-    ``col0`` of q|k|v) also q, k, v as ``step_fused.qk_rope_kv`` makes them
-    (``step_fused.heads_epilogue``); with ``norm`` also the residual add + next norm
-    (``step_fused.add_norm_epilogue``). ``glu_x`` (an activation of GLU_ACTS): x is not the
-    product's input but a fused [gate | up] product's partials [splits', M, 2K] (float32), and
-    each program forms act(gate) * up from them as it gathers x (``_x_tile``): the GLU's
-    arithmetic without its launch or fold. No value checks: callers check."""
+    (``step_fused.glu_pair_epilogue``). No value checks: callers check."""
     if prec not in QMMA_PRECISIONS:
         raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(QMMA_PRECISIONS)}")
     cfg = config or mma_config(w.fmt.name, w.N, w.K, x.device, w.slice_k)
@@ -494,70 +313,15 @@ def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, 
     groups = cfg.block_k // gw
     if not steps_fit(w, splits, cfg.block_k) or cfg.block_k % gw or groups & (groups - 1) or groups * s < 16:
         raise ValueError(f"bad qmma config {cfg} for {w.fmt.name}")
-    xparts = None
-    if glu_x is not None:
-        if glu_x not in GLU_ACTS or x.dim() != 3 or x.shape[2] != 2 * w.K or x.dtype != torch.float32 \
-                or x.stride(2) != 1 or (glu, heads, norm) != (None, None, None):
-            raise ValueError(f"glu_x takes float32 [gate | up] partials [splits, M, {2 * w.K}] with unit stride, "
-                             f"an activation of {', '.join(GLU_ACTS)} and no epilogue")
-        xparts, x = x, x[0]
     M = x.shape[0]
     if cfg.block_m not in (16, 32):
         raise ValueError(f"bad qmma config {cfg} for {w.fmt.name}: block_m must be 16 or 32")
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(w.N, cfg.block_n), splits)
-    common = dict(**packed_geometry(w), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  NUM_STAGES=cfg.num_stages, PREC=prec, USE_DOT=x.is_cuda if use_dot is None else use_dot,
-                  NSPLIT=splits, num_warps=cfg.num_warps, **launch_kw(x))
-    if norm is not None:
-        _launch_norm(packed_launch_args(x, w, y, splits, stride_ys), common, M, w.N, cfg, norm, grid)
-        return
-    if heads is not None:
-        _launch_heads(packed_launch_args(x, w, y, splits, stride_ys), common, M, w.N, cfg, heads, col0, grid)
-        return
-    if xparts is not None:
-        _qmma_glu_x_kernel[grid](*packed_launch_args(x, w, y, splits, stride_ys), xparts.stride(0),
-                                 PRELOAD=cfg.preload, XGLU=1 + GLU_ACTS.index(glu_x), XSPLIT=xparts.shape[0], **common)
-        return
-    prefetch = cfg.prefetch if cfg.prefetch is not None and splits == 1 and _native(x) else -1
     _qmma_kernel[grid](
         *packed_launch_args(x, w, y, splits, stride_ys), *glu_args(glu, y, splits, cfg.block_n, M, cfg.block_m, w.N),
-        GLU=glu.code if glu else 0, PREFETCH=prefetch, PRELOAD=cfg.preload, **common,
-    )
-
-
-def _launch_norm(args: tuple, common: dict, M: int, N: int, cfg: MmaConfig, e: NormEpilogue, grid) -> None:
-    need = norm_counters(M, N, cfg.block_n, cfg.block_m)
-    if need is None or e.counters.dtype != torch.int32 or e.counters.numel() < need:
-        raise ValueError(f"the add+norm fold needs rows of at most {NORM_FOLD_MAX_N} and {need} int32 counters")
-    if e.x.shape != (M, N) or e.h.shape != (M, N) or e.x.dtype != torch.float32 or e.x.stride(1) != 1 \
-            or e.h.stride(1) != 1:
-        raise ValueError(f"the add+norm fold needs x float32 [{M}, {N}] and h [{M}, {N}] with unit stride")
-    _qmma_norm_kernel[grid](
-        *args, e.counters, e.x, e.x.stride(0), e.h, e.h.stride(0),
-        e.w_post if e.w_post is not None else e.w_next, e.w_next, float(e.eps),
-        HAS_POST=e.w_post is not None, BLOCK_E=triton.next_power_of_2(N), ROWS=NORM_ROWS, **common,
-    )
-
-
-def _launch_heads(args: tuple, common: dict, M: int, N: int, cfg: MmaConfig, h: HeadsEpilogue, col0: int,
-                  grid) -> None:
-    _, Hq, D = h.q_out.shape
-    Hkv = h.k_pool.shape[2]
-    need = heads_counters(M, N, col0, D, cfg.block_n, cfg.block_m)
-    if need is None or h.counters.dtype != torch.int32 or h.counters.numel() < need:
-        raise ValueError(f"the heads fold needs whole heads of {D} per launch, head dim a multiple of "
-                         f"{cfg.block_n} and {need} int32 counters")
-    if h.q_out.shape[0] != M or not h.q_out.is_contiguous() or not h.k_pool.is_contiguous() or D % 2:
-        raise ValueError("the heads fold needs a contiguous q_out [M, Hq, D] (D even) and contiguous pools")
-    if (h.q_norm is None) != (h.k_norm is None):
-        raise ValueError("need both QK-norm weights or neither")
-    has_norm = h.q_norm is not None
-    _qmma_heads_kernel[grid](
-        *args, h.counters, col0, h.q_out, h.q_out.stride(0), h.k_pool, h.v_pool, h.k_pool.stride(0), h.k_pool.stride(1),
-        h.seq, h.pos, h.q_norm if has_norm else h.inv_freq, h.k_norm if has_norm else h.inv_freq, h.inv_freq,
-        float(h.eps),
-        HQ=Hq, HKV=Hkv, D=D, HALF=D // 2, HALF_P=max(2, triton.next_power_of_2(D // 2)), HAS_NORM=has_norm,
-        **common,
+        **packed_geometry(w), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        NUM_STAGES=cfg.num_stages, PREC=prec, USE_DOT=x.is_cuda if use_dot is None else use_dot,
+        GLU=glu.code if glu else 0, NSPLIT=splits, num_warps=cfg.num_warps, **launch_kw(x),
     )
 
 

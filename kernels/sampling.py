@@ -59,9 +59,8 @@ def _argmax_chunks_kernel(x_ptr, pval_ptr, pidx_ptr, V, stride_x, num_chunks, BL
 
 
 @triton.jit
-def _argmax_rows_kernel(pval_ptr, pidx_ptr, o_ptr, ids_ptr, pos_ptr, hist_ptr, host_ptr, num_chunks,
-                        CHUNKS_P: tl.constexpr, FEED: tl.constexpr, HIST: tl.constexpr, HOST: tl.constexpr,
-                        PDL: tl.constexpr):
+def _argmax_rows_kernel(pval_ptr, pidx_ptr, o_ptr, ids_ptr, pos_ptr, hist_ptr, num_chunks,
+                        CHUNKS_P: tl.constexpr, FEED: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)
     r = tl.program_id(0)
     c = tl.arange(0, CHUNKS_P)
@@ -76,20 +75,17 @@ def _argmax_rows_kernel(pval_ptr, pidx_ptr, o_ptr, ids_ptr, pos_ptr, hist_ptr, h
         tl.store(pos_ptr + r, p + 1)
         if HIST > 0:  # and the token kept at hist[r, pos % HIST] (a graph loop's history)
             tl.store(hist_ptr + r * HIST + p % HIST, i.to(tl.int64))
-        if HOST:  # and at host[r, pos % 2] (mapped host memory: the host reads it after the launch)
-            tl.store(host_ptr + r * 2 + p % 2, i.to(tl.int64))
 
 
 def argmax(logits: torch.Tensor, out: torch.Tensor | None = None,
-           feed: tuple[torch.Tensor, torch.Tensor] | None = None, hist: torch.Tensor | None = None,
-           host: torch.Tensor | None = None) -> torch.Tensor:
+           feed: tuple[torch.Tensor, torch.Tensor] | None = None, hist: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [R]: argmax of each row of logits [R, V] (float32/bfloat16, unit stride on V).
     ``feed`` = (ids, pos), integer [R] each: also ids[r] = the argmax and pos[r] += 1 (a decode
     graph's next inputs, in the same launch rather than two more kernels). ``hist`` (with feed;
     contiguous int64 [R, H]): also hist[r, pos[r] % H] = the argmax (pos before the increment),
-    so a loop of graph replays keeps its tokens without a copy between replays. ``host`` (with
-    feed; contiguous int64 [R, 2]): also host[r, pos[r] % 2] = the argmax, written by the kernel
-    itself (on a GPU, pinned host memory, which the device addresses directly)."""
+    so a loop of graph replays keeps its tokens without a copy between replays. (Writing the
+    token into pinned host memory from the kernel, for run-ahead steps, measured within the
+    spread on an H200, session 12, run 65: removed in session 13.)"""
     if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16) or logits.stride(1) != 1:
         raise ValueError(f"logits must be float32/bfloat16 [R, V] with unit stride on V, got {logits.dtype} {tuple(logits.shape)}")
     R, V = logits.shape
@@ -110,12 +106,12 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None,
     _argmax_chunks_kernel[(R, num_chunks)](
         logits, pval, pidx, V, logits.stride(0), num_chunks, BLOCK_V=ARGMAX_BLOCK_V, num_warps=ARGMAX_NUM_WARPS, **launch_kw(logits),
     )
-    return argmax_from_partials(pval, pidx, out, feed, hist, host)
+    return argmax_from_partials(pval, pidx, out, feed, hist)
 
 
 def argmax_from_partials(pval: torch.Tensor, pidx: torch.Tensor, out: torch.Tensor,
                          feed: tuple[torch.Tensor, torch.Tensor] | None = None,
-                         hist: torch.Tensor | None = None, host: torch.Tensor | None = None) -> torch.Tensor:
+                         hist: torch.Tensor | None = None) -> torch.Tensor:
     """``argmax``'s second launch on partials made elsewhere (the head's streaming programs,
     ``dense_mma(..., best=)``): float32 values and int32 indices [R, P], index 2^31 - 1 where a
     partial saw no entry; the same tie and NaN rules."""
@@ -129,17 +125,12 @@ def argmax_from_partials(pval: torch.Tensor, pidx: torch.Tensor, out: torch.Tens
     if hist is not None and (feed is None or hist.dim() != 2 or hist.shape[0] != R or hist.dtype != torch.int64
                              or not hist.is_contiguous() or hist.device != pval.device):
         raise ValueError(f"hist needs feed= and a contiguous int64 [{R}, H] tensor on {pval.device}")
-    if host is not None and (feed is None or host.shape != (R, 2) or host.dtype != torch.int64
-                             or not host.is_contiguous() or (pval.is_cuda and not host.is_pinned())):
-        raise ValueError(f"host needs feed= and a contiguous int64 [{R}, 2] tensor (pinned host memory "
-                         f"for a GPU launch)")
     if R == 0:
         return out
     ids, pos = feed if feed is not None else (out, out)
-    _argmax_rows_kernel[(R,)](pval, pidx, out, ids, pos, out if hist is None else hist, out if host is None else host,
+    _argmax_rows_kernel[(R,)](pval, pidx, out, ids, pos, out if hist is None else hist,
                               P, CHUNKS_P=triton.next_power_of_2(P), FEED=feed is not None,
-                              HIST=0 if hist is None else hist.shape[1], HOST=host is not None,
-                              num_warps=ARGMAX_NUM_WARPS, **launch_kw(pval))
+                              HIST=0 if hist is None else hist.shape[1], num_warps=ARGMAX_NUM_WARPS, **launch_kw(pval))
     return out
 
 

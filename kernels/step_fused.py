@@ -10,8 +10,10 @@ step's elementwise/per-row work in the same launch:
 * ``qk_rope_kv``: from the fused [q | k | v] product: QK-norm (Gemma 3), NEOX rope at the
   row's position, q out, k and v written into the row's KV-pool slot (seq, pos).
 
-Each can also ride on the launch of the product that feeds it, done by that product's last
-program(s) over acquire-release counters (``*_epilogue``, called from kernels/qmma.py).
+The GLU can also ride on the launch of the product that feeds it, done by that product's
+last program per column pair over acquire-release counters (``glu_pair_epilogue``, called from
+kernels/qmma.py and kernels/qmatmul.py). (The QK-norm/rope and add+norm folds into their
+products were measured slower on an H200, sessions 5 and 10, and removed in session 13.)
 
 One program per row (``glu_from_parts``: per row and column block): every result is a function
 of its row alone, so batch-invariant by construction. float32 compute; outputs in their
@@ -76,21 +78,19 @@ def glu_pair_epilogue(part_ptr, stride_ps, stride_pm, o_ptr, stride_o, count_ptr
 def _add_rmsnorm_kernel(
     x_ptr, p_ptr, wpost_ptr, wn_ptr, h_ptr, E, eps,
     stride_x, stride_ps, stride_pm, stride_h,
-    NSPLIT: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, LOADS: tl.constexpr,
+    NSPLIT: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
-    """x += post_norm(sum of partials) (or the plain sum); h = rmsnorm(x) * wn. LOADS: where the
-    norm weights and x are loaded (WEIGHT_LOADS, as its index)."""
-    if LOADS == 2:
-        wpost, wn = _add_rmsnorm_weights(wpost_ptr, wn_ptr, E, BLOCK)
-        enter(PDL)
-    elif LOADS == 1:
-        enter(PDL)
-        wpost, wn = _add_rmsnorm_weights(wpost_ptr, wn_ptr, E, BLOCK)
-    else:  # (add_rmsnorm_row loads each where it is first used)
-        enter(PDL)
-        wpost, wn = None, None
-    add_rmsnorm_row(tl.program_id(0), x_ptr, p_ptr, wpost_ptr, wn_ptr, h_ptr, E, eps,
-                    stride_x, stride_ps, stride_pm, stride_h, NSPLIT, HAS_POST, BLOCK, wpost, wn, LOADS)
+    """x += post_norm(sum of partials) (or the plain sum); h = rmsnorm(x) * wn, one program per
+    row. The norm weights and x are loaded right after the PDL wait, with the partials: one trip
+    to memory instead of three (each where first used: after the first sum's barriers, then the
+    second's) or loading the weights before the wait; H200, session 12, run 69, step ms at 1 /
+    16 / 32 slots: 0.522 / 0.579 / 0.786 against 0.542 / 0.596 / 0.801 in order and 0.528 /
+    0.595 / 0.796 before the wait (slower on runs 68 and 69; the other two forms removed in
+    session 13). The same values and arithmetic either way."""
+    enter(PDL)
+    wpost, wn = _add_rmsnorm_weights(wpost_ptr, wn_ptr, E, BLOCK)
+    add_rmsnorm_row(tl.program_id(0), x_ptr, p_ptr, h_ptr, E, eps, stride_x, stride_ps, stride_pm, stride_h,
+                    NSPLIT, HAS_POST, BLOCK, wpost, wn)
 
 
 @triton.jit
@@ -102,51 +102,33 @@ def _add_rmsnorm_weights(wpost_ptr, wn_ptr, E, BLOCK: tl.constexpr):
 
 @triton.jit
 def add_rmsnorm_row(
-    r, x_ptr, p_ptr, wpost_ptr, wn_ptr, h_ptr, E, eps,
-    stride_x, stride_ps, stride_pm, stride_h,
-    NSPLIT: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr,
-    wpost=None, wn=None, LOADS: tl.constexpr = 0,
+    r, x_ptr, p_ptr, h_ptr, E, eps, stride_x, stride_ps, stride_pm, stride_h,
+    NSPLIT: tl.constexpr, HAS_POST: tl.constexpr, BLOCK: tl.constexpr, wpost, wn,
 ):
-    """Row r of ``_add_rmsnorm_kernel`` (also an item of kernels/persistent.py). LOADS 0: each
-    load where its value is first used (x and w_post after the first sum's reduction, w_next
-    after the second); else x with the partials and the weights wpost, wn given. Same values."""
+    """Row r of ``_add_rmsnorm_kernel``, the norm weights wpost, wn given: x loaded with the
+    partials."""
     cols = tl.arange(0, BLOCK)
     mask = cols < E
     d = _sum_parts(p_ptr + r * stride_pm, cols, mask, stride_ps, NSPLIT, "")
-    if LOADS != 0:
-        x_old = tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0.0)
+    x_old = tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0.0)
     if HAS_POST:
         rs = 1.0 / tl.sqrt_rn(tl.sum(d * d, axis=0) / E + eps)
-        if LOADS == 0:
-            d = (d * rs) * tl.load(wpost_ptr + cols, mask=mask, other=0.0)
-        else:
-            d = (d * rs) * wpost
-    if LOADS == 0:
-        x = tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0.0) + d
-    else:
-        x = x_old + d
+        d = (d * rs) * wpost
+    x = x_old + d
     tl.store(x_ptr + r * stride_x + cols, x, mask=mask)
     rs2 = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / E + eps)
-    if LOADS == 0:
-        h = (x * rs2) * tl.load(wn_ptr + cols, mask=mask, other=0.0)
-    else:
-        h = (x * rs2) * wn
+    h = (x * rs2) * wn
     tl.store(h_ptr + r * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _glu_kernel(p_ptr, o_ptr, F, stride_ps, stride_pm, stride_o,
                 NSPLIT: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """out = act(gate) * up from the partials of the fused [gate | up] product (``_glu_math``)."""
+    """out = act(gate) * up from the partials of the fused [gate | up] product (``_glu_math``);
+    program (r, cb): row r, columns cb * BLOCK ..."""
     enter(PDL)
-    glu_item(tl.program_id(0), tl.program_id(1), p_ptr, o_ptr, F, stride_ps, stride_pm, stride_o, NSPLIT, ACT, BLOCK)
-
-
-@triton.jit
-def glu_item(r, cb, p_ptr, o_ptr, F, stride_ps, stride_pm, stride_o,
-             NSPLIT: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (r, cb) of ``_glu_kernel`` (also an item of kernels/persistent.py)."""
-    offs = cb * BLOCK + tl.arange(0, BLOCK)
+    r = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < F
     base = p_ptr + r * stride_pm
     g = _sum_parts(base, offs, mask, stride_ps, NSPLIT, "")
@@ -174,14 +156,13 @@ def _qk_rope_kv_kernel(
     stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     HQ_P: tl.constexpr, HKV_P: tl.constexpr, HALF_P: tl.constexpr,
-    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr, LOADS: tl.constexpr,
+    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     """From the qkv partials of one row: q = rope(qnorm(q)) -> q_out; k = rope(knorm(k)) and v
-    -> the row's KV slot (seq, pos). NEOX rope: pairs (i, i + D/2), angle = f32(pos) * inv_freq.
-    LOADS 2: ``qk_rope_prep`` before the PDL wait (WEIGHT_LOADS), else after it."""
+    -> the row's KV slot (seq, pos). NEOX rope: pairs (i, i + D/2), angle = f32(pos) * inv_freq."""
     qk_rope_kv_row(tl.program_id(0), p_ptr, q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr,
                    eps, stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
-                   HQ, HKV, D, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM, PDL, LOADS)
+                   HQ, HKV, D, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM, PDL)
 
 
 @triton.jit
@@ -190,17 +171,13 @@ def qk_rope_kv_row(
     stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     HQ_P: tl.constexpr, HKV_P: tl.constexpr, HALF_P: tl.constexpr,
-    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr, LOADS: tl.constexpr,
+    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Row r of ``_qk_rope_kv_kernel`` as a PDL kernel's first work: the kernel's ``enter(PDL)``,
-    with ``qk_rope_prep`` before it (LOADS 2) or after it (kernels/attention.py's prologue too;
-    an item of kernels/persistent.py with PDL 0)."""
-    if LOADS == 2:
-        pre = qk_rope_prep(r, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF, HALF_P, HAS_NORM)
-        enter(PDL)
-    else:
-        enter(PDL)
-        pre = qk_rope_prep(r, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF, HALF_P, HAS_NORM)
+    """Row r of ``_qk_rope_kv_kernel`` as a PDL kernel's first work (kernels/attention.py's
+    prologue too): the kernel's ``enter(PDL)``, then ``qk_rope_prep`` right after the wait (as the
+    add+norm kernel loads its weights: session 12, run 69), then the body."""
+    enter(PDL)
+    pre = qk_rope_prep(r, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF, HALF_P, HAS_NORM)
     qk_rope_kv_body(r, pre, p_ptr, q_ptr, k_ptr, v_ptr, eps, stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
                     HQ, HKV, D, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM)
 
@@ -259,116 +236,6 @@ def qk_rope_kv_body(
     tl.store(v_ptr + dst + HALF, v2.to(v_ptr.dtype.element_ty), mask=kmask)
 
 
-@triton.jit
-def heads_epilogue(part_ptr, stride_ps, stride_pm, count_ptr, count_idx, head, m, mmask, col0,
-                   q_ptr, stride_qr, k_ptr, v_ptr, stride_ks, stride_kl, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr,
-                   eps, NEED, NSPLIT: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                   HALF: tl.constexpr, HALF_P: tl.constexpr, HAS_NORM: tl.constexpr):
-    """``qk_rope_kv`` folded into the q|k|v product (``HeadsEpilogue``): called by every program
-    after it stored its split-K partial. The NEED programs that cover head ``head`` of this
-    launch's columns (global head (col0 + head D) / D) for rows ``m`` count themselves on
-    ``count_ptr[count_idx]`` (acquire-release); the last one adds the partials in slice order
-    (from L2), then for a q or k head QK-norm + NEOX rope at each row's position and stores q
-    (float32) or k into the pool at (seq, pos); for a v head stores v there. Same expressions as
-    ``_qk_rope_kv_kernel``, laid out [rows, D/2] instead of [heads, D/2]: per-row results, so
-    batch-invariant, but not bitwise that kernel's (the norm's sum runs over another layout)."""
-    tl.debug_barrier()  # every thread's partial stores before the release below
-    done = tl.atomic_add(count_ptr + count_idx, 1, sem="acq_rel")
-    if done == NEED - 1:
-        i = tl.arange(0, HALF_P)
-        imask = i < HALF
-        mask = mmask[:, None] & imask[None, :]
-        offs = m[:, None] * stride_pm + head * D + i[None, :]
-        x1 = _sum_parts(part_ptr, offs, mask, stride_ps, NSPLIT, ".cg")  # (.cg: never a stale L1 line)
-        x2 = _sum_parts(part_ptr, offs + HALF, mask, stride_ps, NSPLIT, ".cg")
-        gh = col0 // D + head
-        pos = tl.load(pos_ptr + m, mask=mmask, other=0)
-        seq = tl.load(seq_ptr + m, mask=mmask, other=0).to(tl.int64)
-        dst = seq[:, None] * stride_ks + pos.to(tl.int64)[:, None] * stride_kl + (gh - HQ) * D + i[None, :]
-        if gh < HQ + HKV:
-            if HAS_NORM:
-                if gh < HQ:
-                    nw = qn_ptr
-                else:
-                    nw = kn_ptr
-                ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
-                rs = 1.0 / tl.sqrt_rn(ss / D + eps)
-                x1 = (x1 * rs[:, None]) * tl.load(nw + i, mask=imask, other=0.0)[None, :]
-                x2 = (x2 * rs[:, None]) * tl.load(nw + HALF + i, mask=imask, other=0.0)[None, :]
-            ang = pos.to(tl.float32)[:, None] * tl.load(inv_ptr + i, mask=imask, other=0.0)[None, :]
-            c = tl.cos(ang)
-            sn = tl.sin(ang)
-            o1 = x1 * c - x2 * sn
-            o2 = x2 * c + x1 * sn
-            if gh < HQ:
-                qo = q_ptr + m[:, None] * stride_qr + gh * D + i[None, :]
-                tl.store(qo, o1, mask=mask)
-                tl.store(qo + HALF, o2, mask=mask)
-            else:
-                tl.store(k_ptr + dst, o1.to(k_ptr.dtype.element_ty), mask=mask)
-                tl.store(k_ptr + dst + HALF, o2.to(k_ptr.dtype.element_ty), mask=mask)
-        else:
-            dst = dst - HKV * D
-            tl.store(v_ptr + dst, x1.to(v_ptr.dtype.element_ty), mask=mask)
-            tl.store(v_ptr + dst + HALF, x2.to(v_ptr.dtype.element_ty), mask=mask)
-        tl.store(count_ptr + count_idx, 0)
-
-
-@triton.jit
-def _add_norm_rows(p_ptr, stride_pm, x_ptr, stride_x, h_ptr, stride_h, wpost_ptr, wn_ptr, r, rmask, cols, cmask, E, eps,
-                   HAS_POST: tl.constexpr):
-    """``_add_rmsnorm_kernel``'s arithmetic on a [rows, E] tile of combined sums (rows ``r``)."""
-    mask = rmask[:, None] & cmask[None, :]
-    d = tl.load(p_ptr + r[:, None] * stride_pm + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-    if HAS_POST:
-        rs = 1.0 / tl.sqrt_rn(tl.sum(d * d, axis=1) / E + eps)
-        d = (d * rs[:, None]) * tl.load(wpost_ptr + cols, mask=cmask, other=0.0)[None, :]
-    xo = x_ptr + r[:, None] * stride_x + cols[None, :]
-    x = tl.load(xo, mask=mask, other=0.0) + d
-    tl.store(xo, x, mask=mask)
-    rs2 = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / E + eps)
-    h = (x * rs2[:, None]) * tl.load(wn_ptr + cols, mask=cmask, other=0.0)[None, :]
-    tl.store(h_ptr + r[:, None] * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def add_norm_epilogue(part_ptr, stride_ps, stride_pm, count_ptr, tile_idx, row_idx, ntiles, m0, M, n, nmask,
-                      x_ptr, stride_x, h_ptr, stride_h, wpost_ptr, wn_ptr, E, eps,
-                      NSPLIT: tl.constexpr, HAS_POST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                      ROWS: tl.constexpr):
-    """``add_rmsnorm`` folded into the product whose output feeds it (``NormEpilogue``: the
-    attention output and FFN down projections), in two levels of acquire-release counting:
-
-    1. the NSPLIT programs of one column tile (``tile_idx``) count themselves; the last adds the
-       tile's partials in slice order (``_sum_parts``, from L2) and stores the sum over split 0;
-    2. those tiles' last programs count themselves per row tile (``row_idx``, ``ntiles`` of
-       them); the last one runs the add + two norms for rows m0 .. m0 + BLOCK_M (< M), ROWS at a
-       time (``_add_norm_rows``), and re-arms both counters.
-
-    Per-row arithmetic on tiles of fixed shape, so batch-invariant; not bitwise the separate
-    kernel's (the norms' sums run over [ROWS, E] tiles instead of one row)."""
-    tl.debug_barrier()  # every thread's partial stores before the release below
-    done = tl.atomic_add(count_ptr + tile_idx, 1, sem="acq_rel")
-    if done == NSPLIT - 1:
-        if NSPLIT > 1:
-            m = m0 + tl.arange(0, BLOCK_M)
-            offs = m[None, :] * stride_pm + n[:, None]
-            mask = nmask[:, None] & (m < M)[None, :]
-            tl.store(part_ptr + offs, _sum_parts(part_ptr, offs, mask, stride_ps, NSPLIT, ".cg"), mask=mask)
-        tl.store(count_ptr + tile_idx, 0)
-        tl.debug_barrier()  # the tile's sums before the release below
-        last = tl.atomic_add(count_ptr + row_idx, 1, sem="acq_rel")
-        if last == ntiles - 1:
-            cols = tl.arange(0, BLOCK_E)
-            cmask = cols < E
-            for r0 in tl.static_range(0, BLOCK_M, ROWS):
-                if m0 + r0 < M:
-                    r = m0 + r0 + tl.arange(0, ROWS)
-                    _add_norm_rows(part_ptr, stride_pm, x_ptr, stride_x, h_ptr, stride_h, wpost_ptr, wn_ptr, r,
-                                   r < M, cols, cmask, E, eps, HAS_POST)
-            tl.store(count_ptr + row_idx, 0)
-
-
 # Warps of the per-row kernels (a row's norms reduce over its E or D values; the reduction order
 # follows the warps, so one value per caller; a call's num_warps= overrides). add_rmsnorm: 8
 # (H200, session 7, run 36: 0.693 / 0.791 ms -> 0.664 / 0.767 at 1 / 16 slots against 4 warps;
@@ -376,27 +243,6 @@ def add_norm_epilogue(part_ptr, stride_ps, stride_pm, count_ptr, tile_idx, row_i
 # through the exactness stage; 1, 2: within the spread).
 ADD_NORM_WARPS = 8
 QK_ROPE_WARPS = 8
-
-# Where the add+norm kernel loads its norm weights and x, and the QK-norm/rope (its own kernel or
-# the attention prologue) its positions, cos / sin and QK-norm weights: "in_order" (each where
-# first used: the add+norm's w_post and x after the first sum's barriers, w_next after the
-# second, three serial trips to memory; until session 12), "after_wait" (right after the PDL
-# wait, with the partials: one trip), "before_wait" (what no kernel of the step writes, before
-# the wait). The same values in the same arithmetic (tested; the same bits on the H200). H200,
-# one lease (session 12, run 69), step ms at 1 / 16 / 32 slots: in_order 0.542 / 0.596 / 0.801,
-# after_wait 0.522 / 0.579 / 0.786, before_wait 0.528 / 0.595 / 0.796 (slower than after_wait on
-# two leases, runs 68-69; not explained yet; kept as an option). The persistent step's add+norm
-# items (kernels/persistent.py) keep in_order.
-WEIGHT_LOADS = "after_wait"
-WEIGHT_LOADS_FORMS = ("in_order", "after_wait", "before_wait")
-
-
-def _loads() -> int:
-    """WEIGHT_LOADS as the kernels' LOADS constexpr (its index), checked."""
-    if WEIGHT_LOADS not in WEIGHT_LOADS_FORMS:
-        raise ValueError(f"WEIGHT_LOADS={WEIGHT_LOADS!r} is not allowed: allowed {', '.join(WEIGHT_LOADS_FORMS)}")
-    return WEIGHT_LOADS_FORMS.index(WEIGHT_LOADS)
-
 
 def _check_part(part: torch.Tensor, n: int) -> None:
     if part.dim() != 3 or part.dtype not in (torch.float32, torch.bfloat16) or part.shape[2] < n or part.stride(2) != 1:
@@ -414,7 +260,7 @@ def add_rmsnorm(x: torch.Tensor, part: torch.Tensor, w_post: torch.Tensor | None
     _add_rmsnorm_kernel[(R,)](
         x, part, w_post if w_post is not None else w_next, w_next, h, E, float(eps),
         x.stride(0), part.stride(0), part.stride(1), h.stride(0),
-        NSPLIT=part.shape[0], HAS_POST=w_post is not None, BLOCK=block, LOADS=_loads(),
+        NSPLIT=part.shape[0], HAS_POST=w_post is not None, BLOCK=block,
         num_warps=num_warps or ADD_NORM_WARPS, **launch_kw(part),
     )
 
@@ -460,7 +306,7 @@ def qk_rope_kv(part: torch.Tensor, q_out: torch.Tensor, k_pool: torch.Tensor, v_
     args, consts = qk_rope_row_args(part, q_out, k_pool, q_norm, k_norm, inv_freq, eps)
     _qk_rope_kv_kernel[(q_out.shape[0],)](
         part, q_out, k_pool, v_pool, seq, pos, *args, q_out.stride(0), k_pool.stride(0), k_pool.stride(1),
-        **consts, LOADS=_loads(), num_warps=num_warps or QK_ROPE_WARPS, **launch_kw(part),
+        **consts, num_warps=num_warps or QK_ROPE_WARPS, **launch_kw(part),
     )
 
 

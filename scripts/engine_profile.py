@@ -2,7 +2,7 @@
 GPU (backend triton), after an untimed run that captures the graphs; prints the decode span per
 step and the top functions by own time.
 
-    python3 scripts/engine_profile.py --model model.gguf [--concurrency 16] [--gen 128]
+    python3 scripts/engine_profile.py --model model.gguf [--concurrency 16] [--gen 128] [--options 'pdl=false']
 """
 
 from __future__ import annotations
@@ -22,14 +22,22 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--top", type=int, default=35)
+    ap.add_argument("--options", default="", help="the engine's TritonOptions as 'name=value,...' (default: the defaults)")
     args = ap.parse_args()
     from workbench import Engine, EngineConfig
     from workbench.bench import bench_prompts
+    from workbench.errors import WorkbenchError
     from workbench.model import load_model
+    from workbench.runners.triton_options import TritonOptions
+
+    try:
+        options = TritonOptions.parse(args.options)
+    except WorkbenchError as e:
+        ap.error(str(e))
 
     m = load_model(args.model, dtype="bfloat16")
     cfg = EngineConfig(backend="triton", dtype="bfloat16", max_concurrency=args.concurrency,
-                       max_context=args.prompt_len + args.gen + 8)
+                       max_context=args.prompt_len + args.gen + 8, triton=options)
     eng = Engine(m, cfg)
     prompts = bench_prompts(m, args.concurrency, args.prompt_len)
     eng.generate(prompts, max_tokens=args.gen, ignore_eos=True)  # graphs captured here

@@ -5,11 +5,12 @@ the device (session 4 lost a call to a defaulted constexpr argument that triton 
 triton 3.9 accepts). This drives `TritonRunner` forwards (prefill, decode at 1 / 16 / 32 rows)
 on the real model with Triton's JIT switched to compile-only: a stand-in driver names the target
 (cuda, sm_90), `JITFunction.run` compiles (through ptxas) and never launches, and the launch
-options are the GPU's (tensor-core `tl.dot`, PDL, the GPU tiles). Outputs are garbage; only
-compilation is checked. Run it with the device image's triton (3.6.0 there):
+options are the GPU's (tensor-core `tl.dot`, PDL, the GPU tiles). A variant is a set of
+`TritonOptions` fields or a launch-configuration table patch (`VARIANTS`). Outputs are garbage;
+only compilation is checked. Run it with the device image's triton (3.6.0 there):
 
     .venv/bin/pip install --no-deps --target /tmp/t36site triton==3.6.0
-    PYTHONPATH=/tmp/t36site .venv/bin/python scripts/gpu_compile_check.py [--variants default,qkrope,m32]
+    PYTHONPATH=/tmp/t36site .venv/bin/python scripts/gpu_compile_check.py [--variants default,m32,mma]
 
 Exit status 1 and the compiler's message where a variant fails.
 """
@@ -69,173 +70,109 @@ def _install() -> None:
     JITFunction.run = compile_only
 
 
-def _gpu_options(modules) -> None:
-    """The launch choices a GPU gets: PDL on, GPU tiles (no interpreter widening)."""
-    from workbench.kernels import dense_mma, pdl, persistent, qmatmul, qmma
+def _gpu_options() -> None:
+    """The launch choices a GPU gets: PDL on (where TritonOptions.pdl leaves it on), GPU tiles
+    (no interpreter widening), inline PTX."""
+    import workbench.runners.triton_graphs  # noqa: F401 (every kernel module imported now, as real JIT
+    import workbench.runners.triton_layers  # noqa: F401  functions: check() sets TRITON_INTERPRET for a moment)
+    from workbench.kernels import dense_mma, pdl, qmatmul, qmma
 
-    def launch_kw(t):
-        return {"PDL": 2 if pdl.EARLY else 1, "launch_pdl": True} if pdl.ENABLED else {"PDL": 0}
-
-    for mod in modules:
-        if hasattr(mod, "launch_kw"):
-            mod.launch_kw = launch_kw
+    pdl.active = lambda t: pdl.is_enabled()  # (every kernel module's launch_kw asks pdl.active)
     qmma.QMMA_INTERPRETER_MIN_BLOCK_N = 0
     qmatmul.QGEMV_INTERPRETER_MIN_BLOCK_N = 0
     dense_mma.DENSE_INTERPRETER_MIN_BLOCK_N = 0
-    qmma._native = lambda x: True  # inline PTX (L2 prefetches, acquire-load waits) as on the GPU
-    persistent.launch_kw = launch_kw
+    qmma._native = lambda x: True  # inline PTX (the streaming head's register cap) as on the GPU
 
 
+# Variants: TritonOptions fields (a dict), or the name of a launch-configuration patch below
+# (data tables of the kernel files, changed for the variant's forwards and put back after).
 VARIANTS = {
     "default": {},
     "nopdl": {"pdl": False},
     "noglu": {"fuse_glu": False},
-    "qkrope": {"fuse_qk_rope": True},
-    "gemv": {"matmul": "gemv", "head_matmul": "mma"},
-    "q8gemv": {"layer_forms": {"Q8_0": "gemv"}},
+    "gemv": {"layer_forms": {f: "gemv" for f in ("Q8_0", "Q5_0", "Q4_K", "Q6_K")}},  # every layer on the FMA GEMV
+    "mma": {"layer_forms": {}},  # every layer on tensor cores
     "unfused_combine": {"fuse_combine": False},
-    "m32": "m32",
-    "packed_head": {"head_matmul": "mma"},
-    "dense_m32": "dense_m32",
-    "prefetch": "prefetch",
-    "attn_fma": {"attn_dot": False},
-    "addnorm": {"fuse_add_norm": True},
-    "attn_bf16": {"attn_bf16": True},
-    "attn_tf32x3": {"attn_bf16": False},
-    "folds": {"fuse_add_norm": True, "fuse_qk_rope": True, "attn_dot": False},
-    "persistent": "persistent",
-    "persistent_static": "persistent_static",
-    "persistent_atomic": "persistent_atomic",
-    "early": "early",  # kernels/pdl.py EARLY: release the next kernel before the wait
-    "attn_prefetch": "attn_prefetch",  # attention.ATTENTION_PREFETCH: K/V lines to L2 before the wait
+    "norope": {"rope_in_attention": False},  # QK-norm/rope as its own kernel in decode steps too
+    "nopair": {"pair_launch": False},
+    "noargmax": {"argmax_in_head": False},
+    "dense_head": {"head_matmul": "dense"},  # the head's dequantized bf16 copy (the default until session 12)
+    "seg32": {"attn_segment": 32},
+    "m32": "m32",  # 32-row tensor-core tiles, layers and head
+    "dense_m32": "dense_m32",  # the dense head in 32-row tiles, one program per tile
+    "densestream": "densestream",  # the dense head, streaming form at 128 outputs, 2 programs per SM
     "attn_n32": "attn_n32",  # 32-key segments in one 32-key block (D = 256, bf16 K/V)
     "attn_old": "attn_old",  # session 8: 32-key segments in two 16-key blocks
-    "attn_s1": "attn_s1",  # the attention partial kernel at 1 / 2 pipelining stages
-    "attn_s2": "attn_s2",
     "q5k256": "q5k256",  # Q5_0 products in one 256-weight K step per program
-    "preload": "preload",  # Q5_0 products fetch their second step's bytes before the wait
-    "preload_k128": "preload_k128",  # the same, and Q4_K / Q6_K in two 128-weight steps
     "split512": "split512",  # K slices of 512 weights instead of 256
     "split128": "split128",  # K slices of 128 weights (every format's step at 128)
     "slices": "slices",  # per-format K slices: 128 for the Q5_0-led and K-quant products
-    "tuned": "tuned",  # the three above together
-    "q8head": {"head_matmul": "q8dense"},  # the head's products from its Q8_0 planes
-    "q8f16": {"head_matmul": "q8f16"},  # the same with float16 operands
-    "glu_down": {"glu_in_down": True},  # the FFN down product forms the GLU from gate|up's partials
-    "q8i8": {"head_matmul": "q8i8"},  # the Q8_0 planes against x's Q8_0 blocks, integer MMAs (the default since session 12)
-    "dense_head": {"head_matmul": "dense"},  # the head's dequantized bf16 copy (the default until session 12)
-    "q8i8b": "q8i8b",  # the same with the serial K step (dense_mma.I8_STEP)
-    "q8i8b16": "q8i8b16",  # q8i8b in 16-row tiles, 4 programs per SM
-    "attn_preload": "attn_preload",  # attention.ATTENTION_PRELOAD: older K/V rows loaded before the wait
-    "pair": {"pair_launch": True},  # the mixed-format q|k|v as one launch
-    "rope_attn": {"rope_in_attention": True},  # QK-norm/rope/KV as the attention programs' prologue
-    "q8stream": "q8stream",  # the same, streaming form (DenseConfig.programs_per_sm)
-    "densestream": "densestream",  # the dequantized head, streaming form
 }
-STEP_OPTIONS = {  # variant -> [(module, name, value)], set for the variant's forwards
-    "early": [("pdl", "EARLY", True)],
-    "attn_prefetch": [("attention", "ATTENTION_PREFETCH", True)],
-    "attn_n32": [("attention", "ATTENTION_BLOCK_N_16BIT", {256: 32}), ("runner", "ATTN_SEGMENT", 32)],
-    "attn_old": [("attention", "ATTENTION_BLOCK_N_16BIT", {256: 16}), ("runner", "ATTN_SEGMENT", 32)],
-    "attn_s1": [("attention", "ATTENTION_NUM_STAGES", 1)],
-    "attn_s2": [("attention", "ATTENTION_NUM_STAGES", 2)],
-    "q8i8b": [("runner", "HEAD_MATMUL", "q8i8"), ("dense_mma", "I8_STEP", "serial")],
-    "q8i8b16": [("runner", "HEAD_MATMUL", "q8i8"), ("dense_mma", "I8_STEP", "batched"),
-                ("dense_mma", "DENSE_CONFIG", "m16"), ("dense_mma", "Q8_PROGRAMS_PER_SM", 4)],
-    "attn_preload": [("attention", "ATTENTION_PRELOAD", True)],
+TABLE_PATCHES = {  # variant -> [(module, name, value)], set for the variant's forwards
+    "attn_n32": [("attention", "ATTENTION_BLOCK_N_16BIT", {256: 32})],
+    "attn_old": [("attention", "ATTENTION_BLOCK_N_16BIT", {256: 16})],
     "q5k256": [("qmma", "QMMA_CONFIGS", "q5k256")],
-    "preload": [("qmma", "QMMA_CONFIGS", "preload")],
-    "preload_k128": [("qmma", "QMMA_CONFIGS", "preload_k128")],
     "split512": [("qmatmul", "QMATMUL_SPLIT_K", 512)],
     "split128": [("qmatmul", "QMATMUL_SPLIT_K", 128), ("qmma", "QMMA_CONFIGS", "k128"),
                  ("qmatmul", "QGEMV_CONFIGS", "gemv_k128")],
     "slices": [("qmatmul", "QMATMUL_FORMAT_SPLIT_K", {"Q5_0": 128, "Q4_K": 128, "Q6_K": 128})],
 }
-CONFIG_PATCHES = {  # QMMA_CONFIGS values named in STEP_OPTIONS: format -> fields changed
+TABLE_OPTIONS = {"attn_n32": {"attn_segment": 32}, "attn_old": {"attn_segment": 32}}  # (options with a patch)
+CONFIG_PATCHES = {  # QMMA_CONFIGS / QGEMV_CONFIGS values named in TABLE_PATCHES: format -> fields changed
     "q5k256": {"Q5_0": {"block_k": 256}},
-    "preload": {"Q5_0": {"preload": True}},
-    "preload_k128": {"Q5_0": {"preload": True}, "Q4_K": {"block_k": 128, "preload": True},
-                     "Q6_K": {"block_k": 128, "preload": True}},
     "k128": {f: {"block_k": 128} for f in ("Q4_K", "Q6_K", "Q8_0")},
     "gemv_k128": {f: {"block_k": 128} for f in ("Q4_K", "Q6_K", "Q8_0")},
 }
-STEP_OPTIONS["tuned"] = [o for k in ("early", "attn_prefetch", "q5k256") for o in STEP_OPTIONS[k]]
 
 
 def check(model, name: str, kw) -> float:
+    """Compile the forwards of one variant: a 7-row prefill chunk (eager), then decode steps of
+    1, 16 and 32 new rows through the decode graph's body (graphs="emulate": the rope prologue,
+    the head's argmax, the device-fed inputs), with the GPU's forms."""
     from dataclasses import replace
 
-    from workbench.kernels import dense_mma, qmma
+    from workbench.kernels import attention, dense_mma, qmatmul, qmma
     from workbench.kernels.sampling import argmax
-
+    from workbench.runners.triton_options import TritonOptions
+    from workbench.runners.triton_runner import TritonRunner
     from workbench.scheduler import Segment
-    from workbench.triton_runner import TritonRunner
 
-    saved, saved_wide = dict(qmma.QMMA_CONFIGS), dict(qmma.QMMA_WIDE_CONFIGS)
-    saved_dense = dense_mma.DENSE_CONFIG
-    if kw == "prefetch":  # the head's L2 prefetch (inline PTX: compiled for the GPU only)
-        for k, cfg in qmma.QMMA_WIDE_CONFIGS.items():
-            qmma.QMMA_WIDE_CONFIGS[k] = replace(cfg, prefetch=264)
-        kw = {}
-    if kw == "dense_m32":  # the dense head with 32-row tiles
-        dense_mma.DENSE_CONFIG = replace(saved_dense, block_m=32)
-        kw = {}
-    if kw in ("q8stream", "densestream"):
-        dense_mma.DENSE_CONFIG = replace(saved_dense, block_n=128, programs_per_sm=2)
-        kw = {"head_matmul": "q8dense"} if kw == "q8stream" else {}
+    mods = {"attention": attention, "qmma": qmma, "qmatmul": qmatmul, "dense_mma": dense_mma}
+    patches = list(TABLE_PATCHES.get(kw, [])) if isinstance(kw, str) else []
     if kw == "m32":
-        for table in (qmma.QMMA_CONFIGS, qmma.QMMA_WIDE_CONFIGS):
-            for k, cfg in table.items():
-                table[k] = replace(cfg, block_m=32)
-        kw = {}
-    from workbench import triton_runner
-    from workbench.kernels import attention, pdl, qmatmul
-    from workbench.kernels import persistent as ps
-
-    mods = {"pdl": pdl, "attention": attention, "qmma": qmma, "qmatmul": qmatmul, "runner": triton_runner,
-            "dense_mma": dense_mma}
+        patches = [("qmma", t, {k: replace(c, block_m=32) for k, c in getattr(qmma, t).items()})
+                   for t in ("QMMA_CONFIGS", "QMMA_WIDE_CONFIGS")]
+    if kw == "dense_m32":
+        patches = [("dense_mma", "DENSE_CONFIG", replace(dense_mma.DENSE_CONFIG, block_m=32, programs_per_sm=0))]
+    if kw == "densestream":
+        patches = [("dense_mma", "DENSE_CONFIG", replace(dense_mma.DENSE_CONFIG, block_n=128, programs_per_sm=2))]
+    options = TABLE_OPTIONS.get(kw, {}) if isinstance(kw, str) else kw
     undo = []
-    for mod, attr, value in STEP_OPTIONS.get(kw, []) if isinstance(kw, str) else []:
-        undo.append((mods[mod], attr, getattr(mods[mod], attr)))
-        if value == "m16":  # (DENSE_CONFIG in 16-row tiles)
-            value = replace(dense_mma.DENSE_CONFIG, block_m=16)
-        if isinstance(value, str) and value in CONFIG_PATCHES:
+    for mod, attr, value in patches:
+        old = getattr(mods[mod], attr)
+        undo.append((mods[mod], attr, old))
+        if isinstance(value, str):  # (a named config table change)
             table = qmatmul.QGEMV_CONFIGS if value.startswith("gemv") else qmma.QMMA_CONFIGS
             value = {**table, **{f: replace(table[f], **kw_) for f, kw_ in CONFIG_PATCHES[value].items()}}
+        elif isinstance(value, dict) and isinstance(old, dict):  # (entries changed, the rest kept)
+            value = {**old, **value}
         setattr(mods[mod], attr, value)
-    if undo:
-        kw = {}
-    persistent = isinstance(kw, str) and kw.startswith("persistent")
-    saved_mode = ps.ASSIGN, ps.POLL
-    if persistent:  # the decode forwards as one persistent launch (graphs: the runner's only user)
-        ps.ASSIGN = "static" if kw == "persistent_static" else "ticket"
-        ps.POLL = "atomic" if kw == "persistent_atomic" else "load"
-        kw = {}
     t0 = time.perf_counter()
     try:
         os.environ["TRITON_INTERPRET"] = "1"  # (only for the runner's CPU-device check)
-        r = TritonRunner(model, 1024, device="cpu", graphs=False, **kw)
+        r = TritonRunner(model, 1024, TritonOptions(**{**options, "graphs": "emulate"}), device="cpu")
         os.environ.pop("TRITON_INTERPRET", None)
-        r.use_dot = True  # the GPU's product and attention forms
-        r.attn_dot = kw.get("attn_dot", True)
-        if persistent:
-            r._persistent_on()
+        # the GPU's forms: tensor-core tl.dot, and the dense head's input in bfloat16
+        r.loop.use_dot = True
+        if r.head_matmul == "dense" and model.dtype == torch.bfloat16:
+            r.loop.head_x_dtype = torch.bfloat16
         V = model.config.vocab_size
         r.run([Segment(0, "a", tuple(range(5, 12)), 0, True)], {0: 256})  # a 7-row prefill chunk
-        for rows in (1, 16, 32):  # decode-shaped forwards: one token per sequence (new ones)
-            r._persist_now = persistent
-            r._decode_graph = r.rope_in_attention  # (the form graphed decode steps take)
+        for rows in (1, 16, 32):  # decode steps: one token per sequence (new ones), the graph's body
             r.run([Segment(s, f"{rows}-{s}", (5,), 0, True) for s in range(rows)], {s: 256 for s in range(rows)})
         argmax(torch.zeros(16, V), out=torch.empty(16, dtype=torch.int64))
-        fed = torch.zeros(2, 16, dtype=torch.int32)  # (the decode graphs' form: next inputs and the token record)
-        argmax(torch.zeros(16, V), out=torch.empty(16, dtype=torch.int64), feed=(fed[0], fed[1]),
-               hist=torch.zeros(16, 1024, dtype=torch.int64), host=torch.zeros(16, 2, dtype=torch.int64))
     finally:
         os.environ.pop("TRITON_INTERPRET", None)
-        qmma.QMMA_CONFIGS.update(saved)
-        qmma.QMMA_WIDE_CONFIGS.update(saved_wide)
-        dense_mma.DENSE_CONFIG = saved_dense
-        ps.ASSIGN, ps.POLL = saved_mode
         for mod, attr, value in undo:
             setattr(mod, attr, value)
     return time.perf_counter() - t0
@@ -274,7 +211,7 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded default model)")
     ap.add_argument("--report", action="store_true", help="registers / spills / shared memory per kernel")
     ap.add_argument("--ptx", default=None, metavar="DIR", help="write each compiled specialization's PTX into DIR")
-    ap.add_argument("--variants", default="default,qkrope,m32,q8gemv",
+    ap.add_argument("--variants", default="default,m32,mma,dense_head",
                     help=f"comma-separated, of: {', '.join(VARIANTS)}")
     args = ap.parse_args()
     names = args.variants.split(",")
@@ -283,22 +220,10 @@ def main() -> int:
         print(f"unknown variant(s) {', '.join(bad)}: allowed {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
     _install()
-    from workbench.kernels import (
-        attention,
-        dense_mma,
-        embedding,
-        norm,
-        qmatmul,
-        qmma,
-        rope,
-        sampling,
-        step_fused,
-    )
-
     from workbench.default_model import default_model_path
     from workbench.model import load_model
 
-    _gpu_options([attention, dense_mma, embedding, norm, qmatmul, qmma, rope, sampling, step_fused])
+    _gpu_options()
     model = load_model(args.model or str(default_model_path()), dtype="bfloat16")
     print(f"triton {triton.__version__}, target sm_90")
     failed = 0

@@ -28,20 +28,34 @@ if [ "${HB_S:-0}" -gt 0 ]; then  # the head alone, each form and tiling (scripts
   timeout $HB_S python3 scripts/head_bench.py --model "$MODEL" --out "$OUT" ${HB_ARGS:-} 2>&1 | tail -${HB_TAIL:-3}
 fi
 stamp main
-export STAGES=${STAGES:-mma graphs,cublas bf16 graphs,gemv graphs,mma seg64,mma seg32,mma exact,mma engine,mma profile,mma sweep}
+# gpu_bench.py's stages (its main_stage lists them); GPU_BENCH_OPTIONS='name=value,...' (TritonOptions)
+# is the base every stage's own options go over
+export STAGES=${STAGES:-default,cublas,exact,exact 32,engine,profile}
 timeout ${MAIN_S:-330} python3 scripts/gpu_bench.py main --model "$MODEL" --out "$OUT" 2>&1 | tee "$OUT/main.log"
 stamp workbench_bench
-# the project's own benchmark command, through Engine (greedy tokens from the device argmax)
-# (WB_PERSISTENT=1: with the persistent step, before it is the default; WB_SET='GLU_IN_DOWN=True,...':
-# other triton_runner options, likewise; 'attention.ATTENTION_PRELOAD=True': a kernels module's)
-timeout ${WB_S:-120} python3 -c "import sys, workbench.triton_runner as tr
-tr.PERSISTENT = tr.PERSISTENT or '${WB_PERSISTENT:-}' == '1'
-for kv in filter(None, '${WB_SET:-}'.split(',')):  # WB_SET='NAME=literal,...': runner module options
-    import ast, importlib; k, v = kv.split('=')  # ('attention.NAME=...': workbench.kernels.attention's)
-    mod, k = (importlib.import_module('workbench.kernels.' + k.split('.')[0]), k.split('.')[1]) if '.' in k else (tr, k)
-    setattr(mod, k, ast.literal_eval(v))
+# the project's own benchmark command, through Engine (greedy tokens from the device argmax);
+# WB_OPTIONS='head_matmul=dense,pdl=false,...': TritonOptions for its triton engines (parsed and
+# checked first: a bad name or value is one line and exit 2). Until `workbench bench` takes the
+# options itself, the wrapper below gives every triton Engine of the run these options.
+timeout ${WB_S:-120} python3 -c "import dataclasses, sys
+from workbench import engine
+from workbench.errors import WorkbenchError
+from workbench.runners.triton_options import TritonOptions
+try:
+    opts = TritonOptions.parse(sys.argv[1])
+except WorkbenchError as e:
+    print(f'workbench: error: WB_OPTIONS: {e}', file=sys.stderr)
+    sys.exit(2)
+init = engine.Engine.__init__
+def with_options(self, model, config=None, **kw):
+    if config is not None and config.backend == 'triton':
+        head = config.head_matmul or opts.head_matmul
+        config = dataclasses.replace(config, head_matmul=None, triton=dataclasses.replace(opts, head_matmul=head))
+    init(self, model, config, **kw)
+engine.Engine.__init__ = with_options
+print('workbench bench with', opts.changed() or 'the default options', flush=True)
 from workbench.cli import main
-sys.exit(main(sys.argv[1:]))" bench --backend triton --model "$MODEL" --concurrency ${WB_C:-1,4,16,32} \
+sys.exit(main(sys.argv[2:]))" "${WB_OPTIONS:-}" bench --backend triton --model "$MODEL" --concurrency ${WB_C:-1,4,16,32} \
     --prompt-len 128 --gen 128 --repeats 2 --data-dir /tmp/wbruns 2>&1 | tail -12
 (cd /tmp/wbruns && tar czf "$OUT/wbruns.tgz" .) 2>/dev/null
 stamp hf

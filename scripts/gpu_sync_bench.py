@@ -5,13 +5,17 @@ hundred programs, per-row kernels of 16): each program fetches a slice of read-o
 waits for its predecessor, reads a slice its predecessor wrote, writes its own. Modes:
 
 * ``plain``: launches in a CUDA graph, no PDL (the grid boundary: drain, flush, dispatch);
-* ``pdl``: PDL, wait then release (the runner's chain today, kernels/pdl.py ``enter``);
+* ``pdl``: PDL, wait then release (the runner's chain, kernels/pdl.py ``enter``);
 * ``pdl_early``: PDL, release then wait (the next grid is dispatched before this one's wait);
 * ``counter``: PDL release first, then no grid wait at all: one thread spins (acquire atomic)
   on the predecessor's counter until all its programs have released it, and every program
-  releases its own counter after its stores (kernels/pdl.py ``wait_count`` / ``release_count``).
-  Deadlock-free: a grid is dispatched only when every program of its predecessor has started.
+  releases its own counter after its stores (``_wait_count`` / ``_release_count`` below: the
+  removed persistent step kernel's mechanism). Deadlock-free: a grid is dispatched only when
+  every program of its predecessor has started.
 * ``counter_load``: the same with every thread spinning on an acquire load.
+
+Measured in session 7 (run 31, docs/GPU_NOTES.md "What one boundary costs"); the release-first
+and counter forms lost in the step (sessions 6-7) and left the kernels: they live here only.
 
 Every mode's final buffer is checked bitwise against ``plain``'s (a race shows as a mismatch).
 Prints a table (us per kernel) and writes JSON to argv[1] when given.
@@ -30,9 +34,38 @@ import triton.language as tl
 sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 from graph_timing import graph_replay_us  # noqa: E402  (scripts/, the script's own folder)
 
-from kernels.pdl import enter, release_count, wait_count  # noqa: E402
+from kernels.pdl import enter  # noqa: E402
 
 MODES = {"plain": 0, "pdl": 1, "pdl_early": 2, "counter": 3, "counter_load": 4}
+
+
+@triton.jit
+def _acquire_load(ptr):
+    # every thread reads and acquires for itself: its later loads see what the producer released
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _wait_count(ctr_ptr, need, WAIT: tl.constexpr):
+    """Spin until the int32 counter at ``ctr_ptr`` reaches ``need`` (acquire): WAIT 1 an acquire
+    atomic, 2 an acquire load."""
+    if need > 0:
+        if WAIT == 2:
+            c = _acquire_load(ctr_ptr)
+            while c < need:
+                c = _acquire_load(ctr_ptr)
+        else:
+            c = tl.atomic_add(ctr_ptr, 0, sem="acquire")
+            while c < need:
+                c = tl.atomic_add(ctr_ptr, 0, sem="acquire")
+
+
+@triton.jit
+def _release_count(ctr_ptr):
+    """After a program's stores: +1 on its counter (every thread's stores first)."""
+    tl.debug_barrier()
+    tl.atomic_add(ctr_ptr, 1, sem="release")
 
 
 @triton.jit
@@ -40,15 +73,18 @@ def _link(src, dst, w, ctr, idx, need, n_src, MODE: tl.constexpr, BLOCK: tl.cons
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     wv = tl.load(w + pid * BLOCK + offs)  # read-only: fetched before the wait, as the products do
-    if MODE <= 2:  # the chain's own entry (kernels/pdl.py): none, wait then release, release then wait
+    if MODE <= 1:  # the chain's own entry (kernels/pdl.py): none, or wait then release
         enter(MODE)
+    elif MODE == 2:  # release, then wait
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     else:
         tl.extra.cuda.gdc_launch_dependents()
-        wait_count(ctr + idx - 1, need, 1 if MODE == 3 else 2)
+        _wait_count(ctr + idx - 1, need, 1 if MODE == 3 else 2)
     x = tl.load(src + (pid % n_src) * BLOCK + offs)
     tl.store(dst + pid * BLOCK + offs, x * 0.999 + wv)
     if MODE >= 3:
-        release_count(ctr + idx)
+        _release_count(ctr + idx)
 
 
 def run_chain(grids, mode: str, reps: int = 50):

@@ -1,10 +1,12 @@
 """The output head alone on the GPU: each form and tiling of ``kernels/dense_mma.py`` timed in CUDA
-graphs (REPEAT launches per replay, back to back), at 1 / 16 / 32 rows, with the head's input in
-float32 (as the runner passes it) or already rounded to the operand precision (the products
-round it anyway, so the logits are the same bits, and the kernel reads half the x bytes).
+graphs (REPEAT launches per replay, back to back), at 1 / 16 / 32 rows: the dense bf16 copy with
+its input in float32 (as the runner passes it for a float32 h) or already rounded to bfloat16
+(the products round it anyway, so the logits are the same bits, and the kernel reads half the x
+bytes), and the int8 form (``q8i8``: x quantized per row to Q8_0 blocks, timed with its
+quantization and without).
 
     python3 scripts/head_bench.py --model model.gguf --out DIR      (writes DIR/head_bench.json)
-    python3 scripts/head_bench.py --random --forms q8i8,q8i8b --configs 'm16 p4,m16 p6 s2,auto' --out DIR
+    python3 scripts/head_bench.py --random --forms q8i8 --configs 'm16 p4,m16 p6 s2,auto' --out DIR
 
 Reads the real head (Gemma 3 270M's tied Q8_0 embedding, 262,144 x 640), or with --random random
 planes of that shape (no model: a device call without the model's upload); x is random,
@@ -29,9 +31,9 @@ REPEAT = 10
 
 
 DENSE_CFGS = "base,p3,n128,s4,n128 s4,p3 s4,k64 s6 p3,n128 k64 s6,m16"  # each relative to DenseConfig()
-I8_CFGS = "base,p2,p4,n128 p2,k256,k64 s4,s4,m16,m16 p4"  # each relative to dense_mma.q8_config
+I8_CFGS = "auto,m16 p4,m32 p3,m16 p2,m16 p6 s2,n128 m16 p2,s4 m16 p4"  # each relative to DenseConfig() (K steps of 128)
 FIELDS = {"m": "block_m", "n": "block_n", "k": "block_k", "s": "num_stages", "p": "programs_per_sm", "w": "num_warps"}
-I8_FORMS = {"q8i8": "serial", "q8i8b": "batched"}  # form -> q8i8_mma(step=)
+FORMS = ("dense", "q8i8")
 
 
 def config(label: str, base):
@@ -70,10 +72,9 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="1,16,32")
     ap.add_argument("--n", type=int, default=0, help="only the first n vocabulary rows (a CPU dry run)")
-    ap.add_argument("--forms", default="dense,q8f16,q8bf16,q8i8",
-                    help="comma-separated: dense, q8f16, q8bf16, q8i8 (its serial step), q8i8b (batched)")
+    ap.add_argument("--forms", default="dense,q8i8", help="comma-separated: dense, q8i8")
     ap.add_argument("--best", action="store_true",
-                    help="each launch also keeps each row's running argmax (best=, as the runner's ARGMAX_IN_HEAD)")
+                    help="each launch also keeps each row's running argmax (best=, as the runner's argmax_in_head)")
     ap.add_argument("--configs", default=None,
                     help="comma-separated tilings for every form, each relative to the form's base, e.g. "
                          f"'base,m16 p4,m16 p6 s2' (default: dense {DENSE_CFGS!r}; int8 {I8_CFGS!r})")
@@ -82,15 +83,14 @@ def main() -> int:
 
     # (the arguments checked before any model is read: one line and exit status 2 where they are bad)
     forms = set(args.forms.split(","))
-    bad = forms - {"dense", "q8f16", "q8bf16", *I8_FORMS}
+    bad = forms - set(FORMS)
     if bad:
-        ap.error(f"unknown form(s) {', '.join(sorted(bad))}: allowed dense, q8f16, q8bf16, {', '.join(I8_FORMS)}")
+        ap.error(f"unknown form(s) {', '.join(sorted(bad))}: allowed {', '.join(FORMS)}")
     base = DM.DenseConfig()
     try:
         cfgs = {label: config(label, base) for label in (args.configs or DENSE_CFGS).split(",") if label != "auto"}
-        q8 = DM.q8_config("cuda" if torch.cuda.is_available() else "cpu")
         # ('auto': q8i8_mma's default, dense_mma.i8_config's tiles for the launch's rows)
-        i8_cfgs = {label: None if label == "auto" else config(label, q8)
+        i8_cfgs = {label: None if label == "auto" else config(label, base)
                    for label in (args.configs or I8_CFGS).split(",")}
     except ValueError as e:
         ap.error(str(e))
@@ -115,29 +115,20 @@ def main() -> int:
         for xdt in (torch.float32, torch.bfloat16):
             if "dense" in forms:
                 variants.append((f"dense bf16 x{str(xdt)[6:]} {label}", DM.dense_mma, dense, "bf16", xdt, cfg, 2 * N * K))
-        for xdt in (torch.float32, torch.float16):
-            if "q8f16" in forms:
-                variants.append((f"q8f16 x{str(xdt)[6:]} {label}", DM.q8_dense_mma, pw, "f16", xdt, cfg, N * K * 34 // 32))
-        if label in ("base", "n128") and "q8bf16" in forms:
-            variants.append((f"q8 bf16 xbfloat16 {label}", DM.q8_dense_mma, pw, "bf16", torch.bfloat16, cfg, N * K * 34 // 32))
     # q8i8: x quantized per row to Q8_0 blocks (its own launch, timed with the product and without)
 
-    def q8i8(step):
-        return lambda x, w, prec, out, config, best=None: DM.q8i8_mma(*DM.quantize_rows_q8(x), w, out=out, config=config,
-                                                                      step=step, best=best)
+    def q8i8(x, w, prec, out, config, best=None):
+        return DM.q8i8_mma(*DM.quantize_rows_q8(x), w, out=out, config=config, best=best)
 
-    def q8i8_product(step):
-        return lambda x, w, prec, out, config, best=None: DM.q8i8_mma(*x, w, out=out, config=config, step=step, best=best)
+    def q8i8_product(x, w, prec, out, config, best=None):
+        return DM.q8i8_mma(*x, w, out=out, config=config, best=best)
 
-    for form, step in I8_FORMS.items():
-        if form not in forms:
-            continue
-        name = "q8i8" if step == "serial" else f"q8i8 {step}"
+    if "q8i8" in forms:
         for label, cfg in i8_cfgs.items():
-            if step != "serial" and cfg is not None and cfg.block_k != 128:
+            if cfg is not None and cfg.block_k != 128:  # (the int8 form takes 128-weight K steps)
                 continue
-            variants.append((f"{name} {label}", q8i8(step), pw, "i8", torch.float32, cfg, N * K * 34 // 32))
-            variants.append((f"{name} product only {label}", q8i8_product(step), pw, "i8", "pre", cfg, N * K * 34 // 32))
+            variants.append((f"q8i8 {label}", q8i8, pw, "i8", torch.float32, cfg, N * K * 34 // 32))
+            variants.append((f"q8i8 product only {label}", q8i8_product, pw, "i8", "pre", cfg, N * K * 34 // 32))
     rows = []
     gen = torch.Generator().manual_seed(0)
     for M in [int(r) for r in args.rows.split(",")]:
@@ -173,16 +164,15 @@ def main() -> int:
     # of a 16-row one against each row alone (16-row tiles), bitwise?
     xs = torch.randn(32, K, generator=gen)
     xs = (xs / xs.pow(2).mean(-1, keepdim=True).sqrt()).to(dev)
-    for form, step in I8_FORMS.items():
-        if form in forms:
-            y32 = DM.q8i8_mma(*DM.quantize_rows_q8(xs), pw, step=step)
-            y16 = DM.q8i8_mma(*DM.quantize_rows_q8(xs[:16]), pw, step=step)
-            same = torch.equal(y16, y32[:16]) and all(
-                torch.equal(DM.q8i8_mma(*DM.quantize_rows_q8(xs[i : i + 1]), pw, step=step), y32[i : i + 1])
-                for i in (0, 7, 15, 16, 31))
-            row = dict(variant=f"{form} tiles by M: rows of 32 / 16 vs alone", rows=32, same_bits=bool(same))
-            print(row, flush=True)
-            rows.append(row)
+    if "q8i8" in forms:
+        y32 = DM.q8i8_mma(*DM.quantize_rows_q8(xs), pw)
+        y16 = DM.q8i8_mma(*DM.quantize_rows_q8(xs[:16]), pw)
+        same = torch.equal(y16, y32[:16]) and all(
+            torch.equal(DM.q8i8_mma(*DM.quantize_rows_q8(xs[i : i + 1]), pw), y32[i : i + 1])
+            for i in (0, 7, 15, 16, 31))
+        row = dict(variant="q8i8 tiles by M: rows of 32 / 16 vs alone", rows=32, same_bits=bool(same))
+        print(row, flush=True)
+        rows.append(row)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "head_bench.json").write_text(json.dumps(rows, indent=1))
     return 0

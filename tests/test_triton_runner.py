@@ -1,4 +1,4 @@
-"""The Triton backend (workbench.triton_runner) on tiny models.
+"""The Triton backend (workbench.runners: TritonRunner and its TritonOptions) on tiny models.
 
 On a machine without CUDA the kernels run under TRITON_INTERPRET=1 (set by tests/conftest.py
 before triton is imported): slow but exact, so the models are tiny. On a CUDA machine the same
@@ -10,18 +10,56 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workbench import Engine, EngineConfig, triton_runner
+from workbench import Engine, EngineConfig
+from workbench.engine_config import ConfigError
 from workbench.errors import WorkbenchError
 from workbench.model import Segment as ModelSegment
+from workbench.runners import triton_layers
+from workbench.runners.triton_options import TritonOptions
+from workbench.runners.triton_runner import TritonRunner
 from workbench.scheduler import Segment
-from workbench.triton_runner import TritonRunner
 
 WINDOW = 8  # small sliding window, so that short prompts cross it
+GRAPHS = True if torch.cuda.is_available() else "emulate"  # the graph path: CUDA graphs, or replayed eagerly
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().float().cpu(), b.detach().float().cpu()
     return float((a - b).norm() / b.norm())
+
+
+def _tokens(m, seed: int, *lengths: int) -> list[list[int]]:
+    """Seeded random token lists of these lengths over m's vocabulary (one generator, in order)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, m.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _prompts(m, seed: int, *lengths: int) -> list[list[int]]:
+    """Seeded random prompts (tokens 4.. of m's vocabulary) of these lengths (one generator, in order)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, m.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _config(dtype: str, concurrency: int, graphs, chunk_size: int | None = None, **options) -> EngineConfig:
+    return EngineConfig(backend="triton", dtype=dtype, max_concurrency=concurrency, chunk_size=chunk_size,
+                        max_context=64, memory_budget_bytes=1 << 30, triton=TritonOptions(graphs=graphs, **options))
+
+
+def _solo(r, a, n):
+    """Slot 0 prefilled with a[:n], then one decode step (a[n]): logits [2, vocab]."""
+    got = [r.run([Segment(0, "a", tuple(a[:n]), 0, True)], {0: 64})[0]]
+    got.append(r.run([Segment(0, "a", (a[n],), n, True)], {0: 64})[0])
+    return torch.stack(got)
+
+
+def _assert_batched_is_solo(r, a, b, n, solo):
+    """The same two forwards for a new request in slot 0, batched with slot 1's prefill of b[:-1]
+    and its decode step b[-1]: slot 0's logits bitwise ``solo``."""
+    k = len(b) - 1
+    o = r.run([Segment(1, "b", tuple(b[:k]), 0, True), Segment(0, "a2", tuple(a[:n]), 0, True)], {0: 64, 1: 64})
+    assert torch.equal(o[0], solo[0])
+    o = r.run([Segment(0, "a2", (a[n],), n, True), Segment(1, "b", (b[k],), k, True)], {0: 64, 1: 64})
+    assert torch.equal(o[0], solo[1])
 
 
 @pytest.mark.parametrize("arch,weight_type", [("gemma3", "Q8_0"), ("llama", "Q5_0")])
@@ -49,13 +87,53 @@ def test_logits_close_to_torch(tiny_model, arch, weight_type):
         r.run([Segment(3, "a", (toks[0],), 5, True)], ctx)
 
 
-def _generate(model, prompts, concurrency, chunk_size, **kw):
-    cfg = EngineConfig(backend="triton", dtype="float32", max_concurrency=concurrency, chunk_size=chunk_size,
-                       max_context=64, memory_budget_bytes=1 << 30)
-    eng = Engine(model, cfg, keep_logits=True)
-    if concurrency == 1:
-        return [eng.submit(p, index=i, **kw).result() for i, p in enumerate(prompts)]  # one at a time
-    return eng.generate(prompts, **kw)
+def test_options_are_validated_and_reach_the_runner(tiny_model):
+    """TritonOptions: bad names and values refused with one line naming the field and what is
+    allowed; EngineConfig carries them to the runner (one object, no module globals) and round
+    trips them through to_dict / from_dict; the torch backend refuses them; the options' format
+    list is the kernels'; the products' precisions follow the engine's dtype."""
+    from workbench.kernels.quant_tiles import FORMATS
+    from workbench.runners import triton_options
+
+    assert tuple(FORMATS) == triton_options.FORMATS
+    for kw, message in [
+        (dict(layer_forms={"Q8_0": "fast"}), "layer_forms['Q8_0']='fast' is not allowed: allowed mma, gemv"),
+        (dict(layer_forms={"F32": "mma"}), "layer_forms: format 'F32' is not allowed: allowed Q8_0, Q5_0, Q4_K, Q6_K"),
+        (dict(head_matmul="q8f16"), "head_matmul='q8f16' is not allowed: allowed dense, q8i8 or None"),
+        (dict(graphs="sometimes"), "graphs='sometimes' is not allowed: allowed True, False, 'emulate'"),
+        (dict(attn_segment=48), "attn_segment=48 is not allowed: allowed 32, 64, 128, 256"),
+        (dict(products="fast"), "products='fast' is not allowed: allowed quant, cublas_bf16"),
+        (dict(graph_history=0), "graph_history=0 is out of range: allowed 1..65536"),
+        (dict(pdl=1), "pdl=1 is not allowed: allowed True, False"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            TritonOptions(**kw)
+        assert str(e.value) == message
+    with pytest.raises(ConfigError, match="unknown triton option 'glu_in_down'; valid options: graphs, head_matmul"):
+        TritonOptions.parse("glu_in_down=true")
+    with pytest.raises(ConfigError, match="unknown triton option.*'persistent'"):
+        TritonOptions.from_dict({"persistent": True})
+    parsed = TritonOptions.parse("head_matmul=dense, pdl=off,layer_forms=Q8_0:mma+Q4_K:gemv,graphs=emulate")
+    assert parsed == TritonOptions(head_matmul="dense", pdl=False, layer_forms={"Q4_K": "gemv", "Q8_0": "mma"},
+                                   graphs="emulate")
+    assert parsed.changed() == ["graphs", "head_matmul", "layer_forms", "pdl"]
+    assert TritonOptions.parse("") == TritonOptions() and TritonOptions.parse("layer_forms=").forms == {}
+    with pytest.raises(ConfigError, match=r"triton options \(pdl\) are the triton backend's: allowed with "
+                                          r"backend='triton' only"):
+        EngineConfig(triton=TritonOptions(pdl=False))
+    with pytest.raises(ConfigError, match="head_matmul='dense' but triton.head_matmul='q8i8'"):
+        EngineConfig(backend="triton", head_matmul="dense", triton=TritonOptions(head_matmul="q8i8"))
+    cfg = _config("float32", 2, False, attn_segment=32, fuse_glu=False, head_matmul="dense")
+    assert cfg.head_matmul == "dense"  # (the shorthand mirrors the options)
+    assert EngineConfig.from_dict(cfg.to_dict()) == cfg
+    m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
+    r = Engine(m, cfg).runner
+    assert r.options is cfg.triton and r.attn_segment == r.loop.segment == 32 and r.graphs is None
+    assert not r.loop.fuse_glu and r.mma_prec == "tf32x3" and r.attn_prec is None
+    r16 = TritonRunner(tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW), 64, TritonOptions(graphs=False))
+    assert r16.mma_prec == "bf16" and r16.attn_prec == "bf16"
+    with pytest.raises(WorkbenchError, match="options=.* is not allowed: allowed a TritonOptions"):
+        TritonRunner(m, 64, {"graphs": False})
 
 
 def test_engine_config_picks_the_head_form(tiny_model):
@@ -69,29 +147,26 @@ def test_engine_config_picks_the_head_form(tiny_model):
 
     bf16 = tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW)
     assert eng(bf16) == "q8i8" and eng(bf16, head_matmul="dense") == "dense"
+    assert eng(bf16, triton=TritonOptions(head_matmul="dense")) == "dense"
     assert eng(tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)) == "dense"
     q5 = tiny_model("gemma3", "bfloat16", "Q5_0", sliding_window=WINDOW)
     assert eng(q5) == "dense"
-    with pytest.raises(WorkbenchError, match="head_matmul='q8i8' reads a Q8_0 head"):
+    with pytest.raises(WorkbenchError, match="head_matmul='q8i8' reads a Q8_0 head; this head is Q5_0: allowed dense"):
         eng(q5, head_matmul="q8i8")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_engine_batched_equals_solo(tiny_model, monkeypatch, temperature):
+def test_engine_batched_equals_solo(tiny_model, temperature):
     """Three slots (mixed prefill chunks + decode rows in one forward; prompts crossing the
     window) give bitwise the tokens and logits of each request run alone. The batched engine
     takes the graph path (3 rows padded to a bucket of 4, the pad row writing the scratch slot:
     real CUDA graphs on a GPU, the same path replayed eagerly on the CPU); solo runs plain."""
-    import workbench.triton_runner as tr
-
     m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(4, m.config.vocab_size, (n,), generator=gen).tolist() for n in (3, 11, 6)]
+    prompts = _prompts(m, 2, 3, 11, 6)
     kw = dict(max_tokens=5, temperature=temperature, seed=7, ignore_eos=True)
-    monkeypatch.setattr(tr, "GRAPHS", True if torch.cuda.is_available() else "emulate")
-    batched = _generate(m, prompts, 3, 4, **kw)
-    monkeypatch.setattr(tr, "GRAPHS", False)
-    solo = _generate(m, prompts, 1, None, **kw)
+    batched = Engine(m, _config("float32", 3, GRAPHS, chunk_size=4), keep_logits=True).generate(prompts, **kw)
+    solo_eng = Engine(m, _config("float32", 1, False), keep_logits=True)
+    solo = [solo_eng.submit(p, index=i, **kw).result() for i, p in enumerate(prompts)]  # one at a time
     for b, s in zip(batched, solo):
         assert b.token_ids == s.token_ids
         assert b.logits is not None and b.logits.shape == s.logits.shape
@@ -106,17 +181,15 @@ def test_engine_batched_equals_solo(tiny_model, monkeypatch, temperature):
             assert b.token_ids == t.token_ids
 
 
-@pytest.mark.parametrize("history", [1024, 3, 0])
-def test_decode_loop_matches_engine_steps(tiny_model, monkeypatch, history):
+@pytest.mark.parametrize("history", [1024, 3])
+def test_decode_loop_matches_engine_steps(tiny_model, history):
     """The benchmark fast path (graph replays, greedy tokens fed back on the device) gives the
-    tokens of step-by-step runs, the tokens kept in the graph (GRAPH_HISTORY, gathered in chunks
-    of that many steps) or copied after each replay (0)."""
-    monkeypatch.setattr(triton_runner, "GRAPH_HISTORY", history)
+    tokens of step-by-step runs, kept in the graph's record (graph_history: gathered in chunks of
+    that many steps, here 4 steps as 3 + 1)."""
     m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
-    graphs = True if torch.cuda.is_available() else "emulate"
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(4, m.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 9)]
-    a, b = TritonRunner(m, 256, graphs=graphs), TritonRunner(m, 256, graphs=False)
+    prompts = _prompts(m, 3, 5, 9)
+    a = TritonRunner(m, 256, TritonOptions(graphs=GRAPHS, graph_history=history))
+    b = TritonRunner(m, 256, TritonOptions(graphs=False))
     first, want = [], []
     for sl, p in enumerate(prompts):
         first.append(int(a.run([Segment(sl, sl, tuple(p), 0, True)], {sl: 32})[sl].argmax()))
@@ -126,60 +199,30 @@ def test_decode_loop_matches_engine_steps(tiny_model, monkeypatch, history):
         want.append(t[1:])
     hist = a.decode_loop([0, 1], first, 4)
     assert hist.T.tolist() == want
-    assert a.launches > 0
+    assert a.launches > 0 and a.graphs.record.shape[1] == history
 
 
-@pytest.mark.parametrize("head", ["dense", "q8f16", "q8i8"])
+@pytest.mark.parametrize("head", ["dense", "q8i8"])
 def test_argmax_in_head_gives_the_same_tokens(tiny_model, monkeypatch, head):
-    """ARGMAX_IN_HEAD: the head's streaming programs keep the greedy argmax's first stage (one
+    """argmax_in_head: the head's streaming programs keep the greedy argmax's first stage (one
     launch fewer per decode graph); the decode loop's tokens and last logits are the separate
-    argmax's, for the dense, the float16 Q8_0 and the int8 head (ARGMAX_IN_HEAD_FORMS; the int8
-    head's only up to 16 rows: a bucket above the form's limit keeps the separate argmax)."""
+    argmax's, for the dense and the int8 head (triton_layers.ARGMAX_IN_HEAD_FORMS: each form up
+    to a bucket of so many rows; a bucket above the form's limit keeps the separate argmax)."""
     m = tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW)
-    graphs = True if torch.cuda.is_available() else "emulate"
     a, b = _tokens(m, 21, 6, 11)
-    got = {}
-    for on in (False, True):
-        monkeypatch.setattr(triton_runner, "ARGMAX_IN_HEAD", on)
-        r = TritonRunner(m, 256, graphs=graphs, head_matmul=head)
+
+    def decode(**kw):
+        r = TritonRunner(m, 256, TritonOptions(graphs=GRAPHS, head_matmul=head, **kw))
         first = [int(r.run([Segment(sl, sl, tuple(p), 0, True)], {sl: 32})[sl].argmax()) for sl, p in enumerate((a, b))]
-        got[on] = (r.decode_loop([0, 1], first, 4).tolist(), r.launches, r._g_logits[:2].clone())
+        return r.decode_loop([0, 1], first, 4).tolist(), r.launches, r.graphs.logits[:2].clone()
+
+    got = {on: decode(argmax_in_head=on) for on in (False, True)}
     assert got[True][0] == got[False][0]
     assert torch.equal(got[True][2], got[False][2])
     assert got[True][1] == got[False][1] - 1
-    monkeypatch.setattr(triton_runner, "ARGMAX_IN_HEAD_FORMS", {head: 1})  # (2 rows: above the form's limit)
-    r = TritonRunner(m, 256, graphs=graphs, head_matmul=head)
-    first = [int(r.run([Segment(sl, sl, tuple(p), 0, True)], {sl: 32})[sl].argmax()) for sl, p in enumerate((a, b))]
-    assert r.decode_loop([0, 1], first, 4).tolist() == got[True][0] and r.launches == got[False][1]
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_glu_in_down_is_bitwise_the_fold(tiny_model, dtype):
-    """glu_in_down: the FFN down product forms act(gate) * up from gate|up's partials itself
-    (kernels.qmma glu_x) instead of the GLU fold writing it: under the interpreter the same
-    logits bitwise, eager (prefill and decode) and through the decode graph's loop (on a GPU
-    the two kernels' GLU may contract into FMAs differently: close there, and one form per
-    runner), with as many launches; a slot batched with others is bitwise the slot alone."""
-    m = tiny_model("gemma3", dtype, "Q5_0", sliding_window=WINDOW)
-    graphs = True if torch.cuda.is_available() else "emulate"
-    a, b = _tokens(m, 17, 12, 6)
-    got = {}
-    for on in (False, True):
-        r = TritonRunner(m, 256, graphs=graphs, matmul="mma", glu_in_down=on)
-        solo = _solo(r, a, 10)
-        first = [int(r.run([Segment(sl, sl, tuple(p), 0, True)], {sl: 32})[sl].argmax()) for sl, p in
-                 ((2, a), (3, b))]
-        got[on] = (solo, r.decode_loop([2, 3], first, 3).tolist(), r._g_logits[:2].clone(), r.launches, r)
-    if torch.cuda.is_available():
-        torch.testing.assert_close(got[True][0], got[False][0], rtol=1e-3, atol=1e-3)
-    else:
-        assert torch.equal(got[True][0], got[False][0])
-        assert got[True][1] == got[False][1] and torch.equal(got[True][2], got[False][2])
-    assert got[True][3] == got[False][3]
-    r = got[True][4]
-    assert r._glu_in_down(r.layers[0].gate_up, r.layers[0].down)  # (the form was taken)
-    assert not got[False][4]._glu_in_down(r.layers[0].gate_up, r.layers[0].down)
-    _assert_batched_is_solo(r, a, b, 10, got[True][0])
+    monkeypatch.setitem(triton_layers.ARGMAX_IN_HEAD_FORMS, head, 1)  # (2 rows: above the form's limit)
+    above = decode()
+    assert above[0] == got[True][0] and above[1] == got[False][1]
 
 
 def test_unsupported_weights_raise(tiny_model):
@@ -188,92 +231,76 @@ def test_unsupported_weights_raise(tiny_model):
         TritonRunner(m, 256)
 
 
-@pytest.mark.parametrize("matmul", ["mma", "gemv"])
-def test_bf16_engine_tokens_on_device(tiny_model, monkeypatch, matmul):
+@pytest.mark.parametrize("form", ["mma", "gemv"])
+def test_bf16_engine_tokens_on_device(tiny_model, monkeypatch, form):
     """A bfloat16 engine (the tensor-core form with bf16 operands, or the FMA form): batched
     greedy requests whose logits nobody keeps get their tokens from the device argmax (no logits
     copy), and those tokens are the ones each request gets alone with its logits kept (host
     argmax); batched logits, when kept, equal the solo ones bitwise."""
-    import workbench.triton_runner as tr
-
-    monkeypatch.setattr(tr, "MATMUL", matmul)
     m = tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW)
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(4, m.config.vocab_size, (n,), generator=gen).tolist() for n in (4, 10, 7)]
+    prompts = _prompts(m, 5, 4, 10, 7)
     kw = dict(max_tokens=4, ignore_eos=True)
 
-    def engine(concurrency, keep):
-        cfg = EngineConfig(backend="triton", dtype="bfloat16", max_concurrency=concurrency, chunk_size=4,
-                           max_context=64, memory_budget_bytes=1 << 30)
-        eng = Engine(m, cfg, keep_logits=keep)
-        assert eng.runner.matmul == matmul and eng.runner.mma_prec == "bf16"
+    def engine(concurrency, keep, graphs):
+        # (every weight of the tiny model is Q8_0: its form is every layer's)
+        eng = Engine(m, _config("bfloat16", concurrency, graphs, chunk_size=4, layer_forms={"Q8_0": form}),
+                     keep_logits=keep)
+        assert eng.runner.layers[0].qkv.parts[0][1].form == form and eng.runner.mma_prec == "bf16"
         return eng
 
     calls = []
-    real = tr.TritonRunner._rows_out
-    monkeypatch.setattr(tr.TritonRunner, "_rows_out",
+    real = TritonRunner._rows_out
+    monkeypatch.setattr(TritonRunner, "_rows_out",
                         lambda self, slots, lg, tok, am: calls.append(len(am)) or real(self, slots, lg, tok, am))
-    monkeypatch.setattr(tr, "GRAPHS", True if torch.cuda.is_available() else "emulate")
-    fast = engine(3, False).generate(prompts, **kw)
+    fast = engine(3, False, GRAPHS).generate(prompts, **kw)
     assert calls and all(calls)  # every forward was offered device tokens
-    kept = engine(3, True).generate(prompts, **kw)
-    monkeypatch.setattr(tr, "GRAPHS", False)
-    solo = [engine(1, True).submit(p, **kw).result() for p in prompts]
+    kept = engine(3, True, GRAPHS).generate(prompts, **kw)
+    solo = [engine(1, True, False).submit(p, **kw).result() for p in prompts]
     for f, k, s in zip(fast, kept, solo):
         assert f.logits is None
         assert f.token_ids == k.token_ids == s.token_ids
         assert torch.equal(k.logits.cpu(), s.logits.cpu())
 
 
-def test_bad_matmul_form(tiny_model):
-    with pytest.raises(WorkbenchError, match="matmul='fast' is not allowed: allowed mma, gemv, raw"):
-        TritonRunner(tiny_model("gemma3", "float32", "Q8_0"), 64, matmul="fast")
-
-
-@pytest.mark.parametrize("in_graph", [False, True])
-def test_run_ahead_is_exact_and_used(tiny_model, monkeypatch, in_graph):
+def test_run_ahead_is_exact_and_used(tiny_model):
     """Greedy steady state: the runner launches each next decode step before returning the
     current one (ahead). More requests than slots (admissions change the membership), one
     request stopped early by a small max_tokens, one cancelled mid-run: every request's tokens
-    equal its solo run, and early launches were both used and discarded along the way; the
-    tokens copied to the host, or written there by the graph (TOKENS_IN_GRAPH)."""
-    import workbench.triton_runner as tr
-
-    monkeypatch.setattr(tr, "TOKENS_IN_GRAPH", in_graph)
-
+    equal its solo run, and early launches were used. A call whose segments are not the ones
+    launched early (another input token) runs its own step: the logits of a runner that never
+    launched ahead."""
     m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
-    gen = torch.Generator().manual_seed(9)
-    prompts = [torch.randint(4, m.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 9, 3, 12, 6)]
+    prompts = _prompts(m, 9, 5, 9, 3, 12, 6)
     max_tokens = [6, 2, 7, 5, 6]
-    monkeypatch.setattr(tr, "GRAPHS", True if torch.cuda.is_available() else "emulate")
-    cfg = EngineConfig(backend="triton", dtype="float32", max_concurrency=3, chunk_size=8, max_context=64,
-                       memory_budget_bytes=1 << 30)
-    eng = Engine(m, cfg)
-    used, launched = [], []
-    real_run, real_next = tr.TritonRunner.run, tr.TritonRunner._tokens_then_next
-
-    def run(self, fwd, ctx, argmax=frozenset(), ahead=False):
-        used.append(self._ahead is not None and self._ahead[0] == tuple((s.slot_id, s.start_pos, s.token_ids[0]) for s in fwd))
-        return real_run(self, fwd, ctx, argmax, ahead)
-
-    monkeypatch.setattr(tr.TritonRunner, "run", run)
-    monkeypatch.setattr(tr.TritonRunner, "_tokens_then_next",
-                        lambda self, n, p, at: launched.append(n) or real_next(self, n, p, at))
+    eng = Engine(m, _config("float32", 3, GRAPHS, chunk_size=8))
     handles = [eng.submit(p, max_tokens=k, ignore_eos=True) for p, k in zip(prompts, max_tokens)]
     cancelled = handles[2]
     for _ in range(4):
         eng.step()
     cancelled.cancel()
     eng.run_until_done()
-    assert any(used) and launched and not all(used)
-    monkeypatch.setattr(tr, "GRAPHS", False)
-    solo = Engine(m, EngineConfig(backend="triton", dtype="float32", max_concurrency=1, max_context=64,
-                                  memory_budget_bytes=1 << 30))
+    g = eng.runner.graphs
+    assert 0 < g.ahead_used <= g.ahead_launched
+    solo = Engine(m, _config("float32", 1, False))
     for i, (h, p, k) in enumerate(zip(handles, prompts, max_tokens)):
         if h is cancelled:
             assert h.result().finish_reason == "cancelled"
             continue
         assert h.result().token_ids == solo.submit(p, max_tokens=k, ignore_eos=True).result().token_ids, i
+    # an early launch the next call does not match is discarded: that call's own step runs
+    a, b = prompts[0], prompts[1]
+    runs = []
+    for ahead in (True, False):
+        r = TritonRunner(m, 64, TritonOptions(graphs=GRAPHS))
+        ctx = {0: 32, 1: 32}
+        r.run([Segment(0, "a", tuple(a), 0, True), Segment(1, "b", tuple(b), 0, True)], ctx)
+        step = [Segment(0, "a", (7,), len(a), True), Segment(1, "b", (8,), len(b), True)]
+        toks = r.run(step, ctx, argmax=frozenset({0, 1}), ahead=ahead)
+        other = (toks[0] + 1) % m.config.vocab_size  # (not the token the early launch took)
+        runs.append(r.run([Segment(0, "a", (other,), len(a) + 1, True), Segment(1, "b", (toks[1],), len(b) + 1, True)],
+                          ctx))
+        assert r.graphs.ahead_launched == int(ahead) and r.graphs.ahead_used == 0
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
 @pytest.mark.parametrize("option", ["fuse_combine", "fuse_glu"])
@@ -282,11 +309,10 @@ def test_folded_launches_are_bitwise_the_separate_ones(tiny_model, option):
     the gate|up product; the separate launches give bitwise the same logits (prefill chunk
     across the window, then decode), one launch more per layer."""
     m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
-    gen = torch.Generator().manual_seed(11)
-    toks = torch.randint(0, m.config.vocab_size, (14,), generator=gen).tolist()
+    toks = _tokens(m, 11, 14)[0]
     outs = []
     for fuse in (True, False):
-        r = TritonRunner(m, 256, graphs=False, **{option: fuse})
+        r = TritonRunner(m, 256, TritonOptions(graphs=False, **{option: fuse}))
         got = [r.run([Segment(0, "a", tuple(toks[:12]), 0, True)], {0: 64})[0]]
         got += [r.run([Segment(0, "a", (toks[i],), i, True)], {0: 64})[0] for i in (12, 13)]
         outs.append(torch.stack(got))
@@ -297,208 +323,43 @@ def test_folded_launches_are_bitwise_the_separate_ones(tiny_model, option):
 
 def test_step_weight_bytes_leave_out_the_embedding_table(tiny_model):
     m = tiny_model("gemma3", "float32", "Q8_0")
-    r = TritonRunner(m, 64, graphs=False)
+    r = TritonRunner(m, 64, TritonOptions(graphs=False))
     assert r.fixed_bytes - r.step_weight_bytes == r.embed.raw.numel()
-    raw = TritonRunner(m, 64, graphs=False, matmul="raw")  # the raw form's tied head reads the table itself
-    assert raw.fixed_bytes == raw.step_weight_bytes
-
-
-def _tokens(m, seed: int, *lengths: int) -> list[list[int]]:
-    """Seeded random token lists of these lengths over m's vocabulary (one generator, in order)."""
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, m.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
-
-
-@pytest.mark.parametrize("option,fewer", [("fuse_qk_rope", 1), ("fuse_add_norm", 2)])
-def test_close_folds_are_invariant_and_save_launches(tiny_model, monkeypatch, option, fewer):
-    """fuse_qk_rope: QK-norm + rope + the KV write ride on the q|k|v product's launch;
-    fuse_add_norm: the residual add + next norm on the attention-output and down products'.
-    Their logits are close to the separate kernels' (another layout for the norms' sums, so not
-    bitwise), a slot batched with another is bitwise the slot alone, and each layer has
-    ``fewer`` launches."""
-    from workbench.kernels import qmma
-
-    # heads of 32 must not straddle tensor-core tiles: 32-wide tiles here (and on the GPU)
-    monkeypatch.setattr(qmma, "QMMA_INTERPRETER_MIN_BLOCK_N", 32)
-    for table in (qmma.QMMA_CONFIGS, qmma.QMMA_WIDE_CONFIGS):  # (K = 128: one split, the "wide" table)
-        monkeypatch.setitem(table, "Q8_0", qmma.MmaConfig(block_n=32, block_k=128))
-    m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
-    a, b = _tokens(m, 12, 13, 7)
-
-    def alone(fuse):  # (every weight on tensor cores: the folds ride on that form's launches)
-        r = TritonRunner(m, 256, graphs=False, matmul="mma", **{option: fuse})
-        return _solo(r, a, 12), r.launches
-
-    fused, n_fused = alone(True)
-    plain, n_plain = alone(False)
-    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
-    assert n_plain - n_fused == fewer * m.config.n_layers
-    _assert_batched_is_solo(TritonRunner(m, 256, graphs=False, matmul="mma", **{option: True}), a, b, 12, fused)
-
-
-def _solo(r, a, n):
-    """Slot 0 prefilled with a[:n], then one decode step (a[n]): logits [2, vocab]."""
-    got = [r.run([Segment(0, "a", tuple(a[:n]), 0, True)], {0: 64})[0]]
-    got.append(r.run([Segment(0, "a", (a[n],), n, True)], {0: 64})[0])
-    return torch.stack(got)
-
-
-def _assert_batched_is_solo(r, a, b, n, solo):
-    """The same two forwards for a new request in slot 0, batched with slot 1's prefill of b[:-1]
-    and its decode step b[-1]: slot 0's logits bitwise ``solo``."""
-    k = len(b) - 1
-    o = r.run([Segment(1, "b", tuple(b[:k]), 0, True), Segment(0, "a2", tuple(a[:n]), 0, True)], {0: 64, 1: 64})
-    assert torch.equal(o[0], solo[0])
-    o = r.run([Segment(0, "a2", (a[n],), n, True), Segment(1, "b", (b[k],), k, True)], {0: 64, 1: 64})
-    assert torch.equal(o[0], solo[1])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_dense_head_is_close_and_invariant(tiny_model, dtype, monkeypatch):
-    """head_matmul="dense": the head on its dequantized copy (kernels.dense_mma); "q8dense": the
-    same products from the Q8_0 planes (kernels.dense_mma.q8_dense_mma, half the bytes). Logits
-    close to the tensor-core head's on the packed blocks (same weight values, another K order),
-    q8dense bitwise dense under the interpreter (same operands, same order), a slot batched with
-    others bitwise the slot alone, one launch for the head either way."""
+def test_head_forms_are_close_and_invariant(tiny_model, dtype):
+    """head_matmul="dense": the head on its dequantized copy (kernels.dense_mma), one launch;
+    "q8i8": its Q8_0 planes against x quantized per 32 values (kernels.dense_mma.q8i8_mma), one
+    launch more (x's quantization) and close to the dense head (x's int8 steps); for each, a
+    slot batched with others bitwise the slot alone."""
     m = tiny_model("gemma3", dtype, "Q8_0", sliding_window=WINDOW)
     a, b = _tokens(m, 13, 11, 5)
     runs = {}
-    heads = ("mma", "dense", "q8dense", "q8i8", "q8f16") if dtype == "bfloat16" else ("mma", "dense", "q8dense", "q8i8")
-    for head in heads:
-        r = TritonRunner(m, 256, graphs=False, matmul="mma", head_matmul=head)
+    for head in ("dense", "q8i8"):
+        r = TritonRunner(m, 256, TritonOptions(graphs=False, layer_forms={}, head_matmul=head))
         runs[head] = (_solo(r, a, 10), r.launches, r)
-    tol = 1e-4 if dtype == "float32" else 2e-2
-    torch.testing.assert_close(runs["dense"][0], runs["mma"][0], rtol=tol, atol=tol)
-    assert runs["dense"][1] == runs["mma"][1] == runs["q8dense"][1]
-    assert torch.equal(runs["q8dense"][0], runs["dense"][0])
-    assert runs["dense"][2].head.parts[0][1].form == "dense" and runs["dense"][2].head.parts[0][1].packed is None
-    assert runs["q8dense"][2].head.parts[0][1].form == "q8dense" and runs["q8dense"][2].head.parts[0][1].dense is None
-    # q8i8: x as Q8_0 blocks, integer products: close (x's int8 steps), one launch more (x's quantization)
-    assert runs["q8i8"][2].head.parts[0][1].form == "q8i8" and runs["q8i8"][1] == runs["dense"][1] + 1
-    y, ref = runs["q8i8"][0], runs["mma"][0]
-    assert (y - ref).abs().max() < 0.02 * ref.abs().max()
-    for head in heads[1:]:
+    w = {h: runs[h][2].head.parts[0][1] for h in runs}
+    assert w["dense"].form == "dense" and w["dense"].packed is None
+    assert w["q8i8"].form == "q8i8" and w["q8i8"].dense is None and runs["q8i8"][1] == runs["dense"][1] + 1
+    y, ref = runs["q8i8"][0], runs["dense"][0]
+    assert (y - ref).abs().max() < 0.02 * ref.abs().max() and not torch.equal(y, ref)
+    for head in runs:
         _assert_batched_is_solo(runs[head][2], a, b, 10, runs[head][0])
-    if dtype == "bfloat16":  # float16 operands: closer to the exact product than bfloat16's
-        assert runs["q8f16"][2].head.parts[0][1].form == "q8f16" and runs["q8f16"][1] == runs["dense"][1]
-        torch.testing.assert_close(runs["q8f16"][0], runs["dense"][0], rtol=tol, atol=tol)
-        # the output norm writes the head's input in float16 (HEAD_X_HALF): the same logits
-        assert runs["q8f16"][2].head_x_dtype == torch.float16
-        monkeypatch.setattr(triton_runner, "HEAD_X_HALF", False)
-        r = TritonRunner(m, 256, graphs=False, matmul="mma", head_matmul="q8f16")
-        assert r.head_x_dtype is None and torch.equal(_solo(r, a, 10), runs["q8f16"][0])
-    with pytest.raises(WorkbenchError, match="allowed mma, gemv, dense, q8dense, q8f16, q8i8"):
-        TritonRunner(m, 64, graphs=False, matmul="mma", head_matmul="cublas")
-    m5 = tiny_model("gemma3", dtype, "Q5_0", sliding_window=WINDOW)
-    with pytest.raises(WorkbenchError, match="reads a Q8_0 head; this head is Q5_0"):
-        TritonRunner(m5, 64, graphs=False, matmul="mma", head_matmul="q8dense")
-    with pytest.raises(WorkbenchError, match="reads a Q8_0 head; this head is Q5_0"):
-        TritonRunner(m5, 64, graphs=False, matmul="mma", head_matmul="q8i8")
-
-
-def test_f16_head_only_where_float16_provably_holds(tiny_model, monkeypatch):
-    """head_matmul="q8f16" is refused, with the reason, where float16 operands are not proved
-    safe: a float32 engine, a non-Q8_0 head, an output norm whose bound sqrt(K) * max|g| passes
-    float16's range. As the default (HEAD_MATMUL) it falls back to "dense" there instead."""
-    m32 = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
-    with pytest.raises(WorkbenchError, match="q8f16.*refused: a float32 engine's head"):
-        TritonRunner(m32, 64, graphs=False, head_matmul="q8f16")
-    m5 = tiny_model("gemma3", "bfloat16", "Q5_0", sliding_window=WINDOW)
-    with pytest.raises(WorkbenchError, match=r"refused: the head \(token_embd.weight\) is Q5_0"):
-        TritonRunner(m5, 64, graphs=False, head_matmul="q8f16")
-    m = tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW)
-    assert TritonRunner(m, 64, graphs=False, head_matmul="q8f16").head_matmul == "q8f16"
-    monkeypatch.setattr(m, "output_norm", m.output_norm * 1e5)  # sqrt(K) * max|g| beyond 65504
-    with pytest.raises(WorkbenchError, match="its input may reach .* beyond float16's 65504"):
-        TritonRunner(m, 64, graphs=False, head_matmul="q8f16")
-    monkeypatch.setattr(triton_runner, "HEAD_MATMUL", "q8f16")
-    for model, form in ((m, "dense"), (m32, "dense"), (m5, "dense")):
-        assert TritonRunner(model, 64, graphs=False).head_matmul == form
-
-
-def test_bf16_attention_products_are_invariant(tiny_model):
-    """attn_bf16: a bfloat16 engine's attention products as single bf16 MMAs. Close to the
-    tf32x3 products at bfloat16 tolerance; a slot batched with another bitwise the slot alone;
-    a float32 engine ignores it."""
-    m = tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW)
-    a, b = _tokens(m, 14, 11, 6)
-    outs = {}
-    for bf16 in (False, True):
-        r = TritonRunner(m, 256, graphs=False, attn_bf16=bf16)
-        assert r.attn_prec == ("bf16" if bf16 else None)
-        outs[bf16] = _solo(r, a, 10)
-    torch.testing.assert_close(outs[True], outs[False], rtol=3e-2, atol=3e-2)
-    _assert_batched_is_solo(r, a, b, 10, outs[True])
-    assert TritonRunner(tiny_model("gemma3", "float32", "Q8_0"), 64, graphs=False, attn_bf16=True).attn_prec is None
 
 
 def test_cublas_variant_shares_the_dense_head(tiny_model):
-    """dense="cublas_bf16" (the non-invariant comparison variant) reuses the dense head's bf16
+    """products="cublas_bf16" (the non-invariant comparison variant) reuses the dense head's bf16
     tensor instead of a second copy, and its logits are close to the invariant runner's."""
     m = tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW)
     toks = (3, 9, 4, 17, 5)
-    ref = TritonRunner(m, 64, graphs=False).run([Segment(0, "a", toks, 0, True)], {0: 32})[0]
-    r = TritonRunner(m, 64, graphs=False, dense="cublas_bf16")
+    ref = TritonRunner(m, 64, TritonOptions(graphs=False)).run([Segment(0, "a", toks, 0, True)], {0: 32})[0]
+    r = TritonRunner(m, 64, TritonOptions(graphs=False, products="cublas_bf16"))
+    assert r.head_matmul == "dense"  # (the default int8 head is the quantized products')
     assert r.head.dense is r.head.parts[0][1].dense
     assert r.batch_verdict(None)[0] is False  # not batch-invariant: never batched for exactness
     got = r.run([Segment(0, "a", toks, 0, True)], {0: 32})[0]
     torch.testing.assert_close(got.float(), ref.float(), rtol=5e-2, atol=5e-2)
-
-
-def _decode_steps(r, a, b, steps=3):
-    """Prefill two slots, then greedy-free decode steps of both (teacher-forced tokens): logits."""
-    r.run([Segment(0, "a", tuple(a[:10]), 0, True), Segment(1, "b", tuple(b[:5]), 0, True)], {0: 64, 1: 64})
-    got = []
-    for i in range(steps):
-        o = r.run([Segment(0, "a", (a[10 + i],), 10 + i, True), Segment(1, "b", (b[5 + i],), 5 + i, True)],
-                  {0: 64, 1: 64})
-        got.append(torch.stack([o[0], o[1]]))
-    return torch.stack(got)
-
-
-@pytest.mark.parametrize("dtype,forms", [("float32", None), ("bfloat16", {"Q8_0": "gemv"})])
-def test_persistent_step_is_bitwise_the_chain(tiny_model, dtype, forms):
-    """The graphed decode step's layer loop as one persistent launch (kernels/persistent.py)
-    gives bitwise the logits of the chain of launches, in a few launches instead of ~8 per
-    layer; a slot batched with another is bitwise the slot alone."""
-    m = tiny_model("gemma3", dtype, "Q8_0", sliding_window=WINDOW)
-    graphs = True if torch.cuda.is_available() else "emulate"
-    a, b = _tokens(m, 21, 14, 9)
-    out, launches = {}, {}
-    for pers in (False, True):
-        r = TritonRunner(m, 256, graphs=graphs, persistent=pers, matmul="mma", layer_forms=forms)
-        if not pers:
-            r.uniform_warps = 4  # the persistent runner's warps (the same arithmetic on a GPU)
-        out[pers] = _decode_steps(r, a, b)
-        launches[pers] = r.launches
-        assert r.persistent == pers and r.persistent_off is None
-    assert torch.equal(out[True], out[False])
-    assert launches[True] < launches[False] - 5 * m.config.n_layers
-    solo = TritonRunner(m, 256, graphs=graphs, persistent=True, matmul="mma", layer_forms=forms)
-    solo.run([Segment(0, "a", tuple(a[:10]), 0, True)], {0: 64})
-    for i in range(3):
-        o = solo.run([Segment(0, "a", (a[10 + i],), 10 + i, True)], {0: 64})
-        assert torch.equal(o[0], out[True][i, 0])
-
-
-def test_persistent_step_falls_back_to_the_chain(tiny_model, monkeypatch):
-    """A loop with a launch the persistent kernel has no item for runs as the chain (nothing of
-    the recorded attempt ran: the logits are the chain's) and says why; so do the folds."""
-    from workbench.kernels import persistent as ps
-
-    m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
-    graphs = True if torch.cuda.is_available() else "emulate"
-    a, b = _tokens(m, 22, 14, 9)
-    r = TritonRunner(m, 256, graphs=graphs, persistent=False, matmul="mma")
-    r.uniform_warps = 4
-    want = _decode_steps(r, a, b)
-    monkeypatch.delitem(ps._JIT, "_add_rmsnorm_kernel")
-    r = TritonRunner(m, 256, graphs=graphs, persistent=True, matmul="mma")
-    got = _decode_steps(r, a, b)
-    assert not r.persistent and "_add_rmsnorm_kernel" in r.persistent_off
-    assert torch.equal(got, want)
-    assert not TritonRunner(m, 256, graphs=graphs, persistent=True, fuse_qk_rope=True).persistent
-    assert not TritonRunner(m, 256, graphs=False, persistent=True).persistent  # graphed steps only
 
 
 def test_pair_launch_fuses_a_mixed_format_qkv(tiny_model):
@@ -509,7 +370,7 @@ def test_pair_launch_fuses_a_mixed_format_qkv(tiny_model):
     a, b = _tokens(m, 21, 9, 6)
     runs = {}
     for pair in (False, True):
-        r = TritonRunner(m, 256, graphs=False, pair_launch=pair)
+        r = TritonRunner(m, 256, TritonOptions(graphs=False, pair_launch=pair))
         assert [w.form for _, w in r.layers[0].qkv.parts] == ["mma", "gemv"]
         runs[pair] = (_solo(r, a, 8), r.launches, r)
     assert runs[False][1] - runs[True][1] == m.config.n_layers
@@ -518,20 +379,16 @@ def test_pair_launch_fuses_a_mixed_format_qkv(tiny_model):
     _assert_batched_is_solo(runs[True][2], a, b, 8, runs[True][0])
 
 
-def test_rope_in_attention_is_bitwise_the_separate_kernel(tiny_model, monkeypatch):
+def test_rope_in_attention_is_bitwise_the_separate_kernel(tiny_model):
     """rope_in_attention: in graphed decode steps QK-norm + rope + the KV write run inside the
     attention launch (one launch fewer per layer); prefill and mixed steps keep the separate
     kernel, so the two forms must agree bitwise: decode logits equal with it on and off, and
     through Engine (chunked prefill mixed with decode rows) batched equals solo, tokens and logits."""
-    import workbench.triton_runner as tr
-
-    graphs = True if torch.cuda.is_available() else "emulate"
     m = tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW)
-    gen = torch.Generator().manual_seed(31)
-    prompts = [torch.randint(4, m.config.vocab_size, (n,), generator=gen).tolist() for n in (6, 11, 3)]
+    prompts = _prompts(m, 31, 6, 11, 3)
     got = {}
     for on in (False, True):
-        r = TritonRunner(m, 256, graphs=graphs, rope_in_attention=on)
+        r = TritonRunner(m, 256, TritonOptions(graphs=GRAPHS, rope_in_attention=on))
         toks = [int(r.run([Segment(sl, sl, tuple(p), 0, True)], {sl: 64})[sl].argmax()) for sl, p in enumerate(prompts)]
         steps = []
         for i in range(3):
@@ -542,16 +399,11 @@ def test_rope_in_attention_is_bitwise_the_separate_kernel(tiny_model, monkeypatc
         got[on] = (torch.stack(steps), r.launches)
     assert torch.equal(got[True][0], got[False][0])
     assert got[False][1] - got[True][1] == m.config.n_layers
-    monkeypatch.setattr(tr, "ROPE_IN_ATTENTION", True)
-    monkeypatch.setattr(tr, "GRAPHS", graphs)
     kw = dict(max_tokens=5, ignore_eos=True)
-    cfg = EngineConfig(backend="triton", dtype="bfloat16", max_concurrency=3, chunk_size=4, max_context=64,
-                       memory_budget_bytes=1 << 30)
-    eng = Engine(m, cfg, keep_logits=True)
+    eng = Engine(m, _config("bfloat16", 3, GRAPHS, chunk_size=4), keep_logits=True)
     assert eng.runner.rope_in_attention
     batched = eng.generate(prompts, **kw)
-    solo_eng = Engine(m, EngineConfig(backend="triton", dtype="bfloat16", max_concurrency=1, max_context=64,
-                                      memory_budget_bytes=1 << 30), keep_logits=True)
+    solo_eng = Engine(m, _config("bfloat16", 1, GRAPHS), keep_logits=True)
     for p, b in zip(prompts, batched):
         s = solo_eng.generate([p], **kw)[0]
         assert s.token_ids == b.token_ids and torch.equal(s.logits, b.logits)
@@ -567,10 +419,10 @@ def test_per_format_k_slices_are_invariant(tiny_model, monkeypatch):
     m = tiny_model("gemma3", "bfloat16", "Q5_0", sliding_window=WINDOW,
                    tensor_types=(("attn_v.weight", "Q8_0"), ("ffn_down.weight", "Q8_0")))
     a, b = _tokens(m, 23, 9, 6)
-    base = TritonRunner(m, 256, graphs=False)
+    base = TritonRunner(m, 256, TritonOptions(graphs=False))
     want = _solo(base, a, 8)
     monkeypatch.setattr(qm, "QMATMUL_FORMAT_SPLIT_K", {"Q5_0": 64})
-    r = TritonRunner(m, 256, graphs=False)
+    r = TritonRunner(m, 256, TritonOptions(graphs=False))
     L, L0 = r.layers[0], base.layers[0]
     c = m.config
     assert (L.qkv.splits, L.gate_up.splits, L.down.splits) == (c.n_embd // 64, c.n_embd // 64, L0.down.splits)

@@ -7,23 +7,19 @@ never written back here.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
-from .errors import WorkbenchError
+from .errors import ConfigError
 from .planner import POLICIES
+from .runners.triton_options import HEAD_MATMULS, TritonOptions
+
+__all__ = ["ConfigError", "EngineConfig", "HEAD_MATMULS", "TritonOptions"]
+
 
 MAX_CONCURRENCY = 64
 BACKENDS = ("torch", "triton")
 DTYPES = ("bfloat16", "float32")
-# backend "triton": the output head's product form (workbench/triton_runner.py's HEAD_MATMUL says
-# what each computes; None = the runner's default: int8 MMAs against the head's input quantized
-# per 32 values, llama.cpp's numerics, for a bfloat16 engine's Q8_0 head; the dense copy else)
-HEAD_MATMULS = ("dense", "q8i8", "q8dense", "q8f16", "mma", "gemv")
-
-
-class ConfigError(WorkbenchError):
-    """A config field holds a value outside what it allows."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +33,18 @@ class EngineConfig:
     backend: str = "torch"  # or "triton"
     dtype: str | None = None  # None: the loaded model's precision; else it must match it
     max_batch_rows: int = 64  # most decode rows in one batched group
-    head_matmul: str | None = None  # backend "triton" only: the head's form (HEAD_MATMULS; None: the default)
+    # paged runners only (the torch runner): positions each KV group's page pool holds
+    # (None: what the memory budget allows, at most max_concurrency full contexts)
+    kv_pool_tokens: int | None = None
+    prefix_cache: bool = True  # paged runners: share full prompt pages across requests
+    # paged runners: a request is admitted when its prompt plus this many positions of pages are free
+    admission_headroom_tokens: int = 256
+    # backend "triton" only: its options (workbench/runners/triton_options.py says what each
+    # measured); the default is the measured best
+    triton: TritonOptions = TritonOptions()
+    # backend "triton" only: shorthand for triton=TritonOptions(head_matmul=...), kept in step
+    # with triton.head_matmul (HEAD_MATMULS; None: the default form)
+    head_matmul: str | None = None
 
     def __post_init__(self):
         _int_in_range("max_concurrency", self.max_concurrency, 1, MAX_CONCURRENCY)
@@ -46,15 +53,31 @@ class EngineConfig:
         _int_in_range("chunk_cap", self.chunk_cap, 1, None)
         _int_in_range("memory_budget_bytes", self.memory_budget_bytes, 1, None, optional=True)
         _int_in_range("max_batch_rows", self.max_batch_rows, 1, None)
+        _int_in_range("kv_pool_tokens", self.kv_pool_tokens, 1, None, optional=True)
+        _int_in_range("admission_headroom_tokens", self.admission_headroom_tokens, 0, None)
+        if not isinstance(self.prefix_cache, bool):
+            raise ConfigError(f"prefix_cache={self.prefix_cache!r} is not allowed: allowed True or False")
         _choice("policy", self.policy, POLICIES)
         _choice("backend", self.backend, BACKENDS)
         if self.dtype is not None:
             _choice("dtype", self.dtype, DTYPES)
-        if self.head_matmul is not None:
+        if not isinstance(self.triton, TritonOptions):
+            raise ConfigError(f"triton={self.triton!r} is not allowed: allowed a TritonOptions "
+                              f"(workbench.runners.triton_options)")
+        if self.head_matmul is not None:  # (one source of truth: triton.head_matmul; this mirrors it)
             _choice("head_matmul", self.head_matmul, HEAD_MATMULS)
-            if self.backend != "triton":
+            if self.triton.head_matmul not in (None, self.head_matmul):
+                raise ConfigError(f"head_matmul={self.head_matmul!r} but triton.head_matmul="
+                                  f"{self.triton.head_matmul!r}: allowed one of them, or both the same")
+            object.__setattr__(self, "triton", replace(self.triton, head_matmul=self.head_matmul))
+        object.__setattr__(self, "head_matmul", self.triton.head_matmul)
+        if self.backend != "triton":
+            if self.head_matmul is not None:
                 raise ConfigError(f"head_matmul={self.head_matmul!r} is the triton backend's: allowed with "
                                   f"backend='triton' only (backend={self.backend!r})")
+            if self.triton != TritonOptions():
+                raise ConfigError(f"triton options ({', '.join(self.triton.changed())}) are the triton backend's: "
+                                  f"allowed with backend='triton' only (backend={self.backend!r})")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EngineConfig":
@@ -65,10 +88,15 @@ class EngineConfig:
                 f"unknown engine config key(s) {', '.join(map(repr, unknown))}; "
                 f"valid keys: {', '.join(valid)}"
             )
-        return cls(**dict(d))
+        d = dict(d)
+        if isinstance(d.get("triton"), Mapping):  # (to_dict's form)
+            d["triton"] = TritonOptions.from_dict(d["triton"])
+        return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["triton"] = self.triton.to_dict()
+        return d
 
 
 def _int_in_range(name: str, value: Any, lo: int, hi: int | None, optional: bool = False):

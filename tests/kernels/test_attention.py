@@ -54,11 +54,10 @@ def test_decode_gemma_shape(device):
     torch.testing.assert_close(o, decode_attention_ref(q, k, v, lens, window, 256**-0.5), **TOL[torch.float32])
 
 
-def test_decode_dot_form_matches_reference(device, monkeypatch):
+def test_decode_dot_form_matches_reference(device):
     """The tl.dot form (the GPU default), multi-segment, checked for accuracy on any device."""
-    monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", 32)
     q, k, v, lens, window = _decode_case(3, 4, 2, 32, 77, torch.float32, device, seed=8)
-    o = decode_attention(q, k, v, lens, window, 0.2, use_dot=True)
+    o = decode_attention(q, k, v, lens, window, 0.2, use_dot=True, segment=32)
     torch.testing.assert_close(o, decode_attention_ref(q, k, v, lens, window, 0.2), **TOL[torch.float32])
 
 
@@ -71,12 +70,10 @@ def test_decode_rows_are_batch_invariant(device):
 
 
 @pytest.mark.parametrize("window,segment", [(0, None), (24, None), (0, 32), (40, 32)])
-def test_prefill_chunking_is_invariant_and_equals_decode(window, segment, device, monkeypatch):
+def test_prefill_chunking_is_invariant_and_equals_decode(window, segment, device):
     """Any chunking of a prefill gives bitwise the same rows, and each row is bitwise the decode
     attention at that position (same kernels: same segments, key blocks and order). segment=32
     splits the 70 keys over 3 partial programs per row (the default: one)."""
-    if segment is not None:
-        monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", segment)
     L, Hq, Hkv, D, scale = 70, 4, 1, 32, 0.17
     gen = torch.Generator().manual_seed(11 + window)
     q = _randn(L, Hq, D, device=device, gen=gen)
@@ -88,7 +85,7 @@ def test_prefill_chunking_is_invariant_and_equals_decode(window, segment, device
         for c in chunks:
             kc, vc = k.clone(), v.clone()  # the cache holds only positions < start + c
             kc[start + c :], vc[start + c :] = float("nan"), float("nan")
-            out.append(prefill_attention(q[start : start + c], kc, vc, start, window, scale))
+            out.append(prefill_attention(q[start : start + c], kc, vc, start, window, scale, segment=segment))
             start += c
         assert start == L
         return torch.cat(out)
@@ -100,7 +97,7 @@ def test_prefill_chunking_is_invariant_and_equals_decode(window, segment, device
 
     lens = torch.arange(1, L + 1, device=device)
     dec = decode_attention(q, k.expand(L, L, Hkv, D), v.expand(L, L, Hkv, D), lens,
-                           torch.full((L,), window, device=device), scale)
+                           torch.full((L,), window, device=device), scale, segment=segment)
     assert torch.equal(dec, whole)
 
 
@@ -133,11 +130,10 @@ def test_attention_rejects_bad_inputs(device):
 
 
 @pytest.mark.parametrize("segment", [32, 64])
-def test_fused_combine_equals_two_launches(segment, device, monkeypatch):
+def test_fused_combine_equals_two_launches(segment, device):
     """With caller-owned counters the last partial program of a row merges the row (one launch):
     bitwise the two-launch result, rows spanning 1..4 segments with and without a window, and
     the counters are left zero, so the same buffer serves the next call (twice here)."""
-    monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", segment)
     gen = torch.Generator().manual_seed(4)
     S, L, Hq, Hkv, D = 2, 130, 4, 2, 32
     k = _randn(S, L, Hkv, D, device=device, gen=gen)
@@ -146,11 +142,11 @@ def test_fused_combine_equals_two_launches(segment, device, monkeypatch):
     row_seq = torch.tensor([0, 1, 1, 0, 1], device=device)
     row_pos = torch.tensor([129, 3, 70, 64, 127], device=device)
     row_win = torch.tensor([0, 0, 40, 16, 0], device=device)
-    two = attention_rows(q, k, v, row_seq, row_pos, row_win, 0.3)
+    two = attention_rows(q, k, v, row_seq, row_pos, row_win, 0.3, segment=segment)
     counters = torch.zeros(16, dtype=torch.int32, device=device)
     for _ in range(2):
         one = attention_rows(q, k, v, row_seq, row_pos, row_win, 0.3,
-                             out=torch.full_like(q, float("nan")), counters=counters)
+                             out=torch.full_like(q, float("nan")), counters=counters, segment=segment)
         assert torch.equal(one, two)
         assert not counters.any()
     with pytest.raises(ValueError, match="counters must be int32"):
@@ -158,64 +154,42 @@ def test_fused_combine_equals_two_launches(segment, device, monkeypatch):
 
 
 @pytest.mark.parametrize("use_dot", [False, True])
-def test_bf16_products_close_and_rows_invariant(use_dot, device, monkeypatch):
+def test_bf16_products_close_and_rows_invariant(use_dot, device):
     """precision="bf16" (a bfloat16 engine's attention): single bf16 products, close to the
     float32 reference at bfloat16 tolerance, a row in a batch bitwise the row alone, several
     segments per row. (The tl.dot form on a GPU only: the interpreter's tl.dot has no bfloat16.)"""
     if use_dot and device.type != "cuda":
         pytest.skip("bfloat16 tl.dot needs a GPU")
-    monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", 32)
     q, k, v, lens, window = _decode_case(4, 4, 1, 64, 77, torch.bfloat16, device, seed=21)
     q = q.float()
     seq = torch.arange(4, device=device, dtype=torch.int32)
     pos = (lens - 1).to(torch.int32)
     win = window.to(torch.int32)
-    o = attention_rows(q, k, v, seq, pos, win, 0.125, use_dot=use_dot, precision="bf16")
+    o = attention_rows(q, k, v, seq, pos, win, 0.125, use_dot=use_dot, precision="bf16", segment=32)
     torch.testing.assert_close(o, decode_attention_ref(q, k, v, lens, window, 0.125), **TOL[torch.bfloat16])
     for b in (0, 3):
         s = slice(b, b + 1)
-        one = attention_rows(q[s], k, v, seq[s], pos[s], win[s], 0.125, use_dot=use_dot, precision="bf16")
+        one = attention_rows(q[s], k, v, seq[s], pos[s], win[s], 0.125, use_dot=use_dot, precision="bf16",
+                             segment=32)
         assert torch.equal(one, o[s]), f"row {b}"
     with pytest.raises(ValueError, match="precision="):
         attention_rows(q, k, v, seq, pos, win, 0.125, precision="fp8")
 
 
-def test_kv_prefetch_changes_no_bit(device, monkeypatch):
-    """ATTENTION_PREFETCH (GPU: the segment's K/V lines asked of L2 before the PDL wait; the
-    interpreter compiles it out): bitwise the result without it, rows with windows, several
-    segments, GQA, bf16 caches."""
-    monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", 32)
-    gen = torch.Generator().manual_seed(9)
-    S, L, Hq, Hkv, D = 3, 100, 4, 2, 64
-    k = _randn(S, L, Hkv, D, dtype=torch.bfloat16, device=device, gen=gen)
-    v = _randn(S, L, Hkv, D, dtype=torch.bfloat16, device=device, gen=gen)
-    q = _randn(4, Hq, D, dtype=torch.bfloat16, device=device, gen=gen)
-    row_seq = torch.tensor([2, 0, 1, 2], device=device)
-    row_pos = torch.tensor([99, 0, 40, 63], device=device)
-    row_win = torch.tensor([0, 0, 16, 40], device=device)
-    counters = torch.zeros(8, dtype=torch.int32, device=device)
-    base = attention_rows(q, k, v, row_seq, row_pos, row_win, 0.125, counters=counters)
-    monkeypatch.setattr(attention_mod, "ATTENTION_PREFETCH", True)
-    got = attention_rows(q, k, v, row_seq, row_pos, row_win, 0.125, counters=counters)
-    assert torch.equal(got, base)
-    torch.testing.assert_close(got.float(), attention_mod.attention_rows_ref(q, k, v, row_seq, row_pos, row_win, 0.125)
-                               .float(), **TOL[torch.bfloat16])
-
-
-@pytest.mark.parametrize("norm,preload", [(True, False), (False, False), (True, True)])
-def test_rope_prologue_is_the_separate_kernel(norm, preload, device, monkeypatch):
+@pytest.mark.parametrize("norm,segment", [(True, 64), (False, 64), (True, 32), (False, 32)])
+def test_rope_prologue_is_the_separate_kernel(norm, segment, device):
     """attention_rows(rope=): QK-norm + rope + the KV write as every attention program's
     prologue (one launch) instead of step_fused.qk_rope_kv before it: q, the pools and the
     output bitwise the two-launch form's, rows of distinct slots at several segments (a window
     starting inside one, a position at a segment's start); refused without the fused combine.
-    preload (ATTENTION_PRELOAD; here 32-key segments of one 32-key block): the segment's older
-    K/V rows loaded before the prologue, the current row read back: the same bits."""
+    32-key segments are one 32-key block here (the runner's case: 64-key segments of one block
+    at D = 256): the segment's older K/V rows are loaded before the prologue and the current row
+    read back, the same bits; 64-key segments are two blocks, loaded after the prologue."""
     from workbench.kernels.attention import RopePrologue
     from workbench.kernels.step_fused import qk_rope_kv
 
-    monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", 32)
-    monkeypatch.setattr(attention_mod, "ATTENTION_PRELOAD", preload)
-    assert attention_mod._attention_config(16, 32, 2)[0] == 32  # (one block per segment)
+    preload = attention_mod._attention_config(16, 32, 2, segment)[0] == segment  # (one block per segment)
+    assert preload == (segment == 32)
     gen = torch.Generator().manual_seed(12)
     R, Hq, Hkv, D, S, L, splits = 3, 4, 2, 32, 4, 96, 2
     part = torch.randn(splits, R, (Hq + 2 * Hkv) * D, generator=gen).to(device)
@@ -234,10 +208,10 @@ def test_rope_prologue_is_the_separate_kernel(norm, preload, device, monkeypatch
         k, v = kp.clone(), vp.clone()
         if fused:
             o = attention_rows(q, k, v, seq, pos, win, 0.2, counters=counters, precision="bf16",
-                               rope=RopePrologue(part, qn, kn, inv, 1e-6))
+                               rope=RopePrologue(part, qn, kn, inv, 1e-6), segment=segment)
         else:
             qk_rope_kv(part, q, k, v, seq, pos, qn, kn, inv, 1e-6)
-            o = attention_rows(q, k, v, seq, pos, win, 0.2, counters=counters, precision="bf16")
+            o = attention_rows(q, k, v, seq, pos, win, 0.2, counters=counters, precision="bf16", segment=segment)
         got[fused] = (q, k, v, o)
     for a, b in zip(got[True], got[False]):
         assert torch.equal(a, b)
@@ -246,27 +220,15 @@ def test_rope_prologue_is_the_separate_kernel(norm, preload, device, monkeypatch
         attention_rows(got[True][0], kp, vp, seq, pos, win, 0.2, rope=RopePrologue(part, qn, kn, inv, 1e-6))
 
 
-def test_keys_per_block_follow_shape_kv_size_and_segment(monkeypatch):
+def test_keys_per_block_follow_shape_kv_size_and_segment():
     """Keys per block: by padded head dim and K/V element size (bf16 pools at D = 256 take 64,
     float32 ones 16: their shared memory), never more than the segment; a segment that is not a
     multiple of the block is refused."""
     from workbench.kernels.attention import _attention_config
 
-    monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", 64)
-    assert _attention_config(16, 256, 2)[0] == 64 and _attention_config(16, 256, 4)[0] == 16
-    monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", 32)
-    assert _attention_config(16, 256, 2)[0] == 32 and _attention_config(16, 64, 4)[0] == 32
-    monkeypatch.setattr(attention_mod, "ATTENTION_SEGMENT", 24)
-    with pytest.raises(ValueError, match="must be a multiple of BLOCK_N"):
-        _attention_config(16, 256, 4)
+    assert _attention_config(16, 256, 2, 64)[0] == 64 and _attention_config(16, 256, 4, 64)[0] == 16
+    assert _attention_config(16, 256, 2, 32)[0] == 32 and _attention_config(16, 64, 4, 32)[0] == 32
+    with pytest.raises(ValueError, match="segment=24 must be a multiple of BLOCK_N"):
+        _attention_config(16, 256, 4, 24)
     with pytest.raises(ValueError, match="head dim up to 512"):
         _attention_config(16, 1024, 2)
-
-
-def test_pipelining_stages_leave_the_bits(device, monkeypatch):
-    """ATTENTION_NUM_STAGES (a launch option: how many key blocks are fetched ahead) changes no
-    bit of the result; here the option's path on this device (on a GPU the stage's own check)."""
-    q, k, v, lens, window = _decode_case(3, 4, 1, 64, 70, torch.float32, device, seed=4)
-    base = decode_attention(q, k, v, lens, window, 0.125)
-    monkeypatch.setattr(attention_mod, "ATTENTION_NUM_STAGES", 1)
-    assert torch.equal(decode_attention(q, k, v, lens, window, 0.125), base)

@@ -10,7 +10,7 @@ from workbench.kernels.sampling import best_of, running_best
 
 
 
-@pytest.mark.parametrize("prec", ["bf16", "tf32x3", "f16"])
+@pytest.mark.parametrize("prec", ["bf16", "tf32x3"])
 def test_dense_mma_matches_reference_and_rows_are_invariant(prec, device):
     gen = torch.Generator().manual_seed(3)
     N, K = 200, 160  # a partial N tile and a partial K step
@@ -43,48 +43,6 @@ def test_dense_mma_rejects_bad_inputs(device):
     assert dense_mma(x[:0], w).shape == (0, 8)
 
 
-@pytest.mark.parametrize("prec", ["bf16", "tf32x3", "f16"])
-def test_q8_dense_mma_reads_the_packed_planes(prec, device, quant_rows):
-    """q8_dense_mma: the Q8_0 packed planes (int8 quants, f16 scales) with d * q formed per K
-    step: the dequantized copy's operands at half its bytes ("f16": float16(d * q) formed in
-    float16 arithmetic from q's bits, the float16 copy's values). Under the interpreter bitwise
-    ``dense_mma`` on that copy (same operands, same order); anywhere close to the float64
-    reference and rows bitwise invariant; non-Q8_0 weights refused."""
-    from workbench.kernels.dense_mma import q8_dense_mma
-    from workbench.kernels.qmatmul import pack_weights
-    from workbench.kernels.quant_tiles import FORMATS, dequant_ref
-
-    fmt = FORMATS["Q8_0"]
-    N, K = 200, 160  # a partial N tile and a partial K step
-    raw = quant_rows(fmt, N, K, 5, "cpu")
-    pw = pack_weights(raw.to(device), "Q8_0", N, K)
-    wf = dequant_ref(raw, "Q8_0", K).reshape(N, K)
-    w = wf.to(OPERAND_DTYPES[prec]).to(device)
-    x = torch.randn(18, K, generator=torch.Generator().manual_seed(6)).to(device)
-    cfg = DenseConfig(block_n=64, block_k=64, num_stages=2, block_m=32)
-    y = q8_dense_mma(x, pw, prec, config=cfg)
-    torch.testing.assert_close(y.double(), dense_mma_ref(x, w, prec), rtol=1e-5, atol=1e-5)
-    if device.type == "cpu":
-        assert torch.equal(y, dense_mma(x, w, prec, config=cfg))
-    for i in (0, 9, 17):
-        assert torch.equal(q8_dense_mma(x[i : i + 1].clone(), pw, prec, config=cfg), y[i : i + 1])
-    # the streaming form (a few programs walking every tile): the same tiles' arithmetic
-    stream = DenseConfig(block_n=64, block_k=64, num_stages=2, block_m=16, programs_per_sm=1)
-    ys = q8_dense_mma(x, pw, prec, config=stream)
-    torch.testing.assert_close(ys.double(), dense_mma_ref(x, w, prec), rtol=1e-5, atol=1e-5)
-    if device.type == "cpu":
-        assert torch.equal(ys, q8_dense_mma(x, pw, prec, config=DenseConfig(block_n=64, block_k=64, block_m=16)))
-    for i in (0, 17):
-        assert torch.equal(q8_dense_mma(x[i : i + 1].clone(), pw, prec, config=stream), ys[i : i + 1])
-        assert torch.equal(dense_mma(x[i : i + 1].clone(), w, prec, config=stream),
-                           dense_mma(x, w, prec, config=stream)[i : i + 1])
-    q5 = pack_weights(quant_rows(FORMATS["Q5_0"], 8, 64, 1, device), "Q5_0", 8, 64)
-    with pytest.raises(ValueError, match="Q8_0 PackedWeight"):
-        q8_dense_mma(x[:, :64], q5)
-    with pytest.raises(ValueError, match="multiple of 32"):
-        q8_dense_mma(x, pw, config=DenseConfig(block_k=16))
-
-
 def test_quantize_rows_q8_matches_reference(device):
     """quantize_rows_q8: per block of 32, d = amax / 127 and q = rint(x * 127 / amax): bitwise the
     torch reference under the interpreter (on a GPU the product may fuse into the rounding's
@@ -113,17 +71,19 @@ def test_quantize_rows_q8_matches_reference(device):
 
 def test_q8i8_mma_integer_blocks(device, quant_rows):
     """q8i8_mma: the Q8_0 quants of W and of x in one exact integer product per 32-weight block,
-    scaled by d_w * d_x: bitwise the torch reference under the interpreter and close to it on a
-    GPU (the scaling may fuse into FMAs there); close to the float product of the dequantized
-    weight (x's int8 steps being the only rounding of note); rows bitwise invariant, in the tiled
-    and the streaming form (which also keeps the argmax); bad inputs refused."""
+    a K step's four blocks in one batched dot, each scaled by d_w * d_x and added in block order:
+    bitwise the torch reference (which takes the blocks one at a time, the serial form's
+    arithmetic) under the interpreter and close to it on a GPU (the scaling may fuse into FMAs
+    there); close to the float product of the dequantized weight (x's int8 steps being the only
+    rounding of note); rows bitwise invariant, in the tiled and the streaming form (which also
+    keeps the argmax), with the default tiles that follow M; bad inputs refused."""
     from workbench.kernels.dense_mma import best_partials, i8_config, q8i8_mma, q8i8_mma_ref, quantize_rows_q8
     from workbench.kernels.qmatmul import pack_weights
     from workbench.kernels.quant_tiles import FORMATS, dequant_ref
     from workbench.kernels.sampling import argmax_from_partials
 
     fmt = FORMATS["Q8_0"]
-    N, K = 200, 160  # a partial N tile and a partial K step
+    N, K = 200, 160  # a partial N tile and a partial second K step (128 + 32)
     raw = quant_rows(fmt, N, K, 5, "cpu")
     pw = pack_weights(raw.to(device), "Q8_0", N, K)
     wf = dequant_ref(raw, "Q8_0", K).reshape(N, K).to(device)
@@ -131,8 +91,8 @@ def test_q8i8_mma_integer_blocks(device, quant_rows):
     xq, xd = quantize_rows_q8(x)
     ref = q8i8_mma_ref(xq, xd, pw.qs, pw.d)
     exact = (x.double() @ wf.double().T)
-    for cfg in (DenseConfig(block_n=64, block_k=64, num_stages=2, block_m=32),
-                DenseConfig(block_n=64, block_k=64, num_stages=2, block_m=16, programs_per_sm=1)):
+    for cfg in (DenseConfig(block_n=64, block_k=128, num_stages=2, block_m=32),
+                DenseConfig(block_n=64, block_k=128, num_stages=2, block_m=16, programs_per_sm=1), None):
         y = q8i8_mma(xq, xd, pw, config=cfg)
         if device.type == "cpu":
             assert torch.equal(y, ref)
@@ -140,27 +100,12 @@ def test_q8i8_mma_integer_blocks(device, quant_rows):
         assert (y.double() - exact).abs().max() < 0.02 * exact.abs().max()
         for i in (0, 9, 17):
             assert torch.equal(q8i8_mma(xq[i : i + 1].clone(), xd[i : i + 1].clone(), pw, config=cfg), y[i : i + 1])
-    # a step's four blocks in one batched dot: the same arithmetic (128-weight steps only); bitwise
-    # under the interpreter, on a GPU as far as the compiler fuses the forms' scalings alike
-    k128 = DenseConfig(block_n=64, block_k=128, num_stages=2, block_m=32, programs_per_sm=1)
-    y128 = q8i8_mma(xq, xd, pw, config=k128, step="serial")
-    yb = q8i8_mma(xq, xd, pw, config=k128, step="batched")
-    if device.type == "cpu":
-        assert torch.equal(yb, y128)
-    torch.testing.assert_close(yb, y128, rtol=1e-6, atol=1e-5)
-    assert torch.equal(q8i8_mma(xq[3:4].clone(), xd[3:4].clone(), pw, config=k128, step="batched"), yb[3:4])
-    with pytest.raises(ValueError, match="128-weight K steps"):
-        q8i8_mma(xq, xd, pw, config=DenseConfig(block_k=64), step="batched")
     # the default tiles follow M (i8_config: 16-row tiles up to 16 rows, 32-row above): an exact
     # integer dot, then elementwise float32 operations, so a row's bits do not follow the tile
     assert i8_config(device, 1).block_m == 16 and i8_config(device, 18).block_m == 32
-    for step in ("serial", "batched"):
-        y_auto = q8i8_mma(xq, xd, pw, step=step)
-        for i in (0, 17):
-            assert torch.equal(q8i8_mma(xq[i : i + 1].clone(), xd[i : i + 1].clone(), pw, step=step), y_auto[i : i + 1])
-    with pytest.raises(ValueError, match="step='tree' is not allowed: allowed serial, batched"):
-        q8i8_mma(xq, xd, pw, config=k128, step="tree")
-    stream = DenseConfig(block_n=64, block_k=64, num_stages=2, block_m=32, programs_per_sm=1)
+    with pytest.raises(ValueError, match="128-weight K steps"):
+        q8i8_mma(xq, xd, pw, config=DenseConfig(block_k=64))
+    stream = DenseConfig(block_n=64, block_k=128, num_stages=2, block_m=32, programs_per_sm=1)
     best = best_partials(5, N, device, stream)
     y5 = q8i8_mma(xq[:5], xd[:5], pw, config=stream, best=best)
     tok = torch.empty(5, dtype=torch.int64, device=device)
@@ -177,13 +122,9 @@ def test_q8i8_mma_integer_blocks(device, quant_rows):
 def test_streaming_head_keeps_the_argmax(rows, device, quant_rows):
     """best=: each streaming program's running (value, index) best per row, finished by
     ``sampling.argmax_from_partials``: torch.argmax of the logits (ties across tiles and
-    programs to the lowest index, the first NaN, all -inf), the logits unchanged, both forms."""
-    from workbench.kernels.dense_mma import (
-        best_partials,
-        dense_config,
-        q8_config,
-        q8_dense_mma,
-    )
+    programs to the lowest index, the first NaN, all -inf), the logits unchanged, for the dense
+    head and the int8 head (whose running best is born in the tile store's layout)."""
+    from workbench.kernels.dense_mma import best_partials, dense_config, i8_config, q8i8_mma, quantize_rows_q8
     from workbench.kernels.qmatmul import pack_weights
     from workbench.kernels.quant_tiles import FORMATS, dequant_ref
     from workbench.kernels.sampling import argmax_from_partials
@@ -193,10 +134,15 @@ def test_streaming_head_keeps_the_argmax(rows, device, quant_rows):
     pw = pack_weights(raw.to(device), "Q8_0", N, K)
     w = dequant_ref(raw, "Q8_0", K).reshape(N, K).to(torch.bfloat16).to(device)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(9)).to(device)
-    for fn, wt, cfg in ((dense_mma, w, None), (q8_dense_mma, pw, q8_config(device))):
+    xq, xd = quantize_rows_q8(x)
+
+    def int8(x_, w_, prec, out=None, config=None, best=None):
+        return q8i8_mma(xq, xd, w_, out=out, config=config, best=best)
+
+    for fn, wt, cfg in ((dense_mma, w, dense_config(device)), (int8, pw, i8_config(device, rows))):
         plain = fn(x, wt, "bf16", config=cfg)
         out = torch.empty_like(plain)
-        best = best_partials(rows, N, device, cfg or dense_config(device))
+        best = best_partials(rows, N, device, cfg)
         y = fn(x, wt, "bf16", out=out, config=cfg, best=best)
         assert torch.equal(y, plain)
         tok = argmax_from_partials(*best, torch.empty(rows, dtype=torch.int64, device=device))

@@ -81,27 +81,6 @@ def test_qmma_unsplit_weight_and_config(name, device, quant_rows, monkeypatch):
             assert torch.equal(y[i : i + 1], qmma(x[i : i + 1].clone(), pw, "bf16", config=cfg)), f"row {i}"
 
 
-@pytest.mark.parametrize("name", list(FORMATS))
-@pytest.mark.parametrize("split", [True, False])
-def test_qmma_preload_is_the_same_bits(name, split, device, quant_rows, monkeypatch):
-    """MmaConfig.preload (each K step's bytes fetched a step ahead, decoded when the step comes):
-    bitwise the plain form, with slices of one to four 64-weight steps (a split weight's last
-    slice is partial) and an unsplit weight of eight."""
-    from dataclasses import replace
-
-    if not split:
-        monkeypatch.setattr(qmatmul_mod, "QMATMUL_SPLIT_MAX_N", 0)
-    N, K = SHAPES[name]
-    raw = quant_rows(FORMATS[name], N, K, seed=11, device=device)
-    pw = pack_weights(raw, name, N, K)
-    x = _x(3, K, torch.float32, device, seed=11)
-    plain = MmaConfig(block_n=32, block_k=64)
-    y = qmma(x, pw, "bf16", config=plain)
-    got = qmma(x, pw, "bf16", out=torch.full((3, N), float("nan"), device=device),
-               config=replace(plain, preload=True))
-    assert torch.equal(got, y)
-
-
 def test_qmma_32_row_tiles_are_batch_invariant(device, quant_rows):
     """A config with 32-row tiles: row i of a 35-row call (two tiles) is the 1-row call, and the
     result is reference-close; 16 or 32 only."""
@@ -163,41 +142,3 @@ def test_mma_gemv_pair_is_the_two_launches(m, device, quant_rows):
         launch_mma_gemv_pair(x, wa, part[:, :, :Na], pack_weights(quant_rows(FORMATS["Q8_0"], Nb, 320, 2, device),
                                                                    "Q8_0", Nb, 320), part[:, :, Na:], splits,
                              part.stride(0))
-
-
-@pytest.mark.parametrize("name", list(FORMATS))
-@pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
-def test_qmma_glu_x_is_the_glu_kernels_input(name, act, device, quant_rows):
-    """glu_x: the product forms act(gate) * up from a fused [gate | up] product's split-K partials
-    as it gathers x (the FFN down product without the GLU's launch or fold): bitwise the product
-    of the GLU kernel's output (same sums in slice order, same arithmetic), every row bitwise
-    alone; a bad partial buffer refused."""
-    import triton
-
-    from workbench.kernels.qmma import launch_qmma
-    from workbench.kernels.step_fused import glu_from_parts
-
-    N, K = SHAPES[name]
-    raw = quant_rows(FORMATS[name], N, K, seed=31, device=device)
-    pw = pack_weights(raw, name, N, K)
-    splits = triton.cdiv(K, pw.slice_k)
-    M = 5
-    gen = torch.Generator().manual_seed(32)
-    part = torch.randn(3, M, 2 * K, generator=gen).to(device)  # gate|up partials in 3 slices
-    g = torch.empty(M, K, device=device)
-    glu_from_parts(part, g, act)
-
-    def run(xin, rows, **kw):
-        y = torch.full((splits, rows, N), float("nan"), device=device)
-        launch_qmma(xin, pw, y, splits, y.stride(0), "bf16", **kw)
-        return y
-
-    want = run(g, M)
-    got = run(part, M, glu_x=act)
-    assert torch.equal(got, want)
-    for i in (0, 3):
-        assert torch.equal(run(part[:, i : i + 1].clone(), 1, glu_x=act), got[:, i : i + 1])
-    with pytest.raises(ValueError, match="glu_x takes"):
-        run(part[:, :, :K].contiguous(), M, glu_x=act)
-    with pytest.raises(ValueError, match="glu_x takes"):
-        run(part, M, glu_x="relu")

@@ -57,14 +57,3 @@ def test_argmax_feeds_the_next_inputs(device):
     assert torch.equal(hist.cpu(), want) and inputs[1].tolist() == [12, 2, 101]
     with pytest.raises(ValueError, match="hist needs feed="):
         argmax(x, hist=hist)
-    # host: the token also at host[row, pos % 2] (pinned host memory on a GPU)
-    host = torch.full((3, 2), -1, dtype=torch.int64, pin_memory=device.type == "cuda")
-    tok3 = argmax(x, feed=(inputs[0], inputs[1]), host=host)
-    want = torch.full((3, 2), -1, dtype=torch.int64)
-    for r, p in enumerate([12, 2, 101]):
-        want[r, p % 2] = int(tok3[r])
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    assert torch.equal(host, want)
-    with pytest.raises(ValueError, match="host needs feed="):
-        argmax(x, host=host)

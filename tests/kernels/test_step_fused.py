@@ -117,141 +117,23 @@ def test_glu_folded_into_the_product_is_bitwise_the_separate_kernel(form, name, 
 
 
 def test_pdl_launch_options_follow_the_device_and_the_switch(device):
-    """kernels/pdl.py: PDL only where the GPU and triton have it (sm_90+): 1 (wait, then release)
-    or 2 with EARLY (release, then wait); ENABLED off means none anywhere; enabled() restores the
-    switch."""
+    """kernels/pdl.py: PDL only where the GPU and triton have it (sm_90+); ``enabled(False)``
+    switches it off inside its block, restores it after (also after an error), and refuses
+    nesting (one owner decides for its launches)."""
     from workbench.kernels import pdl
 
     t = torch.zeros(1, device=device)
     on = device.type == "cuda" and pdl._supported(torch.cuda.current_device())
     assert pdl.launch_kw(t) == ({"PDL": 1, "launch_pdl": True} if on else {"PDL": 0})
-    saved, pdl.EARLY = pdl.EARLY, True
-    try:
-        assert pdl.launch_kw(t) == ({"PDL": 2, "launch_pdl": True} if on else {"PDL": 0})
-    finally:
-        pdl.EARLY = saved
     with pdl.enabled(False):
         assert pdl.launch_kw(t) == {"PDL": 0}
-    assert pdl.ENABLED
-    assert pdl.launch_kw(torch.zeros(1)) == {"PDL": 0}  # a CPU tensor never
-
-
-@pytest.mark.parametrize("norm,members", [(True, 1), (False, 2)])
-def test_heads_folded_into_the_qkv_product(norm, members, device, quant_rows):
-    """HeadsEpilogue: the q|k|v product's last program per head does QK-norm + rope + the KV
-    write (qk_rope_kv's work) from its partials: close to the reference, rows bitwise invariant,
-    counters left zero. ``members`` 2: q|k and v as two launches (two formats in the model)."""
-    from workbench.kernels import qmma
-    from workbench.kernels.qmatmul import HeadsEpilogue, num_k_splits, pack_weights
-    from workbench.kernels.quant_tiles import FORMATS
-
-    Hq, Hkv, D, K, S, L = 2, 1, 128, 512, 3, 16
-    N = (Hq + 2 * Hkv) * D
-    raw = quant_rows(FORMATS["Q5_0"], N, K, seed=4, device=device)
-    cuts = [(0, N)] if members == 1 else [(0, (Hq + Hkv) * D), ((Hq + Hkv) * D, N)]
-    parts = [(lo, pack_weights(raw[lo:hi].contiguous(), "Q5_0", hi - lo, K)) for lo, hi in cuts]
-    gen = torch.Generator().manual_seed(6)
-    qn = _r(D, gen=gen, device=device) if norm else None
-    kn = _r(D, gen=gen, device=device) if norm else None
-    inv = (1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))).to(device)
-    counters = torch.zeros(64, dtype=torch.int32, device=device)
-
-    def run(x, seq, pos):
-        M = x.shape[0]
-        splits = num_k_splits(N, K)
-        part = torch.full((splits, M, N), float("nan"), device=device)
-        q = torch.full((M, Hq, D), float("nan"), device=device)
-        kp = torch.zeros(S, L, Hkv, D, device=device)
-        vp = torch.zeros(S, L, Hkv, D, device=device)
-        h = HeadsEpilogue(q, kp, vp, seq, pos, qn, kn, inv, 1e-6, counters)
-        for lo, pw in parts:
-            qmma.launch_qmma(x, pw, part[:, :, lo:], num_k_splits(pw.N, K), part.stride(0), "tf32x3", heads=h, col0=lo)
-        return part, q, kp, vp
-
-    x = torch.randn(5, K, generator=gen).to(device)
-    seq = torch.tensor([0, 2, 1, 0, 2], dtype=torch.int32, device=device)
-    pos = torch.tensor([3, 0, 7, 9, 15], dtype=torch.int32, device=device)
-    part, q, kp, vp = run(x, seq, pos)
-    want_q, want_k, want_v = qk_rope_kv_ref(part, Hq, Hkv, D, pos, qn, kn, inv, 1e-6)
-    torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(kp[seq.long(), pos.long()], want_k, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(vp[seq.long(), pos.long()], want_v, rtol=1e-5, atol=1e-5)
-    assert int(counters.abs().sum()) == 0
-    _, q3, kp3, vp3 = run(x[3:4].clone(), seq[3:4].clone(), pos[3:4].clone())
-    assert torch.equal(q3, q[3:4])
-    assert torch.equal(kp3[0, 9], kp[0, 9]) and torch.equal(vp3[0, 9], vp[0, 9])
-
-
-@pytest.mark.parametrize("name,post,rows", [("Q8_0", True, 5), ("Q4_K", False, 18)])
-def test_add_norm_folded_into_the_product(name, post, rows, device, quant_rows):
-    """NormEpilogue: the product's last programs sum its partials per column tile, then the last
-    of those per row tile adds the rows into the residual and writes the next norm (add_rmsnorm's
-    work): close to the reference, rows bitwise invariant, counters left zero. 18 rows: two
-    16-row tiles, each finished by its own last program."""
-    from workbench.kernels import qmma
-    from workbench.kernels.qmatmul import NormEpilogue, num_k_splits, pack_weights
-    from workbench.kernels.quant_tiles import FORMATS
-
-    N, K = 192, 768
-    raw = quant_rows(FORMATS[name], N, K, seed=7, device=device)
-    pw = pack_weights(raw, name, N, K)
-    splits = num_k_splits(N, K)
-    assert splits > 1
-    gen = torch.Generator().manual_seed(8)
-    wp = _r(N, gen=gen, device=device) if post else None
-    wn = _r(N, gen=gen, device=device)
-    counters = torch.zeros(64, dtype=torch.int32, device=device)
-
-    def run(a, x):
-        M = a.shape[0]
-        part = torch.full((splits, M, N), float("nan"), device=device)
-        x, h = x.clone(), torch.full((M, N), float("nan"), device=device)
-        qmma.launch_qmma(a, pw, part, splits, part.stride(0), "tf32x3", norm=NormEpilogue(x, h, wp, wn, 1e-6, counters))
-        return part, x, h
-
-    a = torch.randn(rows, K, generator=gen).to(device)
-    x0 = _r(rows, N, gen=gen, device=device)
-    part, x, h = run(a, x0)
-    plain = torch.empty_like(part)
-    qmma.launch_qmma(a, pw, plain, splits, plain.stride(0), "tf32x3")
-    want_x, want_h = add_rmsnorm_ref(x0, plain, wp, wn, 1e-6)
-    torch.testing.assert_close(x, want_x, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(h, want_h, rtol=1e-5, atol=1e-5)
-    assert int(counters.abs().sum()) == 0
-    for i in (0, rows - 1):
-        _, xi, hi = run(a[i : i + 1].clone(), x0[i : i + 1])
-        assert torch.equal(xi, x[i : i + 1]) and torch.equal(hi, h[i : i + 1])
-
-
-def test_weights_before_the_wait_change_no_bit(device, monkeypatch):
-    """WEIGHT_LOADS: the norm weights and x (add+norm) and the rope's positions, cos / sin and
-    QK-norm weights (QK-norm/rope) loaded where first used, right after the PDL wait or before
-    it: the same bits, for x, h, q and the pools; an unknown form is refused."""
-    from workbench.kernels import step_fused
-
-    gen = torch.Generator().manual_seed(9)
-    R, E, splits = 3, 72, 2
-    x = _r(R, E, gen=gen, device=device)
-    part = _r(splits, R, E, gen=gen, device=device)
-    w_post, w_next = _r(E, gen=gen, device=device), _r(E, gen=gen, device=device)
-    Hq, Hkv, D = 2, 1, 16
-    qpart = _r(splits, R, (Hq + 2 * Hkv) * D, gen=gen, device=device)
-    seq = torch.tensor([1, 0, 2], dtype=torch.int32, device=device)
-    pos = torch.tensor([3, 0, 9], dtype=torch.int32, device=device)
-    inv = (1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))).to(device)
-    qn, kn = _r(D, gen=gen, device=device), _r(D, gen=gen, device=device)
-    got = {}
-    for pre in step_fused.WEIGHT_LOADS_FORMS:
-        monkeypatch.setattr(step_fused, "WEIGHT_LOADS", pre)
-        xs, h = x.clone(), torch.empty(R, E, device=device)
-        add_rmsnorm(xs, part, w_post, w_next, h, 1e-6)
-        q = torch.empty(R, Hq, D, device=device)
-        kp, vp = torch.zeros(3, 12, Hkv, D, device=device), torch.zeros(3, 12, Hkv, D, device=device)
-        qk_rope_kv(qpart, q, kp, vp, seq, pos, qn, kn, inv, 1e-6)
-        got[pre] = (xs, h, q, kp, vp)
-    for form in ("after_wait", "before_wait"):
-        for a, b in zip(got[form], got["in_order"], strict=True):
-            assert torch.equal(a, b)
-    monkeypatch.setattr(step_fused, "WEIGHT_LOADS", "early")
-    with pytest.raises(ValueError, match="WEIGHT_LOADS='early' is not allowed"):
-        add_rmsnorm(x.clone(), part, w_post, w_next, torch.empty(R, E, device=device), 1e-6)
+        with pytest.raises(RuntimeError, match="does not nest"):
+            with pdl.enabled(True):
+                pass
+        assert pdl.launch_kw(t) == {"PDL": 0}
+    with pytest.raises(KeyError):
+        with pdl.enabled(False):
+            raise KeyError("inside")
+    assert pdl.launch_kw(t) == ({"PDL": 1, "launch_pdl": True} if on else {"PDL": 0})
+    with pdl.enabled(True):  # (usable again after the error)
+        assert pdl.launch_kw(torch.zeros(1)) == {"PDL": 0}  # a CPU tensor never

@@ -1,0 +1,217 @@
+"""Decode steps as CUDA graphs: one per (row bucket, attention-segment bucket), with the greedy
+tokens fed back on the device and the next step launched ahead.
+
+* Rows are padded to a bucket (1, 2, 4, ..., 64); a padded row reads token 0 at position 0 and
+  writes its K/V into the pool's scratch slot. The graph's inputs (token, position, slot per
+  row) live in one device buffer that the engine fills before a replay.
+* The graph ends with the argmax of every row (its first stage kept by the head's programs where
+  the head form allows, `LayerLoop.head_best_partials`), which also writes each row's token and
+  position + 1 as the next step's inputs and keeps the token in a per-row record by position
+  (`decode_loop` reads the record once per `graph_history` steps).
+* Run-ahead: in a greedy steady state the next step's graph is launched before this one's
+  tokens are returned; the next call uses that launch only if its segments are exactly the ones
+  launched, otherwise the stream order makes it overwrite whatever the early launch wrote.
+* "emulate": the same path replayed eagerly, so that the CPU tests cover buckets, padding, the
+  scratch slot and the device-fed tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..kernels.sampling import argmax, argmax_from_partials
+from ..scheduler import Segment
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode rows per captured graph
+
+
+class _Eager:
+    """Stands in for a CUDA graph: replay() runs the captured body eagerly."""
+
+    def __init__(self, body):
+        self._body = body
+        self.launches = 0
+
+    def replay(self) -> None:
+        self.launches = self._body()
+
+
+@dataclass
+class _Graph:
+    graph: object  # torch.cuda.CUDAGraph, or _Eager
+    bucket: int
+    nseg: int
+    launches: int = 0  # kernel launches of one replay (counted at capture; _Eager: at each replay)
+
+    def replay(self) -> None:
+        self.graph.replay()
+        if isinstance(self.graph, _Eager):
+            self.launches = self.graph.launches
+
+
+def pow2_at_least(n: int, lo: int) -> int:
+    return max(lo, triton.next_power_of_2(max(1, n)))
+
+
+class DecodeGraphs:
+    """The graphs of one runner over its layer loop and KV pool (which it reads at call time:
+    the pool's growth clears the graphs, ``clear``)."""
+
+    def __init__(self, loop, kv, device: torch.device, *, emulate: bool, share_pool: bool, segment: int,
+                 history: int):
+        self.loop, self.kv, self.device = loop, kv, device
+        self.emulate = emulate
+        self.share_pool = share_pool  # (cuBLAS, the comparison variant, tripped the allocator with a shared pool)
+        self.segment = segment
+        self.history = history
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool = None
+        self.inputs: torch.Tensor | None = None  # int32 [3, B]: token, position, slot per graph row
+        self.tokens: torch.Tensor | None = None  # int64 [B]: each row's greedy token
+        self.logits: torch.Tensor | None = None  # float32 [B, vocab]
+        self.record: torch.Tensor | None = None  # int64 [B, history]: each row's token by position % history
+        self._tok_host: torch.Tensor | None = None
+        self.ahead: tuple | None = None  # the (slot, position, token) rows of a step launched early
+        self.ahead_launched = 0  # steps launched early, and of those used by the next call
+        self.ahead_used = 0
+        self.launches = 0  # kernel launches of the last replay
+
+    @staticmethod
+    def takes(forward: Sequence[Segment]) -> bool:
+        """Whether this forward is a decode step a graph runs (one sampled token per row, at most
+        the largest bucket of rows)."""
+        return len(forward) <= BUCKETS[-1] and all(len(s.token_ids) == 1 and s.samples for s in forward)
+
+    def clear(self) -> None:
+        self._graphs.clear()
+
+    @property
+    def keys(self) -> list[tuple[int, int]]:
+        return sorted(self._graphs)
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self, forward: Sequence[Segment], max_context: dict[int, int], argmax_slots: frozenset[int],
+             ahead: bool, launched: tuple | None) -> list[int] | None:
+        """Replay (or find already launched) the graph of this decode step. Returns the greedy
+        tokens where the next step was launched ahead (every row greedy, ``ahead`` set, room
+        left), else None (the step's tokens and logits are in ``tokens`` / ``logits``)."""
+        n = len(forward)
+        max_pos = max(s.start_pos for s in forward)
+        key = tuple((s.slot_id, s.start_pos, s.token_ids[0]) for s in forward)
+        if launched is not None and launched == key:
+            self.ahead_used += 1
+        else:
+            g = self.graph_for(n, max_pos)
+            self.fill(forward, g.bucket)
+            g.replay()
+            self.launches = g.launches
+        if ahead and all(s.slot_id in argmax_slots and s.start_pos + 2 <= max_context[s.slot_id] for s in forward) \
+                and max_pos + 1 < self.kv.length:
+            toks = self._tokens_then_next(n, max_pos + 1)
+            self.ahead = tuple((sl, p + 1, t) for (sl, p, _), t in zip(key, toks))
+            self.ahead_launched += 1
+            return toks
+        return None
+
+    def _tokens_then_next(self, n: int, next_max_pos: int) -> list[int]:
+        """This step's n greedy tokens, copied to the host before the next step's graph (whose
+        inputs the graph has written) is launched; returns them once the copy is done."""
+        done = torch.cuda.Event() if self.device.type == "cuda" else None
+        if self._tok_host is None:
+            self._tok_host = torch.empty(BUCKETS[-1], dtype=torch.int64, pin_memory=done is not None)
+        self._tok_host[:n].copy_(self.tokens[:n], non_blocking=True)
+        if done is not None:
+            done.record()
+        self.graph_for(n, next_max_pos).replay()  # (a first capture synchronizes; the inputs are kept)
+        if done is not None:
+            done.synchronize()
+        return self._tok_host[:n].tolist()
+
+    # -- the benchmark fast path ------------------------------------------------------------------
+    def decode_loop(self, segs: Sequence[Segment], steps: int) -> torch.Tensor:
+        """Greedy decode ``steps`` tokens for ``segs`` (one token each, already prefilled) by
+        chained replays, the tokens fed back on the device. int64 [steps, len(segs)]."""
+        n = len(segs)
+        g = self.graph_for(n, max(s.start_pos for s in segs) + steps - 1)
+        self.fill(segs, g.bucket)
+        # the graph's argmax keeps each row's token at record[row, pos % H]: replays back to back,
+        # no copy between them, in chunks of at most H steps
+        out = torch.empty((steps, n), dtype=torch.int64, device=self.device)
+        H = self.record.shape[1]
+        start = torch.tensor([s.start_pos for s in segs], dtype=torch.int64, device=self.device)
+        for t0 in range(0, steps, H):
+            k = min(H, steps - t0)
+            for _ in range(k):
+                g.replay()
+            at = (start[:, None] + t0 + torch.arange(k, device=self.device)[None, :]) % H
+            out[t0 : t0 + k] = torch.gather(self.record[:n], 1, at).T
+        self.launches = g.launches
+        return out
+
+    # -- capture --------------------------------------------------------------------------------
+    def graph_for(self, rows: int, max_pos: int) -> _Graph:
+        bucket = next(b for b in BUCKETS if b >= rows)
+        seg = self.segment
+        nseg = min(pow2_at_least(-(-(max_pos + 1) // seg), 1), self.kv.length // seg)
+        g = self._graphs.get((bucket, nseg))
+        if g is not None:
+            return g
+        self._buffers()
+        if self.emulate:
+            g = self._graphs[(bucket, nseg)] = _Graph(_Eager(lambda: self._body(bucket, nseg * seg - 1)), bucket, nseg)
+            return g
+        torch.cuda.synchronize()
+        saved = self.inputs.clone()
+        self._pad(bucket)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile and warm up outside the capture
+            self._body(bucket, nseg * seg - 1)
+        torch.cuda.current_stream().wait_stream(side)
+        self._pad(bucket)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool if self.share_pool else None):
+            launches = self._body(bucket, nseg * seg - 1)
+        torch.cuda.synchronize()
+        self.inputs.copy_(saved)
+        g = self._graphs[(bucket, nseg)] = _Graph(graph, bucket, nseg, launches)
+        return g
+
+    def _body(self, bucket: int, max_pos: int) -> int:
+        """One decode step of ``bucket`` rows into the graph's buffers; its launch count."""
+        loop = self.loop
+        loop.launches = 0
+        ids, pos, seq = self.inputs[0, :bucket], self.inputs[1, :bucket], self.inputs[2, :bucket]
+        best = loop.head_best_partials(bucket)
+        loop.forward(ids, pos, seq, bucket, max_pos, self.kv.k, self.kv.v, logits_out=self.logits[:bucket],
+                     decode_graph=True, head_best=best)
+        # greedy fast path: the next step's inputs (token, position + 1) written on the device by
+        # the argmax's last launch (the engine overwrites them where it feeds other inputs)
+        record = self.record[:bucket]
+        if best is not None:  # (the head's programs kept the first stage)
+            argmax_from_partials(*best, out=self.tokens[:bucket], feed=(ids, pos), hist=record)
+        else:
+            argmax(self.logits[:bucket], out=self.tokens[:bucket], feed=(ids, pos), hist=record)
+        return loop.launches + (1 if best is not None else 2)
+
+    def _buffers(self) -> None:
+        if self.inputs is None:
+            B = BUCKETS[-1]
+            self.inputs = torch.zeros((3, B), dtype=torch.int32, device=self.device)
+            self.tokens = torch.zeros(B, dtype=torch.int64, device=self.device)
+            self.record = torch.zeros((B, self.history), dtype=torch.int64, device=self.device)
+            self.logits = torch.zeros((B, self.loop.vocab), dtype=torch.float32, device=self.device)
+            self._pool = None if self.emulate else torch.cuda.graph_pool_handle()
+
+    def _pad(self, bucket: int) -> None:
+        self.inputs[:, :bucket] = 0
+        self.inputs[2, :bucket] = self.kv.scratch_slot
+
+    def fill(self, forward: Sequence[Segment], bucket: int) -> None:
+        """The graph's inputs for these decode rows (padded rows: the scratch slot)."""
+        self._buffers()
+        self.inputs[:, :bucket].copy_(self.kv.decode_tables(forward, bucket))
