@@ -34,28 +34,11 @@ export STAGES=${STAGES:-default,cublas,exact,exact 32,engine,profile}
 timeout ${MAIN_S:-330} python3 scripts/gpu_bench.py main --model "$MODEL" --out "$OUT" 2>&1 | tee "$OUT/main.log"
 stamp workbench_bench
 # the project's own benchmark command, through Engine (greedy tokens from the device argmax);
-# WB_OPTIONS='head_matmul=dense,pdl=false,...': TritonOptions for its triton engines (parsed and
-# checked first: a bad name or value is one line and exit 2). Until `workbench bench` takes the
-# options itself, the wrapper below gives every triton Engine of the run these options.
-timeout ${WB_S:-120} python3 -c "import dataclasses, sys
-from workbench import engine
-from workbench.errors import WorkbenchError
-from workbench.runners.triton_options import TritonOptions
-try:
-    opts = TritonOptions.parse(sys.argv[1])
-except WorkbenchError as e:
-    print(f'workbench: error: WB_OPTIONS: {e}', file=sys.stderr)
-    sys.exit(2)
-init = engine.Engine.__init__
-def with_options(self, model, config=None, **kw):
-    if config is not None and config.backend == 'triton':
-        head = config.head_matmul or opts.head_matmul
-        config = dataclasses.replace(config, head_matmul=None, triton=dataclasses.replace(opts, head_matmul=head))
-    init(self, model, config, **kw)
-engine.Engine.__init__ = with_options
-print('workbench bench with', opts.changed() or 'the default options', flush=True)
-from workbench.cli import main
-sys.exit(main(sys.argv[2:]))" "${WB_OPTIONS:-}" bench --backend triton --model "$MODEL" --concurrency ${WB_C:-1,4,16,32} \
+# WB_OPTIONS='head_matmul=dense,pdl=false,...': its --triton-options (TritonOptions; a bad name or
+# value is one line and exit 2, before any work; the run's params record them as triton_options)
+echo "workbench bench, triton options: ${WB_OPTIONS:-default}"
+timeout ${WB_S:-120} python3 -m workbench.cli bench --backend triton --triton-options "${WB_OPTIONS:-}" \
+    --model "$MODEL" --concurrency ${WB_C:-1,4,16,32} \
     --prompt-len 128 --gen 128 --repeats 2 --data-dir /tmp/wbruns 2>&1 | tail -12
 (cd /tmp/wbruns && tar czf "$OUT/wbruns.tgz" .) 2>/dev/null
 stamp hf

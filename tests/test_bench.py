@@ -29,6 +29,58 @@ def test_bench_writes_tidy_rows(tiny_gguf, tmp_path):
     assert run.manifest["status"] == "complete"
 
 
+def test_options_text_reads_back_and_goes_into_the_params(tiny_gguf, tmp_path):
+    """The run's params record the triton options that differ from the defaults as text that
+    TritonOptions.parse reads back ("default" for none); the torch backend refuses options."""
+    import pytest
+
+    from workbench.bench import options_text
+    from workbench.errors import ConfigError
+    from workbench.runners.triton_options import TritonOptions
+
+    assert options_text(TritonOptions()) == ""
+    for opts in (TritonOptions(pdl=False, graphs="emulate", layer_forms={}),
+                 TritonOptions(head_matmul="dense", layer_forms={"Q4_K": "gemv", "Q8_0": "mma"}, attn_segment=32,
+                               kv_dtype="bfloat16", graphs=False, graph_history=7)):
+        text = options_text(opts)
+        assert TritonOptions.parse(text) == opts and text.split(",")[0].startswith(opts.changed()[0] + "=")
+    m = load_model(tiny_gguf("gemma3"), dtype="bfloat16")
+    run, _ = run_bench(m, concurrency=[1], prompt_len=4, gen=2, chunk=None, repeats=1, data_dir=str(tmp_path),
+                       progress=lambda line: None)
+    assert run.manifest["params"]["triton_options"] == "default"
+    assert pl.read_parquet(run.path / "summary.parquet")["triton_options"].to_list() == ["default"]
+    with pytest.raises(ConfigError, match=r"triton options \(pdl\) are the triton backend's"):
+        run_bench(m, concurrency=[1], prompt_len=4, gen=2, chunk=None, repeats=1, data_dir=str(tmp_path / "x"),
+                  triton=TritonOptions(pdl=False), progress=lambda line: None)
+    assert not (tmp_path / "x").exists() or not list((tmp_path / "x").rglob("*.parquet"))
+
+
+def test_triton_options_reach_every_engine_of_the_run(tiny_gguf, tmp_path, monkeypatch):
+    """`workbench bench --backend triton --triton-options ...`: every engine of the run (warm-up
+    included) gets the options, --head-matmul joins them, and the params record both."""
+    from workbench import engine as engine_mod
+    from workbench.cli import main
+    from workbench.runners.triton_options import TritonOptions
+
+    seen = []
+    init = engine_mod.Engine.__init__
+
+    def spy(self, model, config=None, **kw):
+        seen.append(config.triton)
+        init(self, model, config, **kw)
+
+    monkeypatch.setattr(engine_mod.Engine, "__init__", spy)
+    assert main(["bench", "--backend", "triton", "--triton-options", "graphs=emulate,attn_segment=32,pdl=false",
+                 "--head-matmul", "dense", "--model", str(tiny_gguf("gemma3")), "--concurrency", "1",
+                 "--prompt-len", "4", "--gen", "2", "--data-dir", str(tmp_path), "--no-progress"]) == 0
+    want = TritonOptions(graphs="emulate", attn_segment=32, pdl=False, head_matmul="dense")
+    assert seen == [want, want]  # (the warm-up, then the measurement)
+    (manifest,) = tmp_path.rglob("manifest.json")
+    frame = pl.read_parquet(manifest.parent / "summary.parquet")
+    assert frame["triton_options"].to_list() == ["graphs=emulate,head_matmul=dense,attn_segment=32,pdl=false"]
+    assert frame["head_matmul"].to_list() == ["dense"]
+
+
 def test_floor_bytes_are_what_a_step_reads(tiny_model):
     """The bandwidth floor counts the weights a decode step reads: the resident bytes minus the
     embedding table, of which a step gathers only its rows."""

@@ -121,6 +121,33 @@ def test_bench_head_matmul_needs_the_triton_backend(tiny_gguf, tmp_path):
     assert not list(tmp_path.rglob("*.parquet"))
 
 
+def test_bench_triton_options_need_the_triton_backend(tiny_gguf, tmp_path):
+    """--triton-options are the triton backend's: with the torch backend one line naming the
+    options, exit 2, no run written."""
+    one_line_error(run("bench", "--model", str(tiny_gguf("gemma3")), "--triton-options", "pdl=false,fuse_glu=off",
+                       "--concurrency", "1", "--prompt-len", "4", "--gen", "2", "--data-dir", str(tmp_path)),
+                   "triton options (pdl, fuse_glu) are the triton backend's: allowed with backend='triton' only")
+    assert not list(tmp_path.rglob("*.parquet"))
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("pdl=maybe", "pdl='maybe' is not allowed: allowed True, False"),
+    ("attn_segment=48", "attn_segment=48 is not allowed: allowed 32, 64, 128, 256"),
+    ("bogus=1", "unknown triton option 'bogus'; valid options: graphs, head_matmul,"),
+    ("layer_forms=Q8_0:fast", "layer_forms['Q8_0']='fast' is not allowed: allowed mma, gemv"),
+    ("pdl", "triton option 'pdl' is not name=value"),
+])
+def test_bench_bad_triton_options(text, needle, tmp_path, capsys):
+    """A bad name or value in --triton-options: one line naming the field and what is allowed,
+    exit 2, before any model is read (the model path does not exist)."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--backend", "triton", "--triton-options", text, "--model", str(tmp_path / "absent.gguf")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("workbench bench: error: argument --triton-options: "), err
+    assert needle in err, err
+
+
 # ---- help, --version ------------------------------------------------------------------------
 
 

@@ -49,11 +49,13 @@ def bench_prompts(model, num: int, prompt_len: int) -> list[list[int]]:
 
 
 def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | None, policy: str = "decode-first",
-            backend: str = "torch", head_matmul: str | None = None):
-    from .engine import Engine, EngineConfig
+            backend: str = "torch", head_matmul: str | None = None, triton=None):
+    """One measurement. ``triton``: the triton backend's ``TritonOptions`` (None: the defaults)."""
+    from .engine import Engine
+    from .engine_config import EngineConfig, TritonOptions
 
     cfg = EngineConfig(max_concurrency=concurrency, chunk_size=chunk, policy=policy, dtype=model.dtype_name,
-                       backend=backend, head_matmul=head_matmul)
+                       backend=backend, head_matmul=head_matmul, triton=triton or TritonOptions())
     engine = Engine(model, cfg)
     prompts = bench_prompts(model, concurrency, prompt_len)
     warm_steps = 0
@@ -97,12 +99,16 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
 
 def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk: int | None,
               repeats: int, data_dir: str, backend: str = "torch", head_matmul: str | None = None,
-              progress=print) -> tuple[object, list[dict]]:
-    from .engine_config import EngineConfig
+              triton=None, progress=print) -> tuple[object, list[dict]]:
+    """``triton``: the triton backend's ``TritonOptions`` for every engine of the run (None: the
+    defaults); the run's params record the options that differ from them (``triton_options``)."""
+    from .engine_config import EngineConfig, TritonOptions
     from .hardware import measure_copy_bandwidth
     from .runstore import RunStore
 
-    EngineConfig(backend=backend, head_matmul=head_matmul)  # (a bad combination: one line, before any work)
+    # (a bad combination: one line, before any work)
+    config = EngineConfig(backend=backend, head_matmul=head_matmul, triton=triton or TritonOptions())
+    opts = dict(triton=config.triton)  # (head_matmul included: EngineConfig keeps the two in step)
 
     if prompt_len + gen > model.config.context_length:
         raise WorkbenchError(
@@ -113,7 +119,8 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
         "model_sha256": model.source.index.sha256,
         "dtype": model.dtype_name,
         "backend": backend,
-        "head_matmul": head_matmul or "default",
+        "head_matmul": config.head_matmul or "default",
+        "triton_options": options_text(config.triton) or "default",
         "prompt_len": prompt_len,
         "gen": gen,
         "chunk": chunk if chunk is not None else "auto",
@@ -125,14 +132,15 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
     num = len(concurrency) * repeats
     progress(f"bench: {num} measurement{'s' if num != 1 else ''} (concurrency {','.join(map(str, concurrency))}"
              f" x {repeats} repeat{'s' if repeats != 1 else ''}), prompt {prompt_len} tokens, gen {gen} tokens, "
-             f"backend {backend}, {model.dtype_name}")
+             f"backend {backend}, {model.dtype_name}"
+             + (f", triton options {options_text(config.triton)}" if config.triton.changed() else ""))
     import torch
 
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     bw = measure_copy_bandwidth(device)
     progress(f"copy bandwidth ({device}) {bw / 1e9:.1f} GB/s; warming up")
     # warm-up: allocators, thread pools, first-touch of the weights, kernel compilation
-    measure(model, 1, min(prompt_len, 32), 4, chunk, backend=backend, head_matmul=head_matmul)
+    measure(model, 1, min(prompt_len, 32), 4, chunk, backend=backend, **opts)
     rows = []
     solo_tokens = None
     store = RunStore(data_dir)
@@ -140,7 +148,7 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
         for c in concurrency:
             for r in range(repeats):
                 t_measure = time.perf_counter()
-                m, toks = measure(model, c, prompt_len, gen, chunk, backend=backend, head_matmul=head_matmul)
+                m, toks = measure(model, c, prompt_len, gen, chunk, backend=backend, **opts)
                 if c == 1 and solo_tokens is None:
                     solo_tokens = toks[0]
                 floor = c * bw / m["weight_bytes"]
@@ -164,6 +172,17 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
         run.write_rows("summary", rows)
     progress(f"bench: {num} measurement{'s' if num != 1 else ''} in {format_duration(time.perf_counter() - started)}")
     return run, rows
+
+
+def options_text(options) -> str:
+    """The options that differ from the defaults, as ``TritonOptions.parse`` reads them back
+    ("name=value,..."; "" for the defaults)."""
+    def value(name: str, v) -> str:
+        if name == "layer_forms":
+            return "+".join(f"{fmt}:{form}" for fmt, form in v)
+        return "none" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+    return ",".join(f"{name}={value(name, getattr(options, name))}" for name in options.changed())
 
 
 def format_table(rows: list[dict]) -> str:
@@ -200,15 +219,30 @@ def _cmd_bench(args) -> int:
     model = load_model(args.model, dtype=args.dtype)
     run, rows = run_bench(model, concurrency=args.concurrency, prompt_len=args.prompt_len, gen=args.gen,
                           chunk=args.chunk, repeats=args.repeats, data_dir=args.data_dir, backend=args.backend,
-                          head_matmul=args.head_matmul, progress=progress if args.progress else lambda line: None)
+                          head_matmul=args.head_matmul, triton=args.triton_options,
+                          progress=progress if args.progress else lambda line: None)
     print(format_table(rows))
     print(f"results: {run.path}")
     return 0
 
 
+def _triton_options(text: str):
+    """--triton-options' type: ``TritonOptions.parse``, its one-line error as argparse's."""
+    import argparse
+
+    from .engine_config import ConfigError, TritonOptions
+
+    try:
+        return TritonOptions.parse(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def register_cli(sub) -> None:
+    from dataclasses import fields
+
     from .cli import add_model_args, int_list, int_range
-    from .engine_config import HEAD_MATMULS
+    from .engine_config import HEAD_MATMULS, TritonOptions
 
     p = sub.add_parser(
         "bench", help="throughput at several concurrencies (tidy parquet in the run store)",
@@ -232,5 +266,10 @@ def register_cli(sub) -> None:
     p.add_argument("--head-matmul", default=None, choices=list(HEAD_MATMULS),
                    help="triton: the output head's form (default: int8 MMAs for a bfloat16 engine's Q8_0 head, "
                         "llama.cpp's numerics; 'dense': its dequantized copy)")
+    p.add_argument("--triton-options", type=_triton_options, default=None, metavar="NAME=VALUE,...",
+                   help="triton: the runner's options (TritonOptions, workbench/runners/triton_options.py: "
+                        f"{', '.join(f.name for f in fields(TritonOptions))}), e.g. 'pdl=false,attn_segment=32'; "
+                        "booleans true/false, layer_forms as Q8_0:gemv+Q4_K:mma (default: the measured best, "
+                        "docs/GPU_NOTES.md)")
     add_model_args(p)
     p.set_defaults(func=_cmd_bench)

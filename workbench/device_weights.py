@@ -1,7 +1,8 @@
 """The model's weights on the device, as `TritonRunner` multiplies them.
 
 Each GGUF tensor goes to the device as its own blocks (never dequantized), regrouped once into
-packed planes (`kernels.qmatmul.pack_weights`, same bits) unless the runner uses the raw form.
+packed planes (`kernels.qmatmul.pack_weights`, same bits); only the embedding table (and a tied
+head beside its planes) keeps its GGUF bytes, for the embedding gather.
 Each weight gets the product kernel it will always take (its `form`), chosen here by format
 and role, never by the row count of a call: that is what keeps a row's result independent of
 the batch. Same-format projections of one input are fused by concatenating rows (q|k|v when
@@ -14,7 +15,6 @@ unchanged by a common permutation of q and k, and V is not permuted.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,14 +26,15 @@ from .model import Model
 
 @dataclass
 class QWeight:
-    raw: torch.Tensor | None  # uint8 [N, row_bytes] GGUF blocks on the device (None once packed)
+    raw: torch.Tensor | None  # uint8 [N, row_bytes] GGUF blocks on the device (None once packed, but the table's)
     fmt: object  # kernels.quant_tiles.QuantFormat
     N: int
     K: int
     splits: int
     k_split: int = 0  # weights per K slice where splits > 1 (its product's: kernels.qmatmul.k_slice)
-    packed: object = None  # kernels.qmatmul.PackedWeight unless the form is "raw"
-    form: str = "raw"  # the product kernel this weight always takes: "mma", "gemv", "raw" or "dense"
+    packed: object = None  # kernels.qmatmul.PackedWeight (None: the embedding table, the dense head)
+    form: str = "gather"  # the product kernel this weight always takes: "mma" or "gemv", the head's
+    # "dense" or "q8i8"; "gather": the embedding table (its GGUF bytes, gathered by row)
     dense: torch.Tensor | None = None  # form "dense" (the head): the dequantized [N, K] for kernels.dense_mma
 
 
@@ -67,18 +68,17 @@ class DevLayer:
 class DeviceWeights:
     layers: list[DevLayer]
     embed: QWeight  # raw blocks, for the embedding gather
-    head: Proj  # one member, unsplit (the logits are written directly); packed unless raw form
+    head: Proj  # one member, unsplit (the logits are written directly): the dense copy or packed planes
     output_norm: torch.Tensor
     nbytes: int  # device bytes of all of the above
     step_bytes: int  # what one decode step reads: all but the embedding table (rows are gathered)
 
 
-def load_device_weights(model: Model, device: torch.device, *, matmul: str, layer_forms: dict[str, str],
+def load_device_weights(model: Model, device: torch.device, *, layer_forms: dict[str, str],
                         head_form: str, dense: str = "quant") -> DeviceWeights:
-    """Every weight of ``model`` on ``device`` in the runner's layout. ``matmul``: the layers'
-    form ("raw" keeps GGUF bytes, else packed planes), ``layer_forms``: per-format overrides,
-    ``head_form``: the head's ("dense": dequantized once, for ``kernels.dense_mma``; "q8dense" and
-    "q8f16": a Q8_0 head's packed planes for ``kernels.dense_mma.q8_dense_mma``; "q8i8": the same
+    """Every weight of ``model`` on ``device`` in the runner's layout. ``layer_forms``: the
+    layers' form per format ("mma" or "gemv"; a format not named takes "mma"), ``head_form``: the
+    head's ("dense": dequantized once, for ``kernels.dense_mma``; "q8i8": a Q8_0 head's packed
     planes for ``kernels.dense_mma.q8i8_mma``).
     ``dense="cublas_bf16"`` also keeps bf16 copies for the non-invariant comparison variant."""
     from .kernels import qmatmul as qm
@@ -86,7 +86,8 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
 
     c = model.config
     g = model.source
-    packed = matmul != "raw"
+    if head_form not in ("dense", "q8i8"):
+        raise WorkbenchError(f"head_form={head_form!r} is not allowed: allowed dense, q8i8")
     d = c.head_dim
     perm = None if c.rope_neox else torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
     nbytes = 0
@@ -126,14 +127,10 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
         splits = -(-K // ks)
         for _, w in parts:
             w.splits, w.k_split = splits, ks
-            w.raw = w.raw.contiguous().to(device)
-            if packed:
-                w.packed = qm.pack_weights(w.raw, w.fmt.name, w.N, K, k_split=ks)
-                w.raw = None
-                w.form = layer_forms.get(w.fmt.name, matmul)
-                nbytes += w.packed.nbytes
-            else:
-                nbytes += w.raw.numel()
+            w.packed = qm.pack_weights(w.raw.contiguous().to(device), w.fmt.name, w.N, K, k_split=ks)
+            w.raw = None
+            w.form = layer_forms.get(w.fmt.name, "mma")
+            nbytes += w.packed.nbytes
         dw = dense_w.to(torch.bfloat16).to(device) if dense == "cublas_bf16" else None
         return Proj(parts, off, K, splits, dw)
 
@@ -177,26 +174,21 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
     table_bytes = emb.raw.numel()
     if c.tied_output:
         head = QWeight(emb.raw, emb.fmt, emb.N, emb.K, 1)
-        if not packed:  # the raw form's head reads the table itself
-            table_bytes = 0
     else:
         head = raw("output.weight")
         head.raw = head.raw.to(device)
-        if not packed:
-            nbytes += head.raw.numel()
     head.splits = 1  # one K pass: the logits are written directly (a shape-only choice)
-    if packed and head_form == "dense":  # the values the packed decode makes (bf16(d * q)), once
+    if head_form == "dense":  # the values the packed decode makes (bf16(d * q)), once
         head.dense = model.head.to(device).contiguous()  # (the model's compute dtype: the products' precision)
         head.form = "dense"
         nbytes += head.dense.numel() * head.dense.element_size()
-    elif packed and head_form in ("q8dense", "q8f16", "q8i8") and head.fmt.name != "Q8_0":
-        raise WorkbenchError(f"head_matmul={head_form!r} reads a Q8_0 head; this head is {head.fmt.name}: "
-                             f"allowed dense, mma, gemv")
-    elif packed:  # (tied: a packed copy beside the embedding's raw bytes)
+    elif head.fmt.name != "Q8_0":
+        raise WorkbenchError(f"head_matmul='q8i8' reads a Q8_0 head; this head is {head.fmt.name}: allowed dense")
+    else:  # (tied: a packed copy beside the embedding's raw bytes)
         head.packed = qm.pack_weights(head.raw, head.fmt.name, head.N, head.K)
-        head.form = head_form
+        head.form = "q8i8"
         nbytes += head.packed.nbytes
-    if packed and not c.tied_output:
+    if not c.tied_output:
         head.raw = None
     dense_head = None
     if dense != "quant":  # (the same bf16 tensor as the dense head's where there is one)
@@ -206,34 +198,8 @@ def load_device_weights(model: Model, device: torch.device, *, matmul: str, laye
                          nbytes - table_bytes)
 
 
-F16_MAX = 65504.0  # the largest finite float16
-
-
 def head_qtype(model: Model) -> str | None:
     """The GGUF type name of the output head's tensor (the token embedding where tied), or None."""
     t = model.source.tensors.get("token_embd.weight" if model.config.tied_output else "output.weight")
     return None if t is None else t.qtype_name
 
-
-def f16_head_refusal(model: Model) -> str | None:
-    """Why the head's products may not take float16 operands (``head_matmul="q8f16"``), or None.
-
-    float16 must hold every operand, for any input. The weights float16(d * q), |q| <= 128: max|d|
-    * 128. The head's input is the output norm's y = x / sqrt(mean(x^2) + eps) * g, and since
-    x_i^2 <= K * mean(x^2) for any x, |y_i| <= sqrt(K) * |g_i|. Both bounds with a 1% margin for
-    float32 rounding. Only a bfloat16 engine's head (a float32 engine's keeps tf32x3's accuracy)."""
-    c = model.config
-    if model.dtype != torch.bfloat16:
-        return f"a {model.dtype_name} engine's head keeps its float32 products (float16 operands are for bfloat16 engines)"
-    name = "token_embd.weight" if c.tied_output else "output.weight"
-    t = model.source.tensors.get(name)
-    if head_qtype(model) != "Q8_0":
-        return f"the head ({name}) is {t.qtype_name if t is not None else 'missing'}, not Q8_0"
-    blocks = np.asarray(model.source.raw(name)).reshape(-1, 34)  # block_q8_0: f16 d, then 32 int8
-    wmax = float(np.abs(np.ascontiguousarray(blocks[:, :2]).view(np.float16)).astype(np.float32).max()) * 128
-    xmax = math.sqrt(t.shape[1]) * float(model.output_norm.abs().max())
-    if not wmax * 1.01 < F16_MAX:
-        return f"its weights reach {wmax:.4g} (max |d| * 128), beyond float16's {F16_MAX:g}"
-    if not xmax * 1.01 < F16_MAX:
-        return (f"its input may reach {xmax:.4g} (sqrt(K) * max |output norm|), beyond float16's {F16_MAX:g}")
-    return None

@@ -171,7 +171,7 @@ class TritonRunner:
         # where the store rounds to nearest as the products do): the same logits, half the bytes
         # of x read by every head program (session 9, run 45: the head alone 87.6 -> 85.1 us)
         self.head_x_dtype = torch.bfloat16 if self.head_matmul == "dense" and bf16 and self.use_dot else None
-        weights = _dw.load_device_weights(model, self.device, matmul="mma", layer_forms=self.layer_forms,
+        weights = _dw.load_device_weights(model, self.device, layer_forms=self.layer_forms,
                                           head_form=self.head_matmul, dense=self.products)
         self.layers, self.embed, self.head = weights.layers, weights.embed, weights.head
         self.fixed_bytes = weights.nbytes
