@@ -4,6 +4,10 @@ The fake model samples `fake_token(kv)`, a hash of every token in the slot's KV.
 output equals its solo output only if the scheduler fed it exactly the right tokens at the right
 positions, and the engine reset the slot between requests; any leak or misstep changes the
 tokens (or trips the position check in `run`).
+
+`FakePagedRunner` keeps the same "KV" in pages instead: each position's token is written into
+the page its block table names and read back through the tables, so a page shared, recycled
+or freed wrongly by the scheduler's allocator changes the tokens too.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Callable, Hashable, Iterable, Sequence
 
 from workbench.planner import SlotView, StepPlan
 from workbench.scheduler import Request, RequestEvent, Scheduler, Segment
+from workbench.state import KVGroup, StateLayout
 
 VOCAB = 97
 
@@ -85,6 +90,59 @@ class FakeRunner:
         self.kv.pop(slot_id, None)
 
 
+@dataclass
+class FakePagedRunner(FakeRunner):
+    """A paged runner: two KV groups (a global one and a sliding one of `window` positions),
+    pages of `page_size` positions holding token ids (None where never written)."""
+
+    page_size: int = 16
+    window: int = 24
+    paged: bool = True
+    kv_cache_key: bytes = b"fake-model\x00int"
+    pages: dict[tuple[str, int], list] = field(default_factory=dict)
+
+    @property
+    def state_layout(self) -> StateLayout:
+        per_position = self.bytes_per_token // 2
+        return StateLayout((KVGroup("global", (0,), 0, per_position), KVGroup("sliding", (1,), self.window, per_position)),
+                           self.page_size, key_blocks=(self.page_size,))
+
+    def run(self, forwards: list[list[Segment]]) -> dict[int, int]:
+        sampled: dict[int, int] = {}
+        record = []
+        P = self.page_size
+        for segments in forwards:
+            record.append([(s.request_id, s.slot_id, s.start_pos, len(s.token_ids)) for s in segments])
+            for seg in segments:
+                assert seg.slot_id not in sampled, f"slot {seg.slot_id} twice in one step"
+                for c in seg.copies:
+                    src = self.pages.get((c.group, c.src), [None] * P)
+                    self.pages[(c.group, c.dst)] = src[: c.num_positions] + [None] * (P - c.num_positions)
+                end = seg.start_pos + len(seg.token_ids)
+                for group, table in seg.block_tables.items():
+                    assert len(table) * P >= end, f"{seg.request_id!r}: group {group} has no page for {end} positions"
+                    for i, tok in enumerate(seg.token_ids):
+                        pos = seg.start_pos + i
+                        page = table[pos // P]
+                        assert page >= 0, f"{seg.request_id!r}: position {pos} lies in a dropped page"
+                        self.pages.setdefault((group, page), [None] * P)[pos % P] = tok
+                # what attention would read: every position in the global group; in the sliding
+                # group the window of the last row, which must agree with it
+                glob = seg.block_tables["global"]
+                kv = [self.pages[("global", glob[p // P])][p % P] for p in range(end)]
+                assert None not in kv, f"{seg.request_id!r}: an unwritten position in its KV"
+                slide = seg.block_tables["sliding"]
+                for p in range(max(0, end - self.window), end):
+                    assert self.pages[("sliding", slide[p // P])][p % P] == kv[p], "the groups disagree"
+                if seg.samples:
+                    sampled[seg.slot_id] = fake_token(kv)
+        self.steps.append(record)
+        return sampled
+
+    def reset(self, slot_id: int) -> None:
+        pass  # no state per slot: the scheduler's allocator took the pages back
+
+
 def drive(
     scheduler: Scheduler,
     runner: FakeRunner,
@@ -111,7 +169,7 @@ def drive(
                 continue
             for ev in scheduler.cancel(rid):
                 _record(ev, result, runner)
-        plan = scheduler.schedule()
+        plan = scheduler.schedule(len(plans))
         if plan is not None:
             if check is not None:
                 check(scheduler, plan)
@@ -119,6 +177,7 @@ def drive(
             sampled = runner.run(scheduler.forwards(plan))
             for ev in scheduler.commit(plan, sampled):
                 _record(ev, result, runner)
+            scheduler.retire(len(plans) - 1)
         step += 1
     return result
 

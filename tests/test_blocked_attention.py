@@ -59,3 +59,6 @@ def test_stale_cache_rows_past_length_do_not_matter():
     k[100:] = 1e6
     v[100:] = -3.0
     assert torch.equal(attend(q, k, v, pos, 0, 0.1), a)
+    k[100:] = float("nan")  # a recycled page: masked keys' values never enter a sum
+    v[100:] = float("nan")
+    assert torch.equal(attend(q, k, v, pos, 0, 0.1), a)

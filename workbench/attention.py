@@ -22,6 +22,20 @@ count varied with the chunk would break exactness. `[G, D]` per row is the same 
 The cache is kept in a block layout (keys transposed inside each block) so that a decode row's
 operands are plain views of it; a prefill pass copies them into the same contiguous layout, so
 every call takes the same BLAS path.
+
+Paged caches. A block is also a KV page (page size = KV_BLOCK = 256 positions, see
+workbench/state/layout.py), so a sequence's cache is a pool of pages [num_pages, Hkv, ...] and
+a block table: logical block i (positions i*256..) lives in page table[i]. `attend` gathers the
+blocks lo..hi of a pass through the table, in logical order, into the same contiguous operand a
+contiguous cache gives (no table: the identity), so a row's reduction is bitwise what it is with
+a contiguous cache. Entries before a sliding window's first block may be holes (-1): a pass never
+reads below its `lo`, which is at or above every hole.
+
+Recycled pages are harmless. Keys no row of a pass can see (past the last query, before the
+window, or in a page's unwritten tail) may hold anything, NaN included: their scores are
+replaced by -inf (a select) and their values by 0 (a select, not `p * v`, since 0 * NaN = NaN)
+before they enter any sum. Values a row cannot see but another row of its pass can are written
+and finite, so their zero probability adds exact zeros as before.
 """
 
 from __future__ import annotations
@@ -49,12 +63,21 @@ def to_blocks(k_rows: torch.Tensor, v_rows: torch.Tensor) -> tuple[torch.Tensor,
     return kb, vb
 
 
-def write_rows(k_blocks, v_blocks, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store rows k, v [n, Hkv, D] at positions start.. of block-layout caches."""
-    pos = torch.arange(start, start + k.shape[0])
+def locate(table: torch.Tensor | None, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page, offset) int64 [n] of positions start..start+n through a block table (None: the
+    identity); a forward computes them once per segment and group, for every layer."""
+    pos = torch.arange(start, start + n)
     blk, off = pos // KV_BLOCK, pos % KV_BLOCK
-    k_blocks[blk, :, :, off] = k
-    v_blocks[blk, :, off, :] = v
+    return (blk if table is None else table[blk]), off
+
+
+def write_rows(k_blocks, v_blocks, start: int, k: torch.Tensor, v: torch.Tensor,
+               where: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Store rows k, v [n, Hkv, D] at positions start.. of block-layout caches (or pages:
+    `where` = locate(table, start, n))."""
+    page, off = where if where is not None else locate(None, start, k.shape[0])
+    k_blocks[page, :, :, off] = k
+    v_blocks[page, :, off, :] = v
 
 
 @dataclass(frozen=True)
@@ -68,6 +91,7 @@ class RowPass:
     lo: int
     hi: int
     hidden: torch.Tensor  # bool [n, nb, 1, 1, KV_BLOCK]: True where a key is not visible
+    stale: torch.Tensor | None  # bool [nb, 1, KV_BLOCK, 1]: keys no row sees (None: there are none)
 
 
 def plan_tiles(positions: torch.Tensor, window: int, group: int = 0) -> list[RowPass]:
@@ -85,7 +109,8 @@ def plan_tiles(positions: torch.Tensor, window: int, group: int = 0) -> list[Row
         visible = kpos <= rpos
         if window:
             visible &= (rpos - kpos) < window
-        plans.append(RowPass(r0, n, lo, hi, ~visible))
+        unseen = ~visible.any(0).view(nb, 1, KV_BLOCK, 1)
+        plans.append(RowPass(r0, n, lo, hi, ~visible, unseen if bool(unseen.any()) else None))
     return plans
 
 
@@ -97,6 +122,7 @@ def attend(
     window: int,  # 0 = global; else a key is visible when 0 <= qpos - kpos < window
     scale: float,
     tiles: list[RowPass] | None = None,  # plan_tiles(positions, window), if precomputed
+    table: torch.Tensor | None = None,  # int64 block table: logical block -> page (None: identity)
 ) -> torch.Tensor:
     c, h, d = q.shape
     hkv = k_cache.shape[1]
@@ -107,8 +133,14 @@ def attend(
     for tp in tiles:
         r0, n, lo, hi = tp.start, tp.n, tp.lo, tp.hi
         nb = hi - lo + 1
-        kb = k_cache[lo : hi + 1]  # [nb, hkv, d, B], contiguous: a view, no copy
-        vb = v_cache[lo : hi + 1]  # [nb, hkv, B, d]
+        if table is None:
+            kb = k_cache[lo : hi + 1]  # [nb, hkv, d, B], contiguous: a view, no copy
+            vb = v_cache[lo : hi + 1]  # [nb, hkv, B, d]
+        else:  # the pass's pages in logical order, gathered into the same contiguous layout
+            pages = table[lo : hi + 1]
+            kb, vb = k_cache[pages], v_cache[pages]
+        if tp.stale is not None:
+            vb = torch.where(tp.stale, 0.0, vb)
         qr = q[r0 : r0 + n].reshape(n, hkv, g, d)
         if n == 1:
             # one query row: every (block, head) product in a single batched call

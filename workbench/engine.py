@@ -2,11 +2,13 @@
 
 `step()` reads as plan -> run -> commit:
 
-    plan = scheduler.schedule()                 # plain Python: who decodes, which chunks
+    plan = scheduler.schedule(step_id)          # plain Python: who decodes, which chunks,
+                                                # which pages (paged runners)
     for forward in scheduler.forwards(plan):    # the runner owns the tensors
         logits |= runner.run(forward)
     sample each slot's row with its own generator
     events = scheduler.commit(plan, sampled)    # bookkeeping; reset finished slots
+    scheduler.retire(step_id)                   # the device is done with the step's pages
 
 The streaming form is cooperative: iterating a handle's tokens drives `step()` until that
 request has something new, so every other admitted request advances at the same time.
@@ -47,6 +49,9 @@ class GenerationResult:
     token_times: list[float] = field(repr=False, default_factory=list)
     prefill_started_at: float | None = None
     logits: "torch.Tensor | None" = field(repr=False, default=None)  # [generated, vocab] when kept
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (OpenAI's cached_tokens)
+    num_preemptions: int = 0
+    recomputed_tokens: int = 0  # tokens re-prefilled after preemptions
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -163,6 +168,8 @@ class Engine:
             self.runner = TorchRunner(model, config.max_context or model.config.context_length)
         budget = config.memory_budget_bytes or self._machine_budget()
         self.scheduler = Scheduler(config, self.runner, budget_bytes=budget)
+        if self.scheduler.paged:
+            self.runner.init_kv_pool(self.scheduler.kv_pool_pages)
         self.telemetry = Telemetry()
         self._live: dict[Hashable, _Live] = {}
         self._ids = itertools.count()
@@ -238,7 +245,7 @@ class Engine:
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list:
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()  # plan
+        plan = self.scheduler.schedule(self._step_index)  # plan
         if plan is None:
             return []
         forwards = self.scheduler.forwards(plan)
@@ -280,6 +287,7 @@ class Engine:
             live.token_ids.append(tok)
             live.token_times.append(now)
         events = self.scheduler.commit(plan, sampled)  # commit
+        self.scheduler.retire(self._step_index)  # (synchronous runners: the step is done)
         for ev in events:
             self._finish(ev)
         # the step's wall time ends after its bookkeeping (with run-ahead the device keeps
@@ -305,6 +313,9 @@ class Engine:
             token_times=list(live.token_times),
             prefill_started_at=live.prefill_started_at,
             logits=torch.stack(live.logits) if live.logits else None,
+            cached_tokens=ev.cached_tokens,
+            num_preemptions=ev.num_preemptions,
+            recomputed_tokens=ev.recomputed_tokens,
         )
         r = live.result
         itl = r.inter_token_s
@@ -322,6 +333,9 @@ class Engine:
             "itl_p99_ms": None if not itl else 1e3 * percentile(itl, 99),
             "itl_max_ms": None if not itl else 1e3 * max(itl),
             "total_s": r.finished_at - r.submitted_at,
+            "cached_tokens": r.cached_tokens,
+            "num_preemptions": r.num_preemptions,
+            "recomputed_tokens": r.recomputed_tokens,
         })
 
     def _record_step(self, plan, num_forwards: int, t0: float, t1: float) -> None:
@@ -345,8 +359,9 @@ class Engine:
             "fused": plan.fused,
             "wall_ms": 1e3 * (t1 - t0),
             "start_s": t0 - self._t_origin,
-            "kv_bytes": self.runner.kv_bytes,
+            "kv_bytes": self.scheduler.kv_bytes_in_use if self.scheduler.paged else self.runner.kv_bytes,
             "rss_bytes": self._proc.memory_info().rss,
+            **self.scheduler.step_stats(),
         })
 
     # -- results ---------------------------------------------------------------------------

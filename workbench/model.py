@@ -1,13 +1,15 @@
 """Model: GGUF weights and the torch reference forward pass (gemma3 and llama families).
 
 The forward pass takes a list of `Segment`s, each a run of new tokens of one sequence on top
-of that sequence's own `KVState`. All rows of all segments run through the dense layers
-together (weights cross memory once per step for every slot); attention runs per segment
-against its own cache. Decode is a one-token segment, a prefill chunk a C-token segment, and a
-speculative verification will be a k-token segment with `logits="all"`.
+of that sequence's own `KVState`: its block tables into a shared `KVPages` pool and its length.
+All rows of all segments run through the dense layers together (weights cross memory once per
+step for every slot); attention runs per segment, through its block tables. Decode is a
+one-token segment, a prefill chunk a C-token segment, and a speculative verification will be a
+k-token segment with `logits="all"`.
 
 Every op is row-invariant (see linear.py and attention.py), so a row's result depends only on
-its own sequence: batched equals solo and chunked prefill equals whole prefill, bitwise.
+its own sequence: batched equals solo, chunked prefill equals whole prefill, and a paged cache
+equals a contiguous one, bitwise, wherever its pages lie.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Literal, Sequence
 import torch
 import torch.nn.functional as F
 
-from .attention import KV_BLOCK, attend, plan_tiles, round_up_capacity, write_rows
+from .attention import KV_BLOCK, attend, locate, plan_tiles, round_up_capacity, write_rows
 from .errors import WorkbenchError
 from .gguf_file import GGUFFile, cache_dir
 from .linear import linear
@@ -29,22 +31,65 @@ from .model_config import ModelConfig
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+class KVPages:
+    """The KV pages of every sequence of one model, one pool per KV group of the state layout
+    (workbench/state/layout.py): k [num_pages, layers in the group, n_kv_heads, head_dim, P],
+    v [num_pages, layers, n_kv_heads, P, head_dim], float32, P = KV_BLOCK (attention.py's block
+    layout, one block a page). Page-major, so a page (all its layers) is one contiguous copy.
+    Which page a sequence's positions use is the allocator's business (workbench/state); this
+    object only holds the tensors. New pages are uninitialised: attention never lets an unwritten
+    position into a sum (attention.py), and `poison` lets a test make sure of it."""
+
+    def __init__(self, layout, num_pages: dict[str, int], n_kv_heads: int, head_dim: int):
+        if layout.page_size != KV_BLOCK:
+            raise WorkbenchError(f"page_size={layout.page_size} is not allowed here: the torch path's pages are "
+                                 f"its attention blocks of {KV_BLOCK} positions")
+        self.layout = layout
+        self.k = {g.name: torch.empty(num_pages[g.name], len(g.layers), n_kv_heads, head_dim, KV_BLOCK)
+                  for g in layout.groups}
+        self.v = {g.name: torch.empty(num_pages[g.name], len(g.layers), n_kv_heads, KV_BLOCK, head_dim)
+                  for g in layout.groups}
+        # layer -> (its group, its index within the group's layers)
+        self.where = {li: (g.name, j) for g in layout.groups for j, li in enumerate(g.layers)}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())
+
+    def num_pages(self, group: str) -> int:
+        return self.k[group].shape[0]
+
+    def copy(self, copies) -> None:
+        """Run the allocator's `PageCopy`s (copy-on-write, fork): positions [0, n) of page src
+        to page dst in every layer of the group."""
+        for c in copies:
+            n = c.num_positions
+            self.k[c.group][c.dst, ..., :n] = self.k[c.group][c.src, ..., :n]
+            self.v[c.group][c.dst, :, :, :n] = self.v[c.group][c.src, :, :, :n]
+
+    def poison(self, group: str, pages, value: float = float("nan")) -> None:
+        """Fill pages with `value` (tests: a stale page must never reach an output)."""
+        idx = torch.as_tensor(list(pages), dtype=torch.int64)
+        self.k[group][idx] = value
+        self.v[group][idx] = value
+
+
 @dataclass
 class KVState:
-    """One sequence's KV cache in blocks of KV_BLOCK positions (attention.py's layout):
-    k [n_layers, n_blocks, n_kv_heads, head_dim, KV_BLOCK], v [n_layers, n_blocks, n_kv_heads,
-    KV_BLOCK, head_dim]. A block is also the unit a paged pool will move."""
+    """One sequence's view of a `KVPages` pool: per KV group its block table (int64 page ids by
+    logical page, -1 for a page a sliding window has dropped) and the positions written so far.
+    The tables must cover every position a forward writes (the allocator appends first)."""
 
-    k: torch.Tensor
-    v: torch.Tensor
+    pages: KVPages
+    tables: dict[str, torch.Tensor]
     length: int = 0
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[1] * KV_BLOCK
+        return min(len(t) for t in self.tables.values()) * KV_BLOCK
 
     def reset(self) -> None:
-        # Stale rows stay finite and are always masked, so no clearing is needed.
+        # Stale rows are never read into a sum (attention.py), so no clearing is needed.
         self.length = 0
 
 
@@ -121,12 +166,23 @@ class Model:
         """Text of `ids`; control and media-marker tokens are left out unless `skip_special=False`."""
         return self.tokenizer.decode(list(ids), skip_special=skip_special)
 
-    def new_state(self, capacity: int | None = None) -> KVState:
-        nb = round_up_capacity(capacity or self.config.context_length) // KV_BLOCK
+    @property
+    def state_layout(self):
+        """The KV groups of this model's sequence state (float32 KV, 256-position pages)."""
+        from .state import StateLayout
+
+        return StateLayout.from_model_config(self.config, kv_bytes_per_elem=4, page_size=KV_BLOCK)
+
+    def new_pages(self, num_pages: dict[str, int]) -> KVPages:
         c = self.config
-        k = torch.zeros(c.n_layers, nb, c.n_kv_heads, c.head_dim, KV_BLOCK)
-        v = torch.zeros(c.n_layers, nb, c.n_kv_heads, KV_BLOCK, c.head_dim)
-        return KVState(k, v)
+        return KVPages(self.state_layout, num_pages, c.n_kv_heads, c.head_dim)
+
+    def new_state(self, capacity: int | None = None) -> KVState:
+        """A sequence in a private pool of its own: pages 0..n-1 in order (a contiguous cache
+        is the identity block table), for `logits()` and tests."""
+        nb = round_up_capacity(capacity or self.config.context_length) // KV_BLOCK
+        pages = self.new_pages({name: nb for name in self.state_layout.group_names})
+        return KVState(pages, {name: torch.arange(nb) for name in pages.k})
 
     @torch.inference_mode()
     def logits(self, ids: Sequence[int], chunk: int = 512) -> torch.Tensor:
@@ -178,6 +234,12 @@ class Model:
             w: [plan_tiles(positions[r0 : r0 + n], w) for (r0, n, _) in spans]
             for w in {c.layer_window(i) for i in range(c.n_layers)}
         }
+        rows_at = [{g: locate(t, start, n) for g, t in seg.state.tables.items()}
+                   for seg, (_, n, start) in zip(segments, spans)]
+        for at, (_, n, start) in zip(rows_at, spans):
+            if any(bool((page < 0).any()) for page, _ in at.values()):
+                raise WorkbenchError(f"positions {start}..{start + n - 1} fall in a dropped page: "
+                                     f"a block table must hold every position a forward writes")
         for li, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_eps)
             qkv = linear(h, layer.wqkv)
@@ -193,10 +255,12 @@ class Model:
             attn = torch.empty(rows, h_q, d)
             window = c.layer_window(li)
             for si, (seg, (r0, n, start)) in enumerate(zip(segments, spans)):
-                kc, vc = seg.state.k[li], seg.state.v[li]
-                write_rows(kc, vc, start, k[r0 : r0 + n], v[r0 : r0 + n])
+                group, j = seg.state.pages.where[li]
+                kc, vc = seg.state.pages.k[group][:, j], seg.state.pages.v[group][:, j]
+                write_rows(kc, vc, start, k[r0 : r0 + n], v[r0 : r0 + n], rows_at[si][group])
                 attn[r0 : r0 + n] = attend(
-                    q[r0 : r0 + n], kc, vc, positions[r0 : r0 + n], window, c.attn_scale, tiles[window][si]
+                    q[r0 : r0 + n], kc, vc, positions[r0 : r0 + n], window, c.attn_scale, tiles[window][si],
+                    seg.state.tables[group],
                 )
             o = linear(attn.view(rows, h_q * d), layer.wo)
             if c.post_norms:

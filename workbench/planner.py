@@ -25,7 +25,7 @@ class SlotView:
     slot_id: int
     request_id: Hashable
     phase: str  # "prefill" | "decode"
-    prompt_len: int
+    prompt_len: int  # tokens to prefill: the prompt (after a preemption, + the generated tokens)
     num_prefilled: int
     num_generated: int
     context_len: int  # tokens in the slot's KV

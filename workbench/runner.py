@@ -1,24 +1,28 @@
-"""TorchRunner: the one object that owns the device tensors (model weights, per-slot KV).
+"""TorchRunner: the one object that owns the device tensors (model weights, the KV pages).
 
-It answers the scheduler's questions (bytes per slot and per row, which slots batch exactly)
-and runs a step's forwards. Slot state is allocated at admission for exactly the context the
-request reserved, and dropped when the slot is reset.
+It answers the scheduler's questions (bytes per row, which slots batch exactly, the state
+layout its pages follow) and runs a step's forwards. It is paged: the KV of every sequence lives
+in one `KVPages` pool per KV group, allocated once (`init_kv_pool`, sized by the scheduler), and
+each segment names its pages by block table; which page holds what is the scheduler's
+`PageAllocator`'s business. So the runner keeps no per-slot state.
 """
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Sequence
 
 import torch
 
 from .attention import round_up_capacity
-from .model import Model, Segment as ModelSegment
+from .model import KVState, Model, Segment as ModelSegment
 from .planner import SlotView
 from .scheduler import Segment
+from .state import cache_key
 
 
 class TorchRunner:
     supports_fused_step = True
+    paged = True
 
     def __init__(self, model: Model, slot_capacity: int):
         self.model = model
@@ -36,7 +40,10 @@ class TorchRunner:
         per_row = 4 * (3 * c.n_embd + c.q_dim + 2 * c.kv_dim + c.q_dim + 3 * c.n_ff) + elem * (c.n_embd + 2 * c.n_ff)
         self.bytes_per_prefill_row = int(per_row)
         self._kv_per_token = c.kv_bytes_per_token(4)
-        self._states: dict[int, tuple[Hashable, object]] = {}
+        self.state_layout = model.state_layout  # float32 KV, 256-position pages
+        # the prefix cache's hashes start from the weights' identity and the KV dtype
+        self.kv_cache_key = cache_key(model.source.index.sha256, "float32")
+        self.pages = None
 
     # -- RunnerInfo ----------------------------------------------------------------------
     def cache_bytes(self, num_tokens: int) -> int:
@@ -49,19 +56,16 @@ class TorchRunner:
         return True, None
 
     # -- state -----------------------------------------------------------------------------
-    def state(self, slot: int, request_id: Hashable, max_context: int):
-        cur = self._states.get(slot)
-        if cur is None or cur[0] != request_id:
-            cur = (request_id, self.model.new_state(max_context))
-            self._states[slot] = cur
-        return cur[1]
+    def init_kv_pool(self, num_pages: dict[str, int]) -> None:
+        """Allocate the pages: `num_pages` per KV group (the scheduler's `kv_pool_pages`)."""
+        self.pages = self.model.new_pages(num_pages)
 
     def reset(self, slot: int) -> None:
-        self._states.pop(slot, None)
+        """Nothing per slot to drop: a finished sequence's pages go back to the allocator."""
 
     @property
     def kv_bytes(self) -> int:
-        return sum(s.k.numel() * 8 for _, s in self._states.values())
+        return self.pages.nbytes if self.pages is not None else 0
 
     # -- run -------------------------------------------------------------------------------
     def run(self, forward: Sequence[Segment], max_context: dict[int, int],
@@ -71,11 +75,15 @@ class TorchRunner:
         on the CPU the logits are already where the engine samples, so this runner never does.
         ``ahead``: a hint that the next call will be these rows one position on (runners with
         an asynchronous device may start it early; this one runs synchronously and ignores it)."""
+        if self.pages is None:
+            raise RuntimeError("the KV pool is not allocated: call init_kv_pool first")
         segs = []
         for s in forward:
-            st = self.state(s.slot_id, s.request_id, max_context[s.slot_id])
-            if st.length != s.start_pos:
-                raise RuntimeError(f"slot {s.slot_id}: KV holds {st.length} tokens, plan starts at {s.start_pos}")
-            segs.append(ModelSegment(st, s.token_ids, "last" if s.samples else "none"))
+            if s.block_tables is None:
+                raise RuntimeError(f"slot {s.slot_id}: a segment without block tables (the runner is paged)")
+            self.pages.copy(s.copies)
+            tables = {g: torch.tensor(ids, dtype=torch.int64) for g, ids in s.block_tables.items()}
+            segs.append(ModelSegment(KVState(self.pages, tables, s.start_pos), s.token_ids,
+                                     "last" if s.samples else "none"))
         logits = self.model.forward(segs)
         return {s.slot_id: lg[0] for s, lg in zip(forward, logits) if lg is not None}

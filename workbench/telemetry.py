@@ -13,6 +13,10 @@ STEP_COLUMNS = (
     "step", "phase", "num_slots", "rows", "decode_rows", "prefill_rows", "num_forwards",
     "num_batched_groups", "num_solo", "solo_reasons", "decode_mode", "chunk_size", "chunk_reason",
     "policy", "fused", "wall_ms", "start_s", "kv_bytes", "rss_bytes",
+    # paged runners (None otherwise): pages over all KV groups (per group too, e.g.
+    # pages_used_global), what the step allocated and freed, prefix-hit tokens, preemptions
+    "pages_used", "pages_free", "pages_cached", "pages_allocated", "pages_freed",
+    "prefix_hit_tokens", "num_preemptions",
 )
 
 
