@@ -112,3 +112,50 @@ def test_decode_time_counts_the_host_between_steps(tiny_gguf, monkeypatch):
     got, _ = measure(m, 2, 8, 4, None)
     # 2 slots x 3 pure decode steps (the first token comes with the prefill): 6 tokens, >= 40 ms
     assert 0 < got["decode_tok_s_aggregate"] <= 6 / 0.04
+
+
+def test_bench_shared_prefix_hits_the_prefix_cache_and_says_so(tiny_gguf, tmp_path, capsys):
+    """--shared-prefix-len: the measured requests start with cached pages (hit tokens > 0, not
+    flagged), their outputs stay exact vs solo; with --no-prefix-cache nothing is cached and
+    nothing is flagged (the cache was not asked for); the params record the paging options."""
+    import polars as pl
+
+    from workbench.cli import main
+
+    base = ["bench", "--model", str(tiny_gguf("gemma3")), "--concurrency", "1,2", "--prompt-len", "300",
+            "--gen", "2", "--shared-prefix-len", "280", "--no-progress"]
+    assert main([*base, "--data-dir", str(tmp_path / "on")]) == 0
+    out = capsys.readouterr().out
+    assert "TTFT alone and cold" in out and "FLAGGED" not in out
+    (run_dir,) = (tmp_path / "on" / "runs").iterdir()
+    rows = pl.read_parquet(run_dir / "summary.parquet")
+    assert rows["paged"].all() and (rows["prefix_hit_tokens"] >= 256).all()  # at least one full page each
+    assert rows["flag"].is_null().all() and rows["matches_solo"].drop_nulls().all()
+    manifest = (run_dir / "manifest.json").read_text()
+    assert '"shared_prefix_len": 280' in manifest and '"prefix_cache": true' in manifest
+
+    assert main([*base, "--no-prefix-cache", "--data-dir", str(tmp_path / "off")]) == 0
+    (run_dir,) = (tmp_path / "off" / "runs").iterdir()
+    rows = pl.read_parquet(run_dir / "summary.parquet")
+    assert (rows["prefix_hit_tokens"] == 0).all() and rows["flag"].is_null().all()
+
+
+def test_activation_flag_names_what_did_not_run():
+    from workbench.bench import activation_flag
+
+    assert activation_flag({"paged": True, "prefix_hit_tokens": 0}, prefix_cache=True, shared_prefix_len=300)
+    assert "not paged" in activation_flag({"paged": False}, prefix_cache=True, shared_prefix_len=300)
+    assert activation_flag({"paged": True, "prefix_hit_tokens": 256}, prefix_cache=True, shared_prefix_len=300) is None
+    assert activation_flag({"paged": True, "prefix_hit_tokens": 0}, prefix_cache=False, shared_prefix_len=300) is None
+    assert activation_flag({"paged": True, "prefix_hit_tokens": 0}, prefix_cache=True, shared_prefix_len=0) is None
+
+
+def test_bench_shared_prefix_out_of_range_is_one_line(tiny_gguf, tmp_path, capsys):
+    from workbench.cli import main
+
+    rc = main(["bench", "--model", str(tiny_gguf("gemma3")), "--concurrency", "1", "--prompt-len", "16", "--gen", "2",
+               "--shared-prefix-len", "16", "--data-dir", str(tmp_path), "--no-progress"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--shared-prefix-len 16 is out of range: allowed 0..15" in err[0]
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

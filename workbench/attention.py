@@ -91,7 +91,10 @@ class RowPass:
     lo: int
     hi: int
     hidden: torch.Tensor  # bool [n, nb, 1, 1, KV_BLOCK]: True where a key is not visible
-    stale: torch.Tensor | None  # bool [nb, 1, KV_BLOCK, 1]: keys no row sees (None: there are none)
+    # keys no row of the pass sees, only in the blocks that have any (a decode row's last block,
+    # a window's first): their pass-relative indices and bool masks [len, 1, KV_BLOCK, 1]
+    stale_blocks: tuple[int, ...]
+    stale: torch.Tensor | None
 
 
 def plan_tiles(positions: torch.Tensor, window: int, group: int = 0) -> list[RowPass]:
@@ -110,7 +113,8 @@ def plan_tiles(positions: torch.Tensor, window: int, group: int = 0) -> list[Row
         if window:
             visible &= (rpos - kpos) < window
         unseen = ~visible.any(0).view(nb, 1, KV_BLOCK, 1)
-        plans.append(RowPass(r0, n, lo, hi, ~visible, unseen if bool(unseen.any()) else None))
+        blocks = tuple(int(b) for b in unseen.view(nb, -1).any(1).nonzero().flatten())
+        plans.append(RowPass(r0, n, lo, hi, ~visible, blocks, unseen[list(blocks)] if blocks else None))
     return plans
 
 
@@ -133,24 +137,33 @@ def attend(
     for tp in tiles:
         r0, n, lo, hi = tp.start, tp.n, tp.lo, tp.hi
         nb = hi - lo + 1
-        if table is None:
-            kb = k_cache[lo : hi + 1]  # [nb, hkv, d, B], contiguous: a view, no copy
-            vb = v_cache[lo : hi + 1]  # [nb, hkv, B, d]
-        else:  # the pass's pages in logical order, gathered into the same contiguous layout
-            pages = table[lo : hi + 1]
-            kb, vb = k_cache[pages], v_cache[pages]
-        if tp.stale is not None:
-            vb = torch.where(tp.stale, 0.0, vb)
+        # The pass's blocks read in place: page ids in logical order, cut into runs of
+        # consecutive pages (one run without a table) so that each run's blocks are one view of
+        # the pool; a block with keys no row sees is a run of its own, its unseen values made
+        # zeros by a select (a copy of that block only). Each (block, head) product is its own
+        # matrix product whatever the runs, so the bits do not depend on where pages lie.
+        pages = list(range(lo, hi + 1)) if table is None else table[lo : hi + 1].tolist()
+        stale = dict(zip(tp.stale_blocks, torch.where(tp.stale, 0.0, v_cache[[pages[i] for i in tp.stale_blocks]])
+                         if tp.stale is not None else ()))
+        runs, i = [], 0  # (first block, blocks, first page)
+        while i < nb:
+            e = i + 1
+            if i not in stale:
+                while e < nb and e not in stale and pages[e] == pages[e - 1] + 1:
+                    e += 1
+            runs.append((i, e - i, pages[i]))
+            i = e
         qr = q[r0 : r0 + n].reshape(n, hkv, g, d)
         if n == 1:
-            # one query row: every (block, head) product in a single batched call
-            qa = qr.expand(nb, hkv, g, d).reshape(-1, g, d)
-            s = torch.bmm(qa, kb.reshape(-1, d, KV_BLOCK)).view(1, nb, hkv, g, KV_BLOCK)
+            # one query row: every (block, head) product of a run in a single batched call
+            s = torch.cat([torch.bmm(qr.expand(L, hkv, g, d).reshape(-1, g, d),
+                                     k_cache[p0 : p0 + L].reshape(-1, d, KV_BLOCK)).view(L, hkv, g, KV_BLOCK)
+                           for _, L, p0 in runs]).unsqueeze(0)
         else:
             # many rows: per (block, head), the block is shared by all rows through a
             # stride-0 batch (no copies); each row is still its own [G, D] operand
             s = torch.stack(
-                [torch.stack([torch.bmm(qr[:, kh], kb[b, kh].expand(n, d, KV_BLOCK)) for kh in range(hkv)], 1)
+                [torch.stack([torch.bmm(qr[:, kh], k_cache[pages[b], kh].expand(n, d, KV_BLOCK)) for kh in range(hkv)], 1)
                  for b in range(nb)], 1)
         s = s * scale
         s = s.masked_fill(tp.hidden, float("-inf"))
@@ -158,10 +171,14 @@ def attend(
         p = torch.exp(s - m)
         l = p.sum(dim=-1, keepdim=True).cumsum(1)[:, -1]  # [n, hkv, g, 1], blocks added in order
         if n == 1:
-            o = torch.bmm(p.view(-1, g, KV_BLOCK), vb.reshape(-1, KV_BLOCK, d)).view(1, nb, hkv, g, d)
+            o = torch.cat([torch.bmm(p[0, b0 : b0 + L].reshape(-1, g, KV_BLOCK),
+                                     (stale[b0].unsqueeze(0) if b0 in stale else v_cache[p0 : p0 + L])
+                                     .reshape(-1, KV_BLOCK, d)).view(L, hkv, g, d)
+                           for b0, L, p0 in runs]).unsqueeze(0)
         else:
             o = torch.stack(
-                [torch.stack([torch.bmm(p[:, b, kh], vb[b, kh].expand(n, KV_BLOCK, d)) for kh in range(hkv)], 1)
+                [torch.stack([torch.bmm(p[:, b, kh], (stale[b] if b in stale else v_cache[pages[b]])[kh]
+                                        .expand(n, KV_BLOCK, d)) for kh in range(hkv)], 1)
                  for b in range(nb)], 1)
         o = o.cumsum(1)[:, -1]
         out[r0 : r0 + n] = (o / l).reshape(n, h, d)

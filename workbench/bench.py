@@ -36,29 +36,45 @@ CORPUS = (
 )
 
 
-def bench_prompts(model, num: int, prompt_len: int) -> list[list[int]]:
-    """`num` distinct prompts of exactly `prompt_len` tokens (BOS + text from rotated corpora)."""
-    base = model.tokenize(CORPUS * (2 + prompt_len // 60), add_bos=False)
+def bench_prompts(model, num: int, prompt_len: int, shared_prefix_len: int = 0) -> list[list[int]]:
+    """`num` distinct prompts of exactly `prompt_len` tokens (BOS + text from rotated corpora); with
+    `shared_prefix_len`, each starts with the same that many tokens (a shared system prompt) and
+    differs after it."""
+    if not 0 <= shared_prefix_len < prompt_len:
+        raise WorkbenchError(f"shared prefix of {shared_prefix_len} tokens is out of range: allowed 0..{prompt_len - 1} "
+                             f"(below the prompt length {prompt_len})")
+    base = model.tokenize(CORPUS * (2 + 2 * prompt_len // 60), add_bos=False)
     bos = [model.tokenizer.bos_id] if model.tokenizer.bos_id is not None else []
+    shared = (bos + base)[:shared_prefix_len] if shared_prefix_len else bos
     out = []
     for i in range(num):
-        off = (i * 37) % max(1, len(base) - prompt_len)
-        body = base[off : off + prompt_len - len(bos)]
-        out.append(bos + body)
+        off = (i * 37 + (prompt_len if shared_prefix_len else 0)) % max(1, len(base) - prompt_len)
+        body = base[off : off + prompt_len - len(shared)]
+        out.append(shared + body)
     return out
 
 
 def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | None, policy: str = "decode-first",
-            backend: str = "torch", head_matmul: str | None = None, triton=None):
-    """One measurement. ``triton``: the triton backend's ``TritonOptions`` (None: the defaults)."""
+            backend: str = "torch", head_matmul: str | None = None, triton=None, kv_pool_tokens: int | None = None,
+            prefix_cache: bool = True, shared_prefix_len: int = 0):
+    """One measurement. ``triton``: the triton backend's ``TritonOptions`` (None: the defaults).
+    ``kv_pool_tokens`` / ``prefix_cache``: the paged runners' pool and prefix cache (EngineConfig);
+    ``shared_prefix_len``: every prompt starts with the same that many tokens."""
     from .engine import Engine
     from .engine_config import EngineConfig, TritonOptions
 
     cfg = EngineConfig(max_concurrency=concurrency, chunk_size=chunk, policy=policy, dtype=model.dtype_name,
-                       backend=backend, head_matmul=head_matmul, triton=triton or TritonOptions())
+                       backend=backend, head_matmul=head_matmul, triton=triton or TritonOptions(),
+                       kv_pool_tokens=kv_pool_tokens, prefix_cache=prefix_cache)
     engine = Engine(model, cfg)
-    prompts = bench_prompts(model, concurrency, prompt_len)
-    warm_steps = 0
+    prompts = bench_prompts(model, concurrency + 1, prompt_len, shared_prefix_len)
+    prime, prompts = prompts[-1], prompts[:-1]
+    ttft_cold = None
+    if shared_prefix_len:
+        # one request with the shared prefix first, alone: its TTFT is the cold one, and (prefix
+        # cache on) its full pages are cached when the measured requests arrive
+        ttft_cold = engine.generate([prime], max_tokens=1, ignore_eos=True)[0].ttft_s
+    warm_steps = engine.telemetry.steps().height
     if backend == "triton":
         # the same run once untimed: CUDA graphs are captured per (row bucket, attention
         # segments) the first time a step needs one, which would land inside the timed steps
@@ -79,6 +95,10 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
     dec_s = float(dec["span_s"].sum()) if dec.height else 0.0
     last_first = max(r.first_token_at for r in results)
     ttfts = [r.ttft_s for r in results]
+    paged = "prefix_hit_tokens" in steps.columns and steps["pages_used"].null_count() < steps.height
+
+    def total(col: str):  # (proof of activation: what the paged state really did; None where unpaged)
+        return int(steps[col].fill_null(0).sum()) if paged else None
     agg = dec_tokens / dec_s if dec_s > 0 else 0.0
     return {
         "prefill_tok_s": concurrency * prompt_len / (last_first - t0),
@@ -86,12 +106,19 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
         "decode_tok_s_per_stream": agg / concurrency,
         "ttft_s_mean": statistics.fmean(ttfts),
         "ttft_s_max": max(ttfts),
+        "ttft_s_cold": ttft_cold,  # --shared-prefix-len: the priming request's TTFT, alone and cold
         "wall_s": t1 - t0,
         "peak_memory_bytes": engine.peak_memory_bytes,
         "kv_peak_bytes": engine.telemetry.peak_kv_bytes,
         "num_steps": steps.height,
         "num_solo_fallback": int(steps["num_solo"].sum()),
         "chunk_size_used": int(steps["chunk_size"].max()),
+        "paged": paged,
+        "prefix_hit_tokens": total("prefix_hit_tokens"),
+        "cached_prompt_tokens": sum(getattr(r, "cached_tokens", 0) or 0 for r in results) if paged else None,
+        "num_preemptions": total("num_preemptions"),
+        "pages_allocated": total("pages_allocated"),
+        "pages_used_max": int(steps["pages_used"].max()) if paged else None,
         "weight_bytes": engine.runner.step_weight_bytes,  # read per decode step: the floor's bytes
         "resident_weight_bytes": engine.runner.fixed_bytes,
     }, [r.token_ids for r in results]
@@ -99,7 +126,8 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
 
 def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk: int | None,
               repeats: int, data_dir: str, backend: str = "torch", head_matmul: str | None = None,
-              triton=None, progress=print) -> tuple[object, list[dict]]:
+              triton=None, kv_pool_tokens: int | None = None, prefix_cache: bool = True,
+              shared_prefix_len: int = 0, progress=print) -> tuple[object, list[dict]]:
     """``triton``: the triton backend's ``TritonOptions`` for every engine of the run (None: the
     defaults); the run's params record the options that differ from them (``triton_options``)."""
     from .engine_config import EngineConfig, TritonOptions
@@ -107,8 +135,13 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
     from .runstore import RunStore
 
     # (a bad combination: one line, before any work)
-    config = EngineConfig(backend=backend, head_matmul=head_matmul, triton=triton or TritonOptions())
-    opts = dict(triton=config.triton)  # (head_matmul included: EngineConfig keeps the two in step)
+    config = EngineConfig(backend=backend, head_matmul=head_matmul, triton=triton or TritonOptions(),
+                          kv_pool_tokens=kv_pool_tokens, prefix_cache=prefix_cache)
+    # (head_matmul included in triton: EngineConfig keeps the two in step)
+    opts = dict(triton=config.triton, kv_pool_tokens=kv_pool_tokens, prefix_cache=prefix_cache)
+    if not 0 <= shared_prefix_len < prompt_len:
+        raise WorkbenchError(f"--shared-prefix-len {shared_prefix_len} is out of range: allowed 0..{prompt_len - 1} "
+                             f"(below --prompt-len {prompt_len})")
 
     if prompt_len + gen > model.config.context_length:
         raise WorkbenchError(
@@ -125,6 +158,9 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
         "gen": gen,
         "chunk": chunk if chunk is not None else "auto",
         "repeats": repeats,
+        "kv_pool_tokens": kv_pool_tokens if kv_pool_tokens is not None else "auto",
+        "prefix_cache": prefix_cache,
+        "shared_prefix_len": shared_prefix_len,
     }
     from .cli import format_duration
 
@@ -148,7 +184,8 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
         for c in concurrency:
             for r in range(repeats):
                 t_measure = time.perf_counter()
-                m, toks = measure(model, c, prompt_len, gen, chunk, backend=backend, **opts)
+                m, toks = measure(model, c, prompt_len, gen, chunk, backend=backend,
+                                  shared_prefix_len=shared_prefix_len, **opts)
                 if c == 1 and solo_tokens is None:
                     solo_tokens = toks[0]
                 floor = c * bw / m["weight_bytes"]
@@ -161,7 +198,10 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
                     "fraction_of_floor": m["decode_tok_s_aggregate"] / floor,
                     "matches_solo": None if solo_tokens is None else toks[0] == solo_tokens,
                 }
+                row["flag"] = activation_flag(row, prefix_cache=prefix_cache, shared_prefix_len=shared_prefix_len)
                 rows.append(row)
+                if row["flag"]:
+                    progress(f"bench: FLAGGED: {row['flag']}")
                 exact = {None: "", True: ", exact vs solo", False: ", DIFFERS from solo"}[row["matches_solo"]]
                 progress(
                     f"[{len(rows)}/{num}] concurrency {c}, prompt {prompt_len}, repeat {r + 1}/{repeats}: "
@@ -172,6 +212,17 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
         run.write_rows("summary", rows)
     progress(f"bench: {num} measurement{'s' if num != 1 else ''} in {format_duration(time.perf_counter() - started)}")
     return run, rows
+
+
+def activation_flag(row: dict, *, prefix_cache: bool, shared_prefix_len: int) -> str | None:
+    """Why a measurement that asked for a feature shows none of it (None when each asked-for
+    feature ran): a shared prefix with the cache on must show prefix-hit tokens, on a paged runner."""
+    if shared_prefix_len and prefix_cache:
+        if not row.get("paged"):
+            return "a shared prefix with the prefix cache asked, but the runner is not paged (no prefix cache ran)"
+        if not row.get("prefix_hit_tokens"):
+            return "a shared prefix with the prefix cache asked, but no prompt token came from the cache"
+    return None
 
 
 def options_text(options) -> str:
@@ -220,8 +271,16 @@ def _cmd_bench(args) -> int:
     run, rows = run_bench(model, concurrency=args.concurrency, prompt_len=args.prompt_len, gen=args.gen,
                           chunk=args.chunk, repeats=args.repeats, data_dir=args.data_dir, backend=args.backend,
                           head_matmul=args.head_matmul, triton=args.triton_options,
+                          kv_pool_tokens=args.kv_pool_tokens, prefix_cache=args.prefix_cache,
+                          shared_prefix_len=args.shared_prefix_len,
                           progress=progress if args.progress else lambda line: None)
     print(format_table(rows))
+    if args.shared_prefix_len:
+        for r in rows:
+            hit = r["ttft_s_mean"]
+            print(f"shared prefix {args.shared_prefix_len}, concurrency {r['concurrency']}: TTFT alone and cold "
+                  f"{r['ttft_s_cold']:.3f} s, measured requests {hit:.3f} s mean ({r['ttft_s_cold'] / hit:.1f}x), "
+                  f"prefix-hit tokens {r['prefix_hit_tokens']}" + (f" -- FLAGGED: {r['flag']}" if r["flag"] else ""))
     print(f"results: {run.path}")
     return 0
 
@@ -271,5 +330,13 @@ def register_cli(sub) -> None:
                         f"{', '.join(f.name for f in fields(TritonOptions))}), e.g. 'pdl=false,attn_segment=32'; "
                         "booleans true/false, layer_forms as Q8_0:gemv+Q4_K:mma (default: the measured best, "
                         "docs/GPU_NOTES.md)")
+    p.add_argument("--kv-pool-tokens", type=int_range(1), default=None, metavar="N",
+                   help="paged runners (torch): positions each KV group's page pool holds "
+                        "(default: what the memory budget allows)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="paged runners (torch): no prefix cache across requests")
+    p.add_argument("--shared-prefix-len", type=int_range(0), default=0, metavar="N",
+                   help="every prompt starts with the same N tokens (a shared system prompt); one request "
+                        "with it runs alone first, and its TTFT is recorded as ttft_s_cold (0: no shared prefix)")
     add_model_args(p)
     p.set_defaults(func=_cmd_bench)
