@@ -22,7 +22,7 @@ python3 -c 'import torch, triton, transformers; print("torch", torch.__version__
 # (the upload chain appends every part, the last one included: scripts/gpu_upload_model.sh)
 echo "$SHA  $MODEL" | sha256sum -c || { ls -l "$MODEL"; exit 1; }
 stamp kernel_tests
-timeout ${KT_S:-90} python3 -m pytest -q -x -p no:cacheprovider ${KT_ARGS:-tests/kernels} 2>&1 | tail -5
+timeout ${KT_S:-150} python3 -m pytest -q -x -p no:cacheprovider ${KT_ARGS:-tests/kernels} 2>&1 | tail -5
 if [ "${HB_S:-0}" -gt 0 ]; then  # the head alone, each form and tiling (scripts/head_bench.py)
   stamp head_bench
   timeout $HB_S python3 scripts/head_bench.py --model "$MODEL" --out "$OUT" ${HB_ARGS:-} 2>&1 | tail -${HB_TAIL:-3}
