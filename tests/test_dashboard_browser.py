@@ -425,3 +425,14 @@ def test_index_links_resolve_in_chromium(built, browser_context):
 def test_empty_store_page_renders_in_chromium(built_empty, browser_context):
     result = _open_and_check(browser_context, built_empty[2], "dashboard-empty-reference.png")
     assert len(result["charts"]) == 2  # every decode figure, the other published figures
+
+
+def test_a_parameter_added_later_does_not_split_old_runs_off():
+    """bench's paging options came after many recorded runs: a manifest without them is keyed as
+    if it had their defaults (pages.toml param_defaults), a run with another value is apart."""
+    page = next(p for p in load_pages().ablations if p.name == "bench")
+    old = {"backend": "torch", "prompt_len": 512, "gen": 128, "concurrency": [1, 2]}
+    new = {**old, "prefix_cache": True, "shared_prefix_len": 0, "kv_pool_tokens": "auto",
+           "head_matmul": "default", "triton_options": "default"}
+    assert measurement_params(old, page) == measurement_params(new, page)
+    assert measurement_params({**new, "shared_prefix_len": 2048}, page) != measurement_params(old, page)

@@ -125,6 +125,7 @@ def measurement_params(params: Mapping[str, Any], page: AblationPage | None,
         flat = dict(params)
     if page is None:
         return {k: flat[k] for k in sorted(flat) if k != "repeats"}
+    flat = {**page.param_defaults, **flat}  # (a run from before a parameter existed had its default)
     key = {k: flat[k] for k in flat if k not in page.drops(flat)}
     recorded = next((p for p in page.x_params if p in flat), None)
     if recorded is not None:

@@ -43,7 +43,7 @@ def overview_page(ctx: BuildContext) -> Page:
             label.label, chart,
             note=f"One panel per machine, each a group of full {spec.overview_ablation} runs drawn through its "
                  "latest run on that machine: the group that spans the most machines, then the machine's most-run "
-                 "group, then the one run last. The panels' parameters differ where their subtitles say so. "
+                 "group, then the widest sweep, then the one run last. The panels' parameters differ where their subtitles say so. "
                  f"Grey marks: reference figures measured on the same machine.{seeds} Every group is on the "
                  f"{page.page} page."))
     quick = runs.filter(pl.col("quick")).height
@@ -66,10 +66,16 @@ def _headline_chart(ctx: BuildContext, page: AblationPage, groups: list[Group], 
     for hw in sorted({h for g in groups for h in g.hardware}):
         best = None
         # the group that spans the most machines (so that panels compare alike where they can),
-        # then the machine's most-run one, then the one run last; its latest run must draw the metric
+        # then the machine's most-run one, then the widest sweep (a special measurement, e.g. a
+        # shared-prefix run at two concurrencies, is no headline), then the one run last; its
+        # latest run must draw the metric
+        def sweep(g) -> int:
+            rows = ctx.rows_of([g.latest.filter(pl.col("hardware_id") == hw)["run_id"][0]])
+            return rows[page.x].n_unique() if page.x in rows.columns else 0
+
         for g in sorted((g for g in groups if g.runs_on(hw)), key=lambda g: (
-                len(g.hardware), g.runs_on(hw), g.runs.filter(pl.col("hardware_id") == hw)["started_at"].max() or ""),
-                reverse=True):
+                len(g.hardware), g.runs_on(hw), sweep(g),
+                g.runs.filter(pl.col("hardware_id") == hw)["started_at"].max() or ""), reverse=True):
             run_id = g.latest.filter(pl.col("hardware_id") == hw)["run_id"][0]
             rows = ctx.rows_of([run_id])
             if metric in rows.columns and page.x in rows.columns and rows.filter(

@@ -51,6 +51,9 @@ class AblationPage:
     x_params: tuple[str, ...] = ()
     panel: str | None = None
     ignore_params: tuple[str, ...] = ()
+    # parameters a run's manifest may lack because it predates them, with the value such a run
+    # had: a missing one is taken as this, so adding an option does not split old runs off
+    param_defaults: Mapping[str, Any] = field(default_factory=dict)
     reference: tuple[str, ...] = ()
     history: str | None = None
     tooltip: tuple[str, ...] = ()
@@ -165,7 +168,11 @@ def _build(cls, spec: Any, where: str):
         if name not in spec:
             continue
         value, kind = spec[name], str(f.type)
-        if kind.startswith("tuple"):
+        if name == "param_defaults":
+            if not isinstance(value, dict) or not all(isinstance(v, (str, int, float, bool)) for v in value.values()):
+                raise WorkbenchError(f"{where}: {name} must be a table of parameter = text, number or boolean")
+            value = dict(value)
+        elif kind.startswith("tuple"):
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise WorkbenchError(f"{where}: {name} must be a list of column or parameter names")
             value = tuple(value)
