@@ -193,7 +193,7 @@ class LayerLoop:
 
     def _glu_fold(self, p, M: int) -> bool:
         """Whether the GLU can ride on this [gate | up] product's launch (kernels' GluEpilogue)."""
-        if not self.fuse_glu or p.dense is not None or len(p.parts) != 1 or p.parts[0][1].packed is None:
+        if not self.fuse_glu or p.dense is not None or len(p.parts) != 1:
             return False
         w = p.parts[0][1]
         if w.form == "mma":
@@ -209,7 +209,7 @@ class LayerLoop:
         if not self.pair_launch or p.dense is not None or len(p.parts) != 2:
             return False
         (_, a), (_, b) = p.parts  # (one K and one K slice: members of one product, device_weights)
-        return a.form == "mma" and b.form == "gemv" and a.packed is not None and b.packed is not None
+        return a.form == "mma" and b.form == "gemv"
 
     def head_best_partials(self, rows: int):
         """The head's running-argmax buffers for a decode graph of ``rows`` rows, or None
