@@ -43,6 +43,7 @@ import triton.language as tl
 
 from .pdl import enter, launch_kw
 from .qmma import dot_acc
+from .kv_pages import block_table_args
 from .step_fused import qk_rope_kv_row, qk_rope_row_args
 
 # Keys per block, by padded head dim and the KV cache's element size, at most the segment (a
@@ -92,29 +93,29 @@ def _row_key_range(row_pos_ptr, row_win_ptr, r):
 
 @triton.jit
 def _attention_partial_kernel(
-    q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+    q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr, bt_ptr, stride_bt,
     stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
     qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
     GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
+    SEG: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
 ):
     enter(PDL)
     attention_item(
         tl.program_id(0), tl.program_id(1), tl.program_id(2),
-        q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+        q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr, bt_ptr, stride_bt,
         stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
         qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
-        GROUP, QROWS, D_P, BLOCK_N, SEG, USE_DOT, INPUT_PRECISION, FUSED)
+        GROUP, QROWS, D_P, BLOCK_N, SEG, PAGE, USE_DOT, INPUT_PRECISION, FUSED)
 
 
 @triton.jit
 def _attention_rope_kernel(
-    q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+    q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr, bt_ptr, stride_bt,
     stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
     qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
     p_ptr, qn_ptr, kn_ptr, inv_ptr, eps, stride_ps, stride_pm,
     GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
+    SEG: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, HQ_P: tl.constexpr,
     HKV_P: tl.constexpr, HALF_P: tl.constexpr, NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
     PRELOAD: tl.constexpr,
@@ -133,28 +134,28 @@ def _attention_rope_kernel(
     run 61: 0.570 / 0.623 / 0.790 -> 0.567 / 0.619 / 0.777 ms per step at 1 / 16 / 32 slots."""
     r = tl.program_id(0)
     if PRELOAD:
-        k_old, v_old, lo, hi, seq = _segment_kv_before(
-            r, tl.program_id(1), tl.program_id(2), k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
-            stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, D, D_P, BLOCK_N, SEG)
+        k_old, v_old, lo, hi, page = _segment_kv_before(
+            r, tl.program_id(1), tl.program_id(2), k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr, bt_ptr,
+            stride_bt, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, D, D_P, BLOCK_N, SEG, PAGE)
     # (the rope's positions, cos / sin and QK-norm weights right after the PDL wait)
-    qk_rope_kv_row(r, p_ptr, q_ptr, k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, qn_ptr, kn_ptr, inv_ptr, eps,
-                   stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
-                   HQ, HKV, HD, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM, PDL)
+    qk_rope_kv_row(r, p_ptr, q_ptr, k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, bt_ptr, stride_bt, qn_ptr, kn_ptr,
+                   inv_ptr, eps, stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
+                   HQ, HKV, HD, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM, PAGE, PDL)
     tl.debug_barrier()  # this program's q, K, V stores before its loads of them
     if PRELOAD:
         attention_item_preloaded(
-            r, tl.program_id(1), tl.program_id(2), k_old, v_old, lo, hi, seq,
+            r, tl.program_id(1), tl.program_id(2), k_old, v_old, lo, hi, page,
             q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
             stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
             qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
-            GROUP, QROWS, D_P, BLOCK_N, SEG, USE_DOT, INPUT_PRECISION, FUSED)
+            GROUP, QROWS, D_P, BLOCK_N, SEG, PAGE, USE_DOT, INPUT_PRECISION, FUSED)
     else:
         attention_item(
             r, tl.program_id(1), tl.program_id(2),
-            q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+            q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr, bt_ptr, stride_bt,
             stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
             qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
-            GROUP, QROWS, D_P, BLOCK_N, SEG, USE_DOT, INPUT_PRECISION, FUSED)
+            GROUP, QROWS, D_P, BLOCK_N, SEG, PAGE, USE_DOT, INPUT_PRECISION, FUSED)
 
 
 @dataclass(frozen=True)
@@ -235,69 +236,77 @@ def _finish_item(r, kvh, sg, m_i, l_i, acc, lo, hi, ws_m_ptr, ws_l_ptr, ws_acc_p
 @triton.jit
 def attention_item(
     r, kvh, sg,
-    q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+    q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr, bt_ptr, stride_bt,
     stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
     qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
     GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
+    SEG: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
 ):
     """Program (r, kvh, sg) of ``_attention_partial_kernel``: the kernel's body (the rope
     kernel's too, where its segments are not one block)."""
     lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
     seg_lo = tl.maximum(lo, sg * SEG)
     seg_hi = tl.minimum(hi, (sg + 1) * SEG)  # empty segments run no block; the combine skips them
-    seq = tl.load(row_seq_ptr + r).to(tl.int64)
+    table = bt_ptr + tl.load(row_seq_ptr + r).to(tl.int64) * stride_bt
     d = tl.arange(0, D_P)
     dmask = d < D
     q = _load_q(q_ptr, r, kvh, stride_qr, stride_qh, D, GROUP, QROWS, D_P)  # [QROWS, D]
-    k_base = k_ptr + seq * stride_ks + kvh * stride_kh
-    v_base = v_ptr + seq * stride_vs + kvh * stride_vh
     m_i = tl.full([QROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([QROWS], dtype=tl.float32)
     acc = tl.zeros([QROWS, D_P], dtype=tl.float32)
     for blk in range(seg_lo // BLOCK_N, tl.cdiv(seg_hi, BLOCK_N)):
-        j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        # a block lies in one page (BLOCK_N divides PAGE): its page from the row's block table
+        first = blk * BLOCK_N
+        page = tl.load(table + first // PAGE).to(tl.int64)
+        j = first + tl.arange(0, BLOCK_N)
         jmask = (j >= seg_lo) & (j < seg_hi)
         kvmask = jmask[:, None] & dmask[None, :]
-        k = tl.load(k_base + j[:, None].to(tl.int64) * stride_kl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
-        v = tl.load(v_base + j[:, None].to(tl.int64) * stride_vl + d[None, :], mask=kvmask, other=0.0).to(tl.float32)
+        jp = (j - (first // PAGE) * PAGE)[:, None].to(tl.int64)  # offsets in the page
+        k = tl.load(k_ptr + page * stride_ks + kvh * stride_kh + jp * stride_kl + d[None, :], mask=kvmask,
+                    other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + page * stride_vs + kvh * stride_vh + jp * stride_vl + d[None, :], mask=kvmask,
+                    other=0.0).to(tl.float32)
         m_i, l_i, acc = _attend_block(q, k, v, jmask, m_i, l_i, acc, qk_scale_log2, USE_DOT, INPUT_PRECISION)
     _finish_item(r, kvh, sg, m_i, l_i, acc, lo, hi, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, o_ptr,
                  stride_or, stride_oh, D, Hkv, num_seg, GROUP, QROWS, D_P, SEG, FUSED)
 
 
 @triton.jit
-def _segment_kv_before(r, kvh, sg, k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr,
+def _segment_kv_before(r, kvh, sg, k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr, bt_ptr, stride_bt,
                        stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, D,
-                       D_P: tl.constexpr, BLOCK_N: tl.constexpr, SEG: tl.constexpr):
+                       D_P: tl.constexpr, BLOCK_N: tl.constexpr, SEG: tl.constexpr, PAGE: tl.constexpr):
     """Program (r, kvh, sg)'s one-block segment of K and V in the pools' dtype, the rows the
     step does not write (below the row's position; masked lanes 0): loadable before the PDL
-    wait (the row tables are written before the step's first kernel). Returns (k, v, lo, hi,
-    seq): with the row's key range and sequence, which ``attention_item_preloaded`` takes."""
+    wait (the row and block tables are written before the step's first kernel). Returns (k, v,
+    lo, hi, page): with the row's key range and the segment's page (the segment lies in one page;
+    0 where the row sees none of it, a page it never reads), which ``attention_item_preloaded``
+    takes."""
     tl.static_assert(SEG == BLOCK_N, "the preloaded form takes one-block segments")
     lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
-    seq = tl.load(row_seq_ptr + r).to(tl.int64)
-    j = sg * SEG + tl.arange(0, BLOCK_N)
+    first = sg * SEG
+    seen = (first < hi) & (first + SEG > lo)  # (else the table may have no entry here)
+    page = tl.load(bt_ptr + tl.load(row_seq_ptr + r).to(tl.int64) * stride_bt + first // PAGE, mask=seen,
+                   other=0).to(tl.int64)
+    j = first + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D_P)
     old = ((j >= lo) & (j < hi - 1))[:, None] & (d < D)[None, :]
-    off = j[:, None].to(tl.int64) * stride_kl + d[None, :]
-    k = tl.load(k_ptr + seq * stride_ks + kvh * stride_kh + off, mask=old, other=0.0)
-    v = tl.load(v_ptr + seq * stride_vs + kvh * stride_vh + j[:, None].to(tl.int64) * stride_vl + d[None, :],
-                mask=old, other=0.0)
-    return k, v, lo, hi, seq
+    jp = (j - (first // PAGE) * PAGE)[:, None].to(tl.int64)
+    k = tl.load(k_ptr + page * stride_ks + kvh * stride_kh + jp * stride_kl + d[None, :], mask=old, other=0.0)
+    v = tl.load(v_ptr + page * stride_vs + kvh * stride_vh + jp * stride_vl + d[None, :], mask=old, other=0.0)
+    return k, v, lo, hi, page
 
 
 @triton.jit
 def attention_item_preloaded(
-    r, kvh, sg, k_old, v_old, lo, hi, seq,
+    r, kvh, sg, k_old, v_old, lo, hi, page,
     q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
     stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
     qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
     GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEG: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
+    SEG: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
 ):
     """``attention_item`` for a one-block segment whose older K/V rows are k_old / v_old
-    (``_segment_kv_before``, with the row's key range [lo, hi) and sequence seq): the row's
+    (``_segment_kv_before``, with the row's key range [lo, hi) and the segment's page): the row's
     current K/V row (the position, just stored) is read from the pools and put in its lane; then
     the same block step and finish, so the same values."""
     seg_lo = tl.maximum(lo, sg * SEG)
@@ -307,8 +316,9 @@ def attention_item_preloaded(
     cur = hi - 1
     here = (d < D) & ((cur + 0 * d) >= sg * SEG) & ((cur + 0 * d) < (sg + 1) * SEG)  # (vector masks: interpreter)
     q = _load_q(q_ptr, r, kvh, stride_qr, stride_qh, D, GROUP, QROWS, D_P)
-    kc = tl.load(k_ptr + seq * stride_ks + kvh * stride_kh + cur.to(tl.int64) * stride_kl + d, mask=here, other=0.0)
-    vc = tl.load(v_ptr + seq * stride_vs + kvh * stride_vh + cur.to(tl.int64) * stride_vl + d, mask=here, other=0.0)
+    cp = (cur - (sg * SEG // PAGE) * PAGE).to(tl.int64)  # (where here: the current row lies in this page)
+    kc = tl.load(k_ptr + page * stride_ks + kvh * stride_kh + cp * stride_kl + d, mask=here, other=0.0)
+    vc = tl.load(v_ptr + page * stride_vs + kvh * stride_vh + cp * stride_vl + d, mask=here, other=0.0)
     at = (j == cur)[:, None]
     k = tl.where(at, kc[None, :], k_old).to(tl.float32)
     v = tl.where(at, vc[None, :], v_old).to(tl.float32)
@@ -386,12 +396,15 @@ def attention_rows(
     num_warps: int | None = None,
     rope: RopePrologue | None = None,
     segment: int | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of R query rows, each against its own sequence's cache.
 
     q [R, Hq, D]; k_cache, v_cache [S, L_max, Hkv, D] (a pool of S sequences); row_seq [R] in
     [0, S); row_pos [R] in [0, L_max) (the row's K/V must already be in the cache at row_pos);
-    row_window [R] (0 = global). Hq must be a multiple of Hkv. Returns [R, Hq, D] in q's dtype.
+    row_window [R] (0 = global). With ``block_table`` (int32 [S, W], kernels/kv_pages.py) the
+    caches are pages [P, PAGE, Hkv, D] instead, row_seq picks a table row and row_pos lies in
+    [0, W * PAGE). Hq must be a multiple of Hkv. Returns [R, Hq, D] in q's dtype.
     ``max_pos`` (a bound on row_pos, optional) only sizes the launch and workspace; ``use_dot``
     picks the product form (default: tl.dot on a GPU; see the module docstring). ``counters``:
     int32 zeros, at least R * Hkv of them, owned by the caller and reusable across calls (each
@@ -416,7 +429,8 @@ def attention_rows(
         raise ValueError(f"need q [R, Hq, D] and k/v caches [S, L_max, Hkv, D] of one shape, got "
                          f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     R, Hq, D = q.shape
-    S, L_max, Hkv, Dk = k_cache.shape
+    _, _, Hkv, Dk = k_cache.shape
+    bt, page, S, L_max = block_table_args(k_cache, block_table, segment)
     if Dk != D or Hq % Hkv:
         raise ValueError(f"head dims {D} vs {Dk} must match and Hq={Hq} be a multiple of Hkv={Hkv}")
     for name, t in (("row_seq", row_seq), ("row_pos", row_pos), ("row_window", row_window)):
@@ -452,11 +466,11 @@ def attention_rows(
     fused = counters is not None
     if fused and (counters.dtype != torch.int32 or counters.numel() < R * Hkv or counters.device != q.device):
         raise ValueError(f"counters must be int32 zeros, at least {R * Hkv} of them, on {q.device}")
-    common = (q, k_cache, v_cache, ws_m, ws_l, ws_acc, row_seq, row_pos, row_window,
+    common = (q, k_cache, v_cache, ws_m, ws_l, ws_acc, row_seq, row_pos, row_window, bt, bt.stride(0),
               q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
               float(scale) * _LOG2E, D, Hkv, num_seg, counters if fused else ws_m, out, out.stride(0), out.stride(1))
-    consts = dict(GROUP=group, QROWS=qrows, D_P=d_p, BLOCK_N=block_n, SEG=segment, USE_DOT=use_dot,
+    consts = dict(GROUP=group, QROWS=qrows, D_P=d_p, BLOCK_N=block_n, SEG=segment, PAGE=page, USE_DOT=use_dot,
                   INPUT_PRECISION=precision, FUSED=fused, num_warps=num_warps)
     if rope is not None:
         _launch_rope(common, consts, rope, q, k_cache, v_cache, num_seg)

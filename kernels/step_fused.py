@@ -8,7 +8,7 @@ step's elementwise/per-row work in the same launch:
   (attention output and FFN output into the residual, and the next layer's input norm);
 * ``glu_from_parts``: act(gate) * up from the fused [gate | up] product (gelu_tanh or silu);
 * ``qk_rope_kv``: from the fused [q | k | v] product: QK-norm (Gemma 3), NEOX rope at the
-  row's position, q out, k and v written into the row's KV-pool slot (seq, pos).
+  row's position, q out, k and v written at the row's position through its block table (kv_pages.py).
 
 The GLU can also ride on the launch of the product that feeds it, done by that product's
 last program per column pair over acquire-release counters (``glu_pair_epilogue``, called from
@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_pages import block_table_args
 from .pdl import enter, launch_kw
 
 
@@ -152,44 +153,47 @@ def _norm_rope_heads(base, offs, mask, stride_ps, w1, w2, c, s, D, eps,
 
 @triton.jit
 def _qk_rope_kv_kernel(
-    p_ptr, q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, eps,
+    p_ptr, q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, bt_ptr, stride_bt, qn_ptr, kn_ptr, inv_ptr, eps,
     stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     HQ_P: tl.constexpr, HKV_P: tl.constexpr, HALF_P: tl.constexpr,
-    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
+    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr,
 ):
     """From the qkv partials of one row: q = rope(qnorm(q)) -> q_out; k = rope(knorm(k)) and v
-    -> the row's KV slot (seq, pos). NEOX rope: pairs (i, i + D/2), angle = f32(pos) * inv_freq."""
-    qk_rope_kv_row(tl.program_id(0), p_ptr, q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr,
-                   eps, stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
-                   HQ, HKV, D, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM, PDL)
+    -> the row's KV position pos of block-table row seq (kernels/kv_pages.py). NEOX rope: pairs
+    (i, i + D/2), angle = f32(pos) * inv_freq."""
+    qk_rope_kv_row(tl.program_id(0), p_ptr, q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, bt_ptr, stride_bt, qn_ptr, kn_ptr,
+                   inv_ptr, eps, stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
+                   HQ, HKV, D, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM, PAGE, PDL)
 
 
 @triton.jit
 def qk_rope_kv_row(
-    r, p_ptr, q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, eps,
+    r, p_ptr, q_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, bt_ptr, stride_bt, qn_ptr, kn_ptr, inv_ptr, eps,
     stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     HQ_P: tl.constexpr, HKV_P: tl.constexpr, HALF_P: tl.constexpr,
-    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
+    NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Row r of ``_qk_rope_kv_kernel`` as a PDL kernel's first work (kernels/attention.py's
     prologue too): the kernel's ``enter(PDL)``, then ``qk_rope_prep`` right after the wait (as the
     add+norm kernel loads its weights: session 12, run 69), then the body."""
     enter(PDL)
-    pre = qk_rope_prep(r, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF, HALF_P, HAS_NORM)
+    pre = qk_rope_prep(r, seq_ptr, pos_ptr, bt_ptr, stride_bt, qn_ptr, kn_ptr, inv_ptr, HALF, HALF_P, HAS_NORM,
+                       PAGE)
     qk_rope_kv_body(r, pre, p_ptr, q_ptr, k_ptr, v_ptr, eps, stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
                     HQ, HKV, D, HALF, HQ_P, HKV_P, HALF_P, NSPLIT, HAS_NORM)
 
 
 @triton.jit
-def qk_rope_prep(r, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF: tl.constexpr, HALF_P: tl.constexpr,
-                 HAS_NORM: tl.constexpr):
-    """What row r's QK-norm/rope takes that no kernel of the step writes (the row tables are
-    written before the step's first kernel; the weights never): its position and sequence, the
-    rope's cos / sin, the norms' weight halves. A PDL kernel can take them before its wait."""
+def qk_rope_prep(r, seq_ptr, pos_ptr, bt_ptr, stride_bt, qn_ptr, kn_ptr, inv_ptr, HALF: tl.constexpr,
+                 HALF_P: tl.constexpr, HAS_NORM: tl.constexpr, PAGE: tl.constexpr):
+    """What row r's QK-norm/rope takes that no kernel of the step writes (the row and block
+    tables are written before the step's first kernel; the weights never): its position and the
+    page that holds it, the rope's cos / sin, the norms' weight halves. A PDL kernel can take
+    them before its wait."""
     pos = tl.load(pos_ptr + r)
-    seq = tl.load(seq_ptr + r).to(tl.int64)
+    page = tl.load(bt_ptr + tl.load(seq_ptr + r).to(tl.int64) * stride_bt + pos // PAGE).to(tl.int64)
     i = tl.arange(0, HALF_P)
     imask = i < HALF
     ang = pos.to(tl.float32) * tl.load(inv_ptr + i, mask=imask, other=0.0)
@@ -199,7 +203,7 @@ def qk_rope_prep(r, seq_ptr, pos_ptr, qn_ptr, kn_ptr, inv_ptr, HALF: tl.constexp
     else:
         z = tl.zeros([HALF_P], dtype=tl.float32)
         w = (z, z, z, z)
-    return pos, seq, tl.cos(ang), tl.sin(ang), w[0], w[1], w[2], w[3]
+    return pos % PAGE, page, tl.cos(ang), tl.sin(ang), w[0], w[1], w[2], w[3]
 
 
 @triton.jit
@@ -210,7 +214,7 @@ def qk_rope_kv_body(
     NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     """Row r of the QK-norm/rope/KV write with ``qk_rope_prep``'s values in hand."""
-    pos, seq, cos, sin, qw1, qw2, kw1, kw2 = pre
+    at, page, cos, sin, qw1, qw2, kw1, kw2 = pre  # (the row's position: offset `at` in page `page`)
     i = tl.arange(0, HALF_P)
     imask = i < HALF
     c = cos[None, :]
@@ -226,7 +230,7 @@ def qk_rope_kv_body(
     kmask = (hk < HKV)[:, None] & imask[None, :]
     koffs = hk[:, None] * D + i[None, :]
     k1, k2 = _norm_rope_heads(base + HQ * D, koffs, kmask, stride_ps, kw1, kw2, c, s, D, eps, NSPLIT, HALF, HAS_NORM)
-    dst = seq * stride_ks + pos.to(tl.int64) * stride_kl + koffs
+    dst = page * stride_ks + at.to(tl.int64) * stride_kl + koffs
     tl.store(k_ptr + dst, k1.to(k_ptr.dtype.element_ty), mask=kmask)
     tl.store(k_ptr + dst + HALF, k2.to(k_ptr.dtype.element_ty), mask=kmask)
     vbase = base + (HQ + HKV) * D
@@ -299,14 +303,18 @@ def glu_from_parts_ref(part: torch.Tensor, F: int, act: str = "gelu_tanh") -> to
 
 def qk_rope_kv(part: torch.Tensor, q_out: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                seq: torch.Tensor, pos: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-               inv_freq: torch.Tensor, eps: float, num_warps: int | None = None) -> None:
+               inv_freq: torch.Tensor, eps: float, num_warps: int | None = None,
+               block_table: torch.Tensor | None = None) -> None:
     """From part [splits, R, (Hq + 2 Hkv) D] (q | k | v): q_out [R, Hq, D] = rope(qnorm(q));
     k_pool[seq, pos] = rope(knorm(k)), v_pool[seq, pos] = v. Pools [S, L, Hkv, D]; NEOX rope
-    (pairs i, i + D/2) at angle f32(pos) * inv_freq [D/2]; norms None: no QK-norm."""
+    (pairs i, i + D/2) at angle f32(pos) * inv_freq [D/2]; norms None: no QK-norm. With
+    ``block_table`` (kernels/kv_pages.py) the pools are pages [P, PAGE, Hkv, D] and position pos
+    of table row seq is written at (block_table[seq, pos // PAGE], pos % PAGE)."""
     args, consts = qk_rope_row_args(part, q_out, k_pool, q_norm, k_norm, inv_freq, eps)
+    bt, page, _, _ = block_table_args(k_pool, block_table)
     _qk_rope_kv_kernel[(q_out.shape[0],)](
-        part, q_out, k_pool, v_pool, seq, pos, *args, q_out.stride(0), k_pool.stride(0), k_pool.stride(1),
-        **consts, num_warps=num_warps or QK_ROPE_WARPS, **launch_kw(part),
+        part, q_out, k_pool, v_pool, seq, pos, bt, bt.stride(0), *args, q_out.stride(0), k_pool.stride(0),
+        k_pool.stride(1), **consts, PAGE=page, num_warps=num_warps or QK_ROPE_WARPS, **launch_kw(part),
     )
 
 
