@@ -179,8 +179,11 @@ class Engine:
         self.stop_ids = tuple(sorted(model.tokenizer.eos_ids))
 
     def _machine_budget(self) -> int:
-        # Weights are already resident; the budget is what they take plus most of what is free.
-        return int(self.runner.fixed_bytes + 0.8 * psutil.virtual_memory().available)
+        # Weights are already resident; the budget is what they take plus most of what is free
+        # where the KV lives (the runner's device memory, else the host's).
+        device = getattr(self.runner, "memory_available", lambda: None)()
+        free = device if device is not None else psutil.virtual_memory().available
+        return int(self.runner.fixed_bytes + 0.8 * free)
 
     # -- requests ------------------------------------------------------------------------
     def submit(
@@ -246,6 +249,12 @@ class Engine:
     def step(self) -> list:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(self._step_index)  # plan
+        if plan is None and self.scheduler.has_work() and getattr(self.runner, "ahead_in_flight", False):
+            # nothing could be admitted, perhaps for pages still fenced by a step launched ahead
+            # for requests that have since finished: wait for it, release them, plan again
+            self.runner.drain()
+            self.scheduler.retire(self._step_index - 1)
+            plan = self.scheduler.schedule(self._step_index)
         if plan is None:
             return []
         forwards = self.scheduler.forwards(plan)
@@ -287,7 +296,11 @@ class Engine:
             live.token_ids.append(tok)
             live.token_times.append(now)
         events = self.scheduler.commit(plan, sampled)  # commit
-        self.scheduler.retire(self._step_index)  # (synchronous runners: the step is done)
+        # the device is done with this step, unless the runner launched the next one ahead: that
+        # launch may still write pages released by this commit, so they stay fenced a step more
+        ahead_in_flight = getattr(self.runner, "ahead_in_flight", False)
+        if self._step_index - ahead_in_flight >= 0:
+            self.scheduler.retire(self._step_index - ahead_in_flight)
         for ev in events:
             self._finish(ev)
         # the step's wall time ends after its bookkeeping (with run-ahead the device keeps

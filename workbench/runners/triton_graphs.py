@@ -1,18 +1,27 @@
 """Decode steps as CUDA graphs: one per (row bucket, attention-segment bucket), with the greedy
 tokens fed back on the device and the next step launched ahead.
 
-* Rows are padded to a bucket (1, 2, 4, ..., 64); a padded row reads token 0 at position 0 and
-  writes its K/V into the pool's scratch slot. The graph's inputs (token, position, slot per
-  row) live in one device buffer that the engine fills before a replay.
+* Rows are padded to a bucket (1, 2, 4, ..., 64); a padded row reads token 0 at position 0
+  through the scratch block-table row, whose every entry is its group's scratch page (no
+  sequence owns it). The graph's inputs are device buffers the runner fills before a replay:
+  (token, position, table row) per row, and per KV group a block table [64 + 1, W] (W: pages of
+  a full slot), row i the i-th segment's pages. A step copies only the table rows that changed
+  since the last fill (a row crosses into a new page every 256 positions), so in steady decode
+  the tables cost no copy at all.
 * The graph ends with the argmax of every row (its first stage kept by the head's programs where
   the head form allows, `LayerLoop.head_best_partials`), which also writes each row's token and
   position + 1 as the next step's inputs and keeps the token in a per-row record by position
   (`decode_loop` reads the record once per `graph_history` steps).
 * Run-ahead: in a greedy steady state the next step's graph is launched before this one's
-  tokens are returned; the next call uses that launch only if its segments are exactly the ones
-  launched, otherwise the stream order makes it overwrite whatever the early launch wrote.
+  tokens are returned, where every row's next position lies in a page it already holds (the
+  launch reads the tables as they are); the next call uses that launch only if its segments are
+  exactly the ones launched and need no page copy, otherwise the stream order makes it
+  overwrite whatever the early launch wrote. (A live logical page never changes its page id
+  without a copy, so equal (slot, position, token) rows read the same pages; entries that did
+  change are a sliding window's dropped pages, which no later row reads.) Pages released while
+  a launch ahead is in flight stay fenced until it is done (`TritonRunner.ahead_in_flight`).
 * "emulate": the same path replayed eagerly, so that the CPU tests cover buckets, padding, the
-  scratch slot and the device-fed tokens.
+  scratch table row and the device-fed tokens.
 """
 
 from __future__ import annotations
@@ -58,19 +67,24 @@ def pow2_at_least(n: int, lo: int) -> int:
 
 
 class DecodeGraphs:
-    """The graphs of one runner over its layer loop and KV pool (which it reads at call time:
-    the pool's growth clears the graphs, ``clear``)."""
+    """The graphs of one runner over its layer loop and KV pages (`triton_kv.DevicePages`, the
+    pools the graphs were captured on: a new pool clears them, ``clear``); ``width``: entries
+    of a block table row (pages of a full slot)."""
 
     def __init__(self, loop, kv, device: torch.device, *, emulate: bool, share_pool: bool, segment: int,
-                 history: int):
+                 history: int, width: int):
         self.loop, self.kv, self.device = loop, kv, device
+        self.width = width
+        self.positions = width * kv.page_size  # the most positions a row's table can address
         self.emulate = emulate
         self.share_pool = share_pool  # (cuBLAS, the comparison variant, tripped the allocator with a shared pool)
         self.segment = segment
         self.history = history
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = None
-        self.inputs: torch.Tensor | None = None  # int32 [3, B]: token, position, slot per graph row
+        self.inputs: torch.Tensor | None = None  # int32 [3, B]: token, position, table row per graph row
+        self.tables: list[torch.Tensor] = []  # per KV group int32 [B + 1, width]; row B: the scratch row
+        self._mirror: list[list[tuple | None]] = []  # per group, per row: the table on the device
         self.tokens: torch.Tensor | None = None  # int64 [B]: each row's greedy token
         self.logits: torch.Tensor | None = None  # float32 [B, vocab]
         self.record: torch.Tensor | None = None  # int64 [B, history]: each row's token by position % history
@@ -102,15 +116,16 @@ class DecodeGraphs:
         n = len(forward)
         max_pos = max(s.start_pos for s in forward)
         key = tuple((s.slot_id, s.start_pos, s.token_ids[0]) for s in forward)
-        if launched is not None and launched == key:
+        if launched is not None and launched == key and not any(s.copies for s in forward):
             self.ahead_used += 1
         else:
             g = self.graph_for(n, max_pos)
             self.fill(forward, g.bucket)
             g.replay()
             self.launches = g.launches
-        if ahead and all(s.slot_id in argmax_slots and s.start_pos + 2 <= max_context[s.slot_id] for s in forward) \
-                and max_pos + 1 < self.kv.length:
+        P = self.kv.page_size
+        if ahead and all(s.slot_id in argmax_slots and s.start_pos + 2 <= max_context[s.slot_id]
+                         and (s.start_pos + 1) % P for s in forward) and max_pos + 1 < self.positions:
             toks = self._tokens_then_next(n, max_pos + 1)
             self.ahead = tuple((sl, p + 1, t) for (sl, p, _), t in zip(key, toks))
             self.ahead_launched += 1
@@ -156,7 +171,7 @@ class DecodeGraphs:
     def graph_for(self, rows: int, max_pos: int) -> _Graph:
         bucket = next(b for b in BUCKETS if b >= rows)
         seg = self.segment
-        nseg = min(pow2_at_least(-(-(max_pos + 1) // seg), 1), self.kv.length // seg)
+        nseg = min(pow2_at_least(-(-(max_pos + 1) // seg), 1), self.positions // seg)
         g = self._graphs.get((bucket, nseg))
         if g is not None:
             return g
@@ -187,7 +202,7 @@ class DecodeGraphs:
         loop.launches = 0
         ids, pos, seq = self.inputs[0, :bucket], self.inputs[1, :bucket], self.inputs[2, :bucket]
         best = loop.head_best_partials(bucket)
-        loop.forward(ids, pos, seq, bucket, max_pos, self.kv.k, self.kv.v, logits_out=self.logits[:bucket],
+        loop.forward(ids, pos, seq, bucket, max_pos, self.kv, self.tables, logits_out=self.logits[:bucket],
                      decode_graph=True, head_best=best)
         # greedy fast path: the next step's inputs (token, position + 1) written on the device by
         # the argmax's last launch (the engine overwrites them where it feeds other inputs)
@@ -206,12 +221,34 @@ class DecodeGraphs:
             self.record = torch.zeros((B, self.history), dtype=torch.int64, device=self.device)
             self.logits = torch.zeros((B, self.loop.vocab), dtype=torch.float32, device=self.device)
             self._pool = None if self.emulate else torch.cuda.graph_pool_handle()
+            self.tables = [torch.full((B + 1, self.width), self.kv.scratch(g), dtype=torch.int32, device=self.device)
+                           for g in self.kv.groups]
+            self._mirror = [[None] * B for _ in self.kv.groups]
 
     def _pad(self, bucket: int) -> None:
         self.inputs[:, :bucket] = 0
-        self.inputs[2, :bucket] = self.kv.scratch_slot
+        self.inputs[2, :bucket] = BUCKETS[-1]  # (the scratch table row)
 
     def fill(self, forward: Sequence[Segment], bucket: int) -> None:
-        """The graph's inputs for these decode rows (padded rows: the scratch slot)."""
+        """The graph's inputs for these decode rows (padded rows: the scratch table row), and the
+        block-table rows that differ from what the device holds (one copy per group, of rows 0
+        up to the last that changed)."""
         self._buffers()
-        self.inputs[:, :bucket].copy_(self.kv.decode_tables(forward, bucket))
+        host = torch.zeros((3, bucket), dtype=torch.int32)
+        host[2, :] = BUCKETS[-1]
+        for i, s in enumerate(forward):
+            host[0, i], host[1, i], host[2, i] = s.token_ids[0], s.start_pos, i
+        self.inputs[:, :bucket].copy_(host)
+        for gi, g in enumerate(self.kv.groups):
+            mirror = self._mirror[gi]
+            rows = [s.block_tables[g] for s in forward]
+            last = max((i for i, t in enumerate(rows) if mirror[i] != t), default=-1)
+            if last < 0:
+                continue
+            if max(len(t) for t in rows[: last + 1]) > self.width:
+                raise RuntimeError(f"a block table of more than {self.width} pages (the slot capacity)")
+            stage = torch.full((last + 1, self.width), -1, dtype=torch.int32)
+            for i, t in enumerate(rows[: last + 1]):
+                stage[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+                mirror[i] = t
+            self.tables[gi][: last + 1].copy_(stage)

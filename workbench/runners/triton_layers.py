@@ -72,12 +72,13 @@ class LayerLoop:
         self.launches = 0  # kernel launches of the last forward (counted where they are issued)
 
     # -- the forward ----------------------------------------------------------------------------
-    def forward(self, ids, pos, seq, R: int, max_pos: int, k_pool, v_pool, sel=None, logits_out=None,
+    def forward(self, ids, pos, seq, R: int, max_pos: int, kv, tables, sel=None, logits_out=None,
                 decode_graph: bool = False, head_best=None) -> torch.Tensor:
-        """Logits [len(sel) or R, vocab] of the rows (ids, pos, seq: int32 [R] on the device),
-        their K/V written into the pools. ``decode_graph``: a graphed decode step's rows (one per
-        slot), which take the rope prologue; ``head_best``: the head's running-argmax buffers
-        (``head_best_partials``)."""
+        """Logits [len(sel) or R, vocab] of the rows (ids, pos, seq: int32 [R] on the device; seq
+        a row's block-table row), their K/V written into the pages of ``kv`` (triton_kv.
+        DevicePages) through ``tables`` (per KV group, in the layout's order: int32 [rows, W] on
+        the device). ``decode_graph``: a graphed decode step's rows (one per slot), which take the
+        rope prologue; ``head_best``: the head's running-argmax buffers (``head_best_partials``)."""
         c = self.cfg
         dev = self.device
         E = c.n_embd
@@ -100,14 +101,14 @@ class LayerLoop:
             wins = torch.full((R,), max(c.sliding_window, 0), dtype=torch.int32, device=dev)
         # the head's input: h, or a buffer at the head's operand precision (the same logits)
         hx = h if self.head_x_dtype is None else torch.empty((R, E), dtype=self.head_x_dtype, device=dev)
-        self._layers(x, h, pos, seq, R, max_pos, zeros, wins, hx, k_pool, v_pool, decode_graph)
+        self._layers(x, h, pos, seq, R, max_pos, zeros, wins, hx, kv, tables, decode_graph)
         hs = hx if sel is None else hx.index_select(0, sel)
         if logits_out is None:
             logits_out = torch.empty((hs.shape[0], self.vocab), dtype=torch.float32, device=dev)
         self._project(hs, self.head, out=logits_out, best=head_best)
         return logits_out
 
-    def _layers(self, x, h, pos, seq, R: int, max_pos: int, zeros, wins, hx, k_pool, v_pool,
+    def _layers(self, x, h, pos, seq, R: int, max_pos: int, zeros, wins, hx, kv, tables,
                 decode_graph: bool) -> None:
         """Every layer: x (float32 [R, E], the residual) and h (the next input, normed) in place."""
         c = self.cfg
@@ -116,7 +117,8 @@ class LayerLoop:
         act = "gelu_tanh" if c.activation == "gelu_tanh" else "silu"
         for li, L in enumerate(self.layers):
             q = torch.empty((R, Hq, D), dtype=torch.float32, device=dev)
-            kp, vp = k_pool[li], v_pool[li]
+            gi, kp, vp = kv.layer(li)
+            bt = tables[gi]
             inv = self._inv_freq[c.layer_rope_base(li)]
             rope = None
             if self.rope_in_attention and decode_graph and R <= ATTN_COUNTER_ROWS:
@@ -124,13 +126,13 @@ class LayerLoop:
             else:
                 part = self._project(h, L.qkv)
                 _fused.qk_rope_kv(part, q, kp, vp, seq, pos, L.q_norm, L.k_norm, inv, c.rms_eps,
-                                  num_warps=ATTN_WARPS if self.rope_in_attention else None)
+                                  num_warps=ATTN_WARPS if self.rope_in_attention else None, block_table=bt)
                 self.launches += 1
             counters = self._attn_counters if R <= ATTN_COUNTER_ROWS else None
             attn = _attn.attention_rows(q, kp, vp, seq, pos, wins if c.layer_window(li) else zeros, c.attn_scale,
                                         max_pos=max_pos, use_dot=self.use_dot, counters=counters,
                                         precision=self.attn_prec, num_warps=ATTN_WARPS, rope=rope,
-                                        segment=self.segment)
+                                        segment=self.segment, block_table=bt)
             self.launches += 1 if counters is not None else 2
             self._project_add_norm(attn.view(R, Hq * D), L.wo, x, L.post_attn_norm, L.ffn_norm, h)
             last = li + 1 == len(self.layers)

@@ -64,6 +64,13 @@ class TritonOptions:
     # run 48: 64-key segments in one 64-key block 0.609 / 0.668 ms at 1 / 16 slots against 32-key
     # segments' 0.615 / 0.692.
     attn_segment: int = 64
+    # Positions per KV page (workbench/state/layout.py): a multiple of attn_segment, so a page
+    # holds whole segments and a row's reduction visits the same blocks in the same order
+    # wherever its pages lie. 256 by default: the layout's default, the torch path's page (its
+    # attention block), so both runners' page counts and prefix-cache pages agree; it divides
+    # Gemma 3's 512-token window. Smaller pages (64, 128) waste less of a sequence's last page
+    # and make runner tests cross pages in short prompts.
+    page_size: int = 256
     # The KV pool's dtype (None: the engine's). A bfloat16 pool costs ~0.4% logit error against
     # a float32 one (session 1: 4e-3 relative vs 2e-6 against the torch reference).
     kv_dtype: str | None = None
@@ -109,6 +116,9 @@ class TritonOptions:
         seg = self.attn_segment
         if isinstance(seg, bool) or not isinstance(seg, int) or seg not in ATTN_SEGMENTS:
             _fail(f"attn_segment={self.attn_segment!r} is not allowed: allowed {', '.join(map(str, ATTN_SEGMENTS))}")
+        P = self.page_size
+        if isinstance(P, bool) or not isinstance(P, int) or not 1 <= P <= 4096 or P % seg:
+            _fail(f"page_size={P!r} is not allowed: allowed multiples of attn_segment={seg} up to 4096")
         for name in ("pdl", "fuse_combine", "fuse_glu", "pair_launch", "rope_in_attention", "argmax_in_head"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"{name}={getattr(self, name)!r} is not allowed: allowed True, False")
@@ -174,7 +184,7 @@ def _parse_value(name: str, raw: str) -> Any:
         return raw if low == "emulate" else _BOOLS.get(low, raw)
     if name in ("head_matmul", "kv_dtype"):
         return None if low in ("none", "") else raw
-    if name in ("attn_segment", "graph_history"):
+    if name in ("attn_segment", "graph_history", "page_size"):
         try:
             return int(raw)
         except ValueError:

@@ -6,8 +6,11 @@ passing `EngineConfig.triton`, a `TritonOptions`). This file ties the parts toge
 * construction: the options resolved against the model (the head's form, the products'
   precision), the weights on the device (`device_weights.py`: packed planes, one product kernel
   per weight for its lifetime, chosen by format and role, never by the row count);
-* the `RunnerInfo` answers the scheduler asks (bytes per prefill row, cache bytes, batch verdict);
-* `KVPool`: the KV cache and the per-row (token, position, slot) tables of a forward;
+* the `RunnerInfo` answers the scheduler asks (bytes per prefill row, cache bytes, batch verdict,
+  the state layout its pages follow);
+* the KV pages (`triton_kv.DevicePages`: one pool per KV group, allocated once by
+  `init_kv_pool`; every segment names its pages by block table, the kernels read through them,
+  kernels/kv_pages.py), so the runner keeps no per-slot state;
 * `run`: a graphed decode step (`triton_graphs.DecodeGraphs`: CUDA graphs per row bucket,
   device-fed greedy tokens, run-ahead) or an eager forward (any rows: prefill chunks, mixed
   steps), both through the layer loop (`triton_layers.LayerLoop`: every launch of a forward).
@@ -33,108 +36,16 @@ from ..errors import WorkbenchError
 from ..model import Model
 from ..planner import SlotView
 from ..scheduler import Segment
+from ..state import StateLayout, cache_key
+from .triton_kv import DevicePages, forward_tables
 from .triton_options import TritonOptions
 
-POOL_BLOCK = 256  # KV pool lengths are powers of two >= this (the attention segment)
 MAX_EMBD = 8192  # the fused norms hold a whole row in one tile
-
-
-class KVPool:
-    """The KV cache: one pool per layer [n_layers, S + 1, L, Hkv, D] (slot id = pool row, the last
-    row a scratch slot that padded graph rows write into), grown by powers of two (copying), and
-    per slot the request that owns it and how many tokens it holds.
-
-    The seam for paging: the pools and the per-row (token, position, slot) tables a forward's
-    kernels read are made here and nowhere else (``row_tables``, ``decode_tables``); a page table
-    replaces the slot rows, and the kernels' (slot, position) addressing becomes (page, offset)."""
-
-    def __init__(self, cfg, slot_capacity: int, dtype: torch.dtype, device: torch.device):
-        self.cfg, self.slot_capacity, self.dtype, self.device = cfg, slot_capacity, dtype, device
-        self.slots = 0  # real slots in the pool (the scratch slot is index `slots`)
-        self.length = 0
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-        self.owner: dict[int, Hashable] = {}
-        self.tokens: dict[int, int] = {}  # tokens each slot holds
-
-    @property
-    def scratch_slot(self) -> int:
-        return self.slots
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
-
-    def ensure(self, slots: int, length: int) -> bool:
-        """Room for ``slots`` slots of ``length`` tokens; True where the pool grew (graphs that
-        point at the old one must go)."""
-        cap = -(-self.slot_capacity // POOL_BLOCK) * POOL_BLOCK
-        if length > cap:
-            raise WorkbenchError(f"a slot needs {length} tokens but the slot capacity is {self.slot_capacity}")
-        if slots <= self.slots and length <= self.length:
-            return False
-        new_s = max(self.slots, triton.next_power_of_2(max(1, slots)))
-        new_l = min(cap, max(self.length, POOL_BLOCK, triton.next_power_of_2(max(1, length))))
-        c = self.cfg
-        shape = (c.n_layers, new_s + 1, new_l, c.n_kv_heads, c.head_dim)
-        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self.k is not None:
-            s0, l0 = self.slots, self.length
-            k[:, :s0, :l0] = self.k[:, :s0]
-            v[:, :s0, :l0] = self.v[:, :s0]
-        self.k, self.v = k, v
-        self.slots, self.length = new_s, new_l
-        return True
-
-    def begin(self, forward: Sequence[Segment], max_context: dict[int, int]) -> bool:
-        """Check that each segment continues its slot's KV (a new request starts it empty) and
-        size the pool for every admitted slot (``max_context`` has them all); True where it grew."""
-        for s in forward:
-            if self.owner.get(s.slot_id) != s.request_id:
-                self.owner[s.slot_id] = s.request_id
-                self.tokens[s.slot_id] = 0
-            if self.tokens[s.slot_id] != s.start_pos:
-                raise RuntimeError(f"slot {s.slot_id}: KV holds {self.tokens[s.slot_id]} tokens, plan starts at {s.start_pos}")
-        need = max(list(max_context.values()) + [s.start_pos + len(s.token_ids) for s in forward])
-        return self.ensure(max([s.slot_id for s in forward] + list(max_context)) + 1, need)
-
-    def commit(self, forward: Sequence[Segment]) -> None:
-        for s in forward:
-            self.tokens[s.slot_id] = s.start_pos + len(s.token_ids)
-
-    def reset(self, slot: int) -> None:
-        self.owner.pop(slot, None)
-        self.tokens.pop(slot, None)
-
-    @staticmethod
-    def row_tables(forward: Sequence[Segment]) -> tuple[torch.Tensor, list[int]]:
-        """An eager forward's rows: int32 [3, R] (token, position, slot) on the host, and the
-        indices of the rows whose logits are sampled (each sampled segment's last row)."""
-        ids, pos, seq, sel = [], [], [], []
-        for s in forward:
-            n = len(s.token_ids)
-            ids += list(s.token_ids)
-            pos += range(s.start_pos, s.start_pos + n)
-            seq += [s.slot_id] * n
-            if s.samples:
-                sel.append(len(ids) - 1)
-        return torch.tensor([ids, pos, seq], dtype=torch.int32), sel
-
-    def decode_tables(self, forward: Sequence[Segment], bucket: int) -> torch.Tensor:
-        """A graphed decode step's rows, int32 [3, bucket] on the host: one row per segment, the
-        padding rows reading token 0 at position 0 into the scratch slot."""
-        host = torch.zeros((3, bucket), dtype=torch.int32)
-        host[2, :] = self.scratch_slot
-        for i, s in enumerate(forward):
-            host[0, i] = s.token_ids[0]
-            host[1, i] = s.start_pos
-            host[2, i] = s.slot_id
-        return host
 
 
 class TritonRunner:
     supports_fused_step = True
+    paged = True
 
     def __init__(self, model: Model, slot_capacity: int, options: TritonOptions = TritonOptions(), *,
                  device: str | torch.device | None = None):
@@ -179,8 +90,18 @@ class TritonRunner:
         self.vocab = self.head.N
         self.attn_segment = options.attn_segment
         kv_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(options.kv_dtype, model.dtype)
-        self.kv = KVPool(c, slot_capacity, kv_dtype, self.device)
-        self._kv_per_token = c.kv_bytes_per_token(torch.empty(0, dtype=kv_dtype).element_size())
+        self.kv_dtype = kv_dtype
+        elem = torch.empty(0, dtype=kv_dtype).element_size()
+        self._kv_per_token = c.kv_bytes_per_token(elem)
+        # pages of TritonOptions.page_size positions (it says why 256 by default)
+        self.state_layout = StateLayout.from_model_config(c, kv_bytes_per_elem=elem, page_size=options.page_size,
+                                                          key_blocks=(self.attn_segment,))
+        self.page_size = self.state_layout.page_size
+        self.table_width = -(-slot_capacity // self.page_size)  # block-table entries of a full slot
+        # the prefix cache's hashes start from the weights' identity and the KV dtype (this runner's
+        # kernels fix every bit of a page's KV given the tokens: batch-invariant products)
+        self.kv_cache_key = cache_key(model.source.index.sha256, f"triton-{options.products}-{kv_dtype}")
+        self.kv: DevicePages | None = None
         self.bytes_per_prefill_row = self._bytes_per_prefill_row()
         self.loop = LayerLoop(weights, c, self.device, mma_prec=self.mma_prec, attn_prec=self.attn_prec,
                               use_dot=self.use_dot, head_x_dtype=self.head_x_dtype, segment=self.attn_segment,
@@ -189,9 +110,8 @@ class TritonRunner:
                               argmax_in_head=options.argmax_in_head)
         emulate = options.graphs == "emulate"
         use_graphs = emulate or (options.graphs is True and self.device.type == "cuda")
-        self.graphs = DecodeGraphs(self.loop, self.kv, self.device, emulate=emulate,
-                                   share_pool=self.products == "quant", segment=self.attn_segment,
-                                   history=options.graph_history) if use_graphs else None
+        self._use_graphs, self._emulate = use_graphs, emulate
+        self.graphs: DecodeGraphs | None = None  # (made with the pages: they are captured on them)
         self.launches = 0  # kernel launches of the last forward
 
     @property
@@ -214,21 +134,53 @@ class TritonRunner:
 
     # -- RunnerInfo ----------------------------------------------------------------------------
     def cache_bytes(self, num_tokens: int) -> int:
-        return self._kv_per_token * (-(-num_tokens // POOL_BLOCK) * POOL_BLOCK)
+        return self._kv_per_token * (-(-num_tokens // self.page_size) * self.page_size)
+
+    def memory_available(self) -> int | None:
+        """Free device memory (CUDA), where the engine's budget comes from; None on the CPU."""
+        return torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
 
     def batch_verdict(self, view: SlotView) -> tuple[bool, str | None]:
         if self.products != "quant":
             return False, "dense products are not batch-invariant"
         return True, None
 
+    # -- state -------------------------------------------------------------------------------
+    def init_kv_pool(self, num_pages: dict[str, int]) -> None:
+        """Allocate the pages: `num_pages` per KV group (the scheduler's `kv_pool_pages`), plus
+        each group's scratch page."""
+        from .triton_graphs import DecodeGraphs
+
+        c = self.cfg
+        self.kv = None  # (the old pool's memory first)
+        self.kv = DevicePages(self.state_layout, num_pages, c.n_kv_heads, c.head_dim, self.kv_dtype, self.device)
+        self.graphs = DecodeGraphs(self.loop, self.kv, self.device, emulate=self._emulate,
+                                   share_pool=self.products == "quant", segment=self.attn_segment,
+                                   history=self.options.graph_history,
+                                   width=self.table_width) if self._use_graphs else None
+
     def reset(self, slot: int) -> None:
+        """Nothing per slot to drop (a finished sequence's pages go back to the allocator); a
+        step launched ahead for this slot will not be used."""
         if self.graphs is not None:
             self.graphs.ahead = None
-        self.kv.reset(slot)
+
+    @property
+    def ahead_in_flight(self) -> bool:
+        """Whether a step launched ahead may still be running (it may write pages that were
+        released after it was launched: the engine keeps their fence until the next step)."""
+        return self.graphs is not None and self.graphs.ahead is not None
+
+    def drain(self) -> None:
+        """Wait for a step launched ahead (and drop it): afterwards nothing is in flight."""
+        if self.ahead_in_flight:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            self.graphs.ahead = None
 
     @property
     def kv_bytes(self) -> int:
-        return self.kv.nbytes
+        return self.kv.nbytes if self.kv is not None else 0
 
     # -- run ------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -249,18 +201,21 @@ class TritonRunner:
         the outputs are bitwise those of running without the hint."""
         if not forward:
             return {}
+        if self.kv is None:
+            raise RuntimeError("the KV pool is not allocated: call init_kv_pool first")
+        for s in forward:
+            if s.block_tables is None:
+                raise RuntimeError(f"slot {s.slot_id}: a segment without block tables (the runner is paged)")
         with self._pdl.enabled(self.options.pdl):
             launched = None
             if self.graphs is not None:
                 launched, self.graphs.ahead = self.graphs.ahead, None
-            if self.kv.begin(forward, max_context) and self.graphs is not None:
-                self.graphs.clear()  # (they point at the old pool)
+            copies = [c for s in forward for c in s.copies]
+            if copies:
+                self.kv.copy(copies)
             if self.graphs is not None and self.graphs.takes(forward):
-                out = self._run_graphed(forward, max_context, argmax, ahead, launched)
-            else:
-                out = self._run_eager(forward, argmax)
-        self.kv.commit(forward)
-        return out
+                return self._run_graphed(forward, max_context, argmax, ahead, launched)
+            return self._run_eager(forward, argmax)
 
     def _run_graphed(self, forward, max_context, argmax, ahead, launched) -> dict[int, torch.Tensor | int]:
         n = len(forward)
@@ -272,19 +227,21 @@ class TritonRunner:
         return self._rows_out([s.slot_id for s in forward], self.graphs.logits[:n], self.graphs.tokens[:n], argmax)
 
     def _run_eager(self, forward: Sequence[Segment], argmax: frozenset[int] = frozenset()) -> dict[int, torch.Tensor | int]:
-        host, sel = self.kv.row_tables(forward)
-        R = host.shape[1]
-        max_pos = int(host[1].max())
-        dev = host.to(self.device)
+        groups = self.kv.groups
+        host, sel, R, W = forward_tables(forward, groups)
+        max_pos = max(s.start_pos + len(s.token_ids) - 1 for s in forward)
+        dev = host.to(self.device)  # (one copy: the row tables, then each group's block tables)
+        rows = dev[: 3 * R].view(3, R)
+        tables = list(dev[3 * R :].view(len(groups), len(forward), W))
         self.loop.launches = 0
         if not sel:  # no row is sampled: run the layers (the KV writes); the head on one row is
             # cheap next to a prefill chunk, and its result is dropped
-            self.loop.forward(dev[0], dev[1], dev[2], R, max_pos, self.kv.k, self.kv.v,
+            self.loop.forward(rows[0], rows[1], rows[2], R, max_pos, self.kv, tables,
                               sel=torch.zeros(1, dtype=torch.int64, device=self.device))
             self.launches = self.loop.launches
             return {}
         sel_t = None if len(sel) == R else torch.tensor(sel, dtype=torch.int64).to(self.device)
-        logits = self.loop.forward(dev[0], dev[1], dev[2], R, max_pos, self.kv.k, self.kv.v, sel=sel_t)
+        logits = self.loop.forward(rows[0], rows[1], rows[2], R, max_pos, self.kv, tables, sel=sel_t)
         self.launches = self.loop.launches
         return self._rows_out([s.slot_id for s in forward if s.samples], logits, None, argmax)
 
@@ -311,21 +268,24 @@ class TritonRunner:
 
     # -- benchmark fast path ----------------------------------------------------------------------
     @torch.inference_mode()
-    def decode_loop(self, slots: Sequence[int], tokens: Sequence[int], steps: int,
-                    max_context: dict[int, int] | None = None) -> torch.Tensor:
-        """Greedy decode `steps` tokens for `slots` (each already prefilled; `tokens` are their
-        next input tokens) by chained graph replays, the tokens fed back on the device.
-        Returns int64 [steps, len(slots)] on the device. CUDA graphs only."""
+    def decode_loop(self, forward: Sequence[Segment], steps: int) -> torch.Tensor:
+        """Greedy decode `steps` tokens for the decode rows `forward` (each slot already
+        prefilled: a segment of its next input token at its next position, whose block tables
+        already cover `steps` positions from there, e.g. from `workbench.state.DirectPages`) by
+        chained graph replays, the tokens fed back on the device. Returns int64 [steps,
+        len(forward)] on the device. CUDA graphs only."""
         if self.graphs is None:
             raise WorkbenchError("decode_loop needs CUDA graphs")
-        segs = [Segment(s, self.kv.owner[s], (int(t),), self.kv.tokens[s], True) for s, t in zip(slots, tokens)]
-        last = max(s.start_pos for s in segs) + steps - 1
-        if self.kv.ensure(max(slots) + 1, last + 1):
-            self.graphs.clear()
+        P = self.page_size
+        for s in forward:
+            if any(len(t) * P < s.start_pos + steps for t in s.block_tables.values()):
+                raise WorkbenchError(f"slot {s.slot_id}: its block tables do not cover {steps} steps from "
+                                     f"position {s.start_pos}")
+        if any(s.copies for s in forward):
+            self.kv.copy([c for s in forward for c in s.copies])
+        self.graphs.ahead = None
         with self._pdl.enabled(self.options.pdl):
-            out = self.graphs.decode_loop(segs, steps)
-        for s in segs:
-            self.kv.tokens[s.slot_id] = s.start_pos + steps
+            out = self.graphs.decode_loop(forward, steps)
         self.launches = self.graphs.launches
         return out
 
