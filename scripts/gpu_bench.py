@@ -149,17 +149,31 @@ def stage_exact(m, out: Path, rows: list, sizes=EXACT_SIZES, opts=None) -> None:
         torch.cuda.empty_cache()
 
 
-def _prefill(m, r, slots: int) -> tuple[list[int], list[int]]:
-    """Prefill slots 0..slots-1 of runner r with seeded prompts of 3..700 tokens: (their
+def _runner(m, opts, capacity: int = 1024):
+    """A TritonRunner with ``opts`` and its pages (DirectPages: room for 64 sequences of
+    ``capacity`` positions in every KV group), for stages that drive the runner directly."""
+    from workbench.runners.direct_pages import DirectPages
+    from workbench.runners.triton_runner import TritonRunner
+
+    r = TritonRunner(m, capacity, opts)
+    return r, DirectPages(r, 64 * capacity)
+
+
+def _decode_rows(pages, rids, toks, starts, steps: int):
+    """Decode segments for ``decode_loop`` (slot i: sequence rids[i], token toks[i] at starts[i]),
+    their tables covering ``steps`` positions."""
+    return [pages.segment(sl, rid, (int(t),), p, reserve=steps) for sl, (rid, t, p) in enumerate(zip(rids, toks, starts))]
+
+
+def _prefill(m, r, pages, slots: int) -> tuple[list[int], list[int]]:
+    """Prefill slots 0..slots-1 of runner r (its DirectPages ``pages``) with seeded prompts of 3..700 tokens: (their
     lengths, each slot's first greedy token)."""
     import torch
-
-    from workbench.scheduler import Segment
 
     g = torch.Generator().manual_seed(0)
     lens = [600, 5, 37, 128, 300, 64, 17, 520, 200, 90, 3, 256, 700, 45, 11, 150][:slots]
     prompts = [torch.randint(10, m.config.vocab_size, (n,), generator=g).tolist() for n in lens]
-    toks = [int(r.run([Segment(sl, f"p{sl}", tuple(p), 0, True)], {sl: 1024})[sl].argmax())
+    toks = [int(r.run([pages.segment(sl, f"p{sl}", tuple(p), 0)], {sl: 1024})[sl].argmax())
             for sl, p in enumerate(prompts)]
     return lens, toks
 
@@ -169,14 +183,11 @@ def _graphed_logits(m, opts, slots: int = 16, steps: int = 8):
     TritonRunner with ``opts``), and its launches per step."""
     import torch
 
-    from workbench.runners.triton_runner import TritonRunner
-    from workbench.scheduler import Segment
-
-    r = TritonRunner(m, 1024, opts)
-    lens, toks = _prefill(m, r, slots)
+    r, pages = _runner(m, opts)
+    lens, toks = _prefill(m, r, pages, slots)
     logits = []
     for t in range(steps):
-        o = r.run([Segment(sl, f"p{sl}", (toks[sl],), lens[sl] + t, True) for sl in range(slots)],
+        o = r.run([pages.segment(sl, f"p{sl}", (toks[sl],), lens[sl] + t) for sl in range(slots)],
                   {sl: 1024 for sl in range(slots)})
         logits.append(torch.stack([o[sl].float().cpu() for sl in range(slots)]))
         toks = [int(o[sl].argmax()) for sl in range(slots)]
@@ -206,12 +217,11 @@ def stage_same_tokens(m, out: Path, rows: list, label: str, opts, slots: int = 1
     decode-loop tokens (16 slots after prompts 3..700) against ``opts``', equal?"""
     import torch
 
-    from workbench.runners.triton_runner import TritonRunner
-
     def tokens(o):
-        r = TritonRunner(m, 1024, o)
-        _, first = _prefill(m, r, slots)
-        return r.decode_loop(list(range(slots)), first, steps).cpu(), r.launches
+        r, pages = _runner(m, o)
+        lens, first = _prefill(m, r, pages, slots)
+        rows = _decode_rows(pages, [f"p{sl}" for sl in range(slots)], first, lens, steps)
+        return r.decode_loop(rows, steps).cpu(), r.launches
 
     (base, nb), (got, ng) = tokens(options()), tokens(opts)
     row = dict(stage="same tokens", check=f"{label} vs defaults, {slots} slots x {steps} graphed greedy steps",
@@ -227,22 +237,20 @@ def stage_vs_torch(path: str, m, out: Path, rows: list) -> None:
 
     from workbench.model import Segment as MSeg
     from workbench.model import load_model
-    from workbench.runners.triton_runner import TritonRunner
-    from workbench.scheduler import Segment
 
     torch.set_num_threads(min(16, os.cpu_count() or 1))
     m32 = load_model(path, dtype="float32")
     toks = prompts_for(1, m.config.vocab_size, 5, 40)[0] + prompts_for(1, m.config.vocab_size, 6, 8)[0]
     for kv in ("float32", "bfloat16"):
-        r = TritonRunner(m32, 1024, options(kv_dtype=kv))
+        r, pages = _runner(m32, options(kv_dtype=kv))
         st = m32.new_state(256)
         errs, agree = [], 0
-        got = r.run([Segment(0, "a", tuple(toks[:40]), 0, True)], {0: 64})[0]
+        got = r.run([pages.segment(0, "a", tuple(toks[:40]), 0)], {0: 64})[0]
         ref = m32.forward([MSeg(st, toks[:40], "last")])[0][0]
         for i in range(40, 48):
             errs.append(float((got.cpu() - ref).norm() / ref.norm()))
             agree += int(got.argmax()) == int(ref.argmax())
-            got = r.run([Segment(0, "a", (toks[i],), i, True)], {0: 64})[0]
+            got = r.run([pages.segment(0, "a", (toks[i],), i)], {0: 64})[0]
             ref = m32.forward([MSeg(st, [toks[i]], "last")])[0][0]
         row = dict(stage="vs_torch", kv_dtype=kv, max_rel_err=max(errs), mean_rel_err=sum(errs) / len(errs),
                    argmax_agree=f"{agree}/8")
@@ -259,14 +267,11 @@ def bench_runner(m, variant: str, slots_list, out: Path, rows: list, bw: float, 
     slot count, with ``opts`` (default: ``options()``)."""
     import torch
 
-    from workbench.runners.triton_runner import TritonRunner
-    from workbench.scheduler import Segment
-
     opts = opts or options()
-    r = TritonRunner(m, 1024, opts)
+    r, pages = _runner(m, opts)
     V = m.config.vocab_size
     wbytes = weight_bytes(r)
-    elem = r.kv.dtype.itemsize
+    elem = r.kv_dtype.itemsize
     for N in slots_list:
         try:
             ps = prompts_for(N, V, 100 + N)
@@ -274,17 +279,24 @@ def bench_runner(m, variant: str, slots_list, out: Path, rows: list, bw: float, 
             def prefill(tag, r=r):
                 first = []
                 for sl, p in enumerate(ps):
-                    o = r.run([Segment(sl, f"{tag}-{N}-{sl}", tuple(p), 0, True)], {sl: PROMPT + GEN + 8})
+                    o = r.run([pages.segment(sl, f"{tag}-{N}-{sl}", tuple(p), 0)], {sl: PROMPT + GEN + 8})
                     first.append(int(o[sl].argmax()))
                 return first
 
+            def done(tag):
+                for sl in range(N):
+                    pages.free(f"{tag}-{N}-{sl}")
+
             if r.graphs is not None:
                 first = prefill("warm")
-                r.decode_loop(list(range(N)), first, GEN)  # captures the graph
+                rids = [f"warm-{N}-{sl}" for sl in range(N)]
+                r.decode_loop(_decode_rows(pages, rids, first, [PROMPT] * N, GEN), GEN)  # captures the graph
+                done("warm")
                 first = prefill("timed")
+                rows_ = _decode_rows(pages, [f"timed-{N}-{sl}" for sl in range(N)], first, [PROMPT] * N, GEN)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                r.decode_loop(list(range(N)), first, GEN)
+                r.decode_loop(rows_, GEN)
                 torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
                 steps = GEN
@@ -295,11 +307,12 @@ def bench_runner(m, variant: str, slots_list, out: Path, rows: list, bw: float, 
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 for t in range(steps):
-                    o = r.run([Segment(sl, f"timed-{N}-{sl}", (toks[sl],), PROMPT + t, True) for sl in range(N)],
+                    o = r.run([pages.segment(sl, f"timed-{N}-{sl}", (toks[sl],), PROMPT + t) for sl in range(N)],
                               {sl: PROMPT + GEN + 8 for sl in range(N)})
                     toks = torch.stack([o[sl] for sl in range(N)]).argmax(1).tolist()
                 torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
+            done("timed")
             kvb = kv_bytes_step(m.config, [PROMPT + steps // 2] * N, elem)
             step_s = dt / steps
             floor_w = wbytes / bw
@@ -323,27 +336,25 @@ def stage_profile(m, out: Path, rows: list, opts=None) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from workbench.runners.triton_runner import TritonRunner
-    from workbench.scheduler import Segment
-
     opts = opts or options()
     V = m.config.vocab_size
     for graphs in (True, False):
-        r = TritonRunner(m, 1024, replace(opts, graphs=graphs))
+        r, pages = _runner(m, replace(opts, graphs=graphs))
         for N in (1, 16):
             ps = prompts_for(N, V, 300 + N)
-            toks = [int(r.run([Segment(sl, f"p{graphs}{N}-{sl}", tuple(p), 0, True)], {sl: 400})[sl].argmax())
+            rids = [f"p{graphs}{N}-{sl}" for sl in range(N)]
+            toks = [int(r.run([pages.segment(sl, rids[sl], tuple(p), 0)], {sl: 400})[sl].argmax())
                     for sl, p in enumerate(ps)]
             steps = 10 if graphs else 3
-            if graphs:
-                toks = r.decode_loop(list(range(N)), toks, 2)[-1].tolist()  # capture outside the profile
+            if graphs:  # (capture outside the profile)
+                toks = r.decode_loop(_decode_rows(pages, rids, toks, [PROMPT] * N, 2), 2)[-1].tolist()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 if graphs:
-                    r.decode_loop(list(range(N)), toks, steps)
+                    r.decode_loop(_decode_rows(pages, rids, toks, [PROMPT + 2] * N, steps), steps)
                 else:
                     for t in range(steps):
-                        o = r.run([Segment(sl, f"p{graphs}{N}-{sl}", (toks[sl],), PROMPT + t, True) for sl in range(N)],
+                        o = r.run([pages.segment(sl, rids[sl], (toks[sl],), PROMPT + t) for sl in range(N)],
                                   {sl: 400 for sl in range(N)})
                         toks = [int(o[sl].argmax()) for sl in range(N)]
                 torch.cuda.synchronize()

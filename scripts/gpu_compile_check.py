@@ -133,9 +133,9 @@ def check(model, name: str, kw) -> float:
 
     from workbench.kernels import attention, dense_mma, qmatmul, qmma
     from workbench.kernels.sampling import argmax
+    from workbench.runners.direct_pages import DirectPages
     from workbench.runners.triton_options import TritonOptions
     from workbench.runners.triton_runner import TritonRunner
-    from workbench.scheduler import Segment
 
     mods = {"attention": attention, "qmma": qmma, "qmatmul": qmatmul, "dense_mma": dense_mma}
     patches = list(TABLE_PATCHES.get(kw, [])) if isinstance(kw, str) else []
@@ -167,9 +167,10 @@ def check(model, name: str, kw) -> float:
         if r.head_matmul == "dense" and model.dtype == torch.bfloat16:
             r.loop.head_x_dtype = torch.bfloat16
         V = model.config.vocab_size
-        r.run([Segment(0, "a", tuple(range(5, 12)), 0, True)], {0: 256})  # a 7-row prefill chunk
+        pages = DirectPages(r, 64 * 256)
+        r.run([pages.segment(0, "a", tuple(range(5, 12)), 0)], {0: 256})  # a 7-row prefill chunk
         for rows in (1, 16, 32):  # decode steps: one token per sequence (new ones), the graph's body
-            r.run([Segment(s, f"{rows}-{s}", (5,), 0, True) for s in range(rows)], {s: 256 for s in range(rows)})
+            r.run([pages.segment(s, f"{rows}-{s}", (5,), 0) for s in range(rows)], {s: 256 for s in range(rows)})
         argmax(torch.zeros(16, V), out=torch.empty(16, dtype=torch.int64))
     finally:
         os.environ.pop("TRITON_INTERPRET", None)
