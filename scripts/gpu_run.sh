@@ -27,6 +27,15 @@ if [ "${HB_S:-0}" -gt 0 ]; then  # the head alone, each form and tiling (scripts
   stamp head_bench
   timeout $HB_S python3 scripts/head_bench.py --model "$MODEL" --out "$OUT" ${HB_ARGS:-} 2>&1 | tail -${HB_TAIL:-3}
 fi
+# BASE=1: the same decode benchmark from an earlier commit's tree (.carry/base.tar, made here with
+# `git archive <commit> workbench kernels scripts pyproject.toml > .carry/base.tar` and carried
+# beside the last part), before and after this tree's, on this lease: A/B/A, into $OUT/extra/
+base_bench() {
+  mkdir -p /tmp/base "$OUT/extra/base$1" && tar -C /tmp/base -xf .carry/base.tar && ln -sfn ../kernels /tmp/base/workbench/kernels
+  (cd /tmp/base && PYTHONPATH=/tmp/site:/tmp/base STAGES=default timeout ${BASE_S:-150} python3 scripts/gpu_bench.py main \
+      --model "$MODEL" --out "$OUT/extra/base$1" 2>&1 | grep -E "BENCH|stage|FAILED" | cut -c1-400)
+}
+if [ "${BASE:-0}" = 1 ] && [ -f .carry/base.tar ]; then stamp base_a; base_bench 1; fi
 stamp main
 # gpu_bench.py's stages (its main_stage lists them); GPU_BENCH_OPTIONS='name=value,...' (TritonOptions)
 # is the base every stage's own options go over
@@ -40,10 +49,22 @@ echo "workbench bench, triton options: ${WB_OPTIONS:-default}"
 timeout ${WB_S:-120} python3 -m workbench.cli bench --backend triton --triton-options "${WB_OPTIONS:-}" \
     --model "$MODEL" --concurrency ${WB_C:-1,4,16,32} \
     --prompt-len 128 --gen 128 --repeats 2 --data-dir /tmp/wbruns 2>&1 | tail -12
+if [ "${BASE:-0}" = 1 ] && [ -f .carry/base.tar ]; then stamp base_b; base_bench 2; fi
+if [ "${PREFIX_S:-0}" -gt 0 ]; then  # prefix-cache hits: a shared 2,048-token system prompt, cold vs hit TTFT
+  stamp prefix_bench
+  timeout $PREFIX_S python3 -m workbench.cli bench --backend triton --model "$MODEL" --concurrency ${PREFIX_C:-1,4,16} \
+      --prompt-len 2112 --gen 16 --shared-prefix-len 2048 --repeats 3 --data-dir /tmp/wbruns 2>&1 | tail -8
+fi
+if [ -n "${EXTRA_CMD:-}" ]; then  # one more command (e.g. scripts/capacity.py on the engine), its log in extra/
+  stamp extra_cmd
+  mkdir -p "$OUT/extra"; timeout ${EXTRA_S:-120} bash -c "$EXTRA_CMD" > "$OUT/extra/extra_cmd.log" 2>&1; echo "rc $?"
+  tail -${EXTRA_TAIL:-20} "$OUT/extra/extra_cmd.log"
+fi
 (cd /tmp/wbruns && tar czf "$OUT/wbruns.tgz" .) 2>/dev/null
 stamp hf
 timeout ${HF_S:-100} python3 scripts/gpu_bench.py hf ${HF_ARGS:-} --model "$MODEL" --out "$OUT" 2>&1 | tee "$OUT/hf.log" | grep -v Warning
 stamp test_triton_runner
-timeout ${TR_S:-60} python3 -m pytest -q -p no:cacheprovider tests/test_triton_runner.py 2>&1 | tail -5
+timeout ${TR_S:-60} python3 -m pytest -q -p no:cacheprovider ${TR_ARGS:-tests/test_triton_runner.py} 2>&1 | tail -${TR_TAIL:-5}
 stamp table
 python3 scripts/gpu_bench.py table "$OUT"
+[ -d "$OUT/extra" ] && (cd "$OUT" && tar czf extra.tgz extra && rm -rf extra)
