@@ -2,46 +2,35 @@
 
 One engine step is `plan = schedule()` -> run `forwards(plan)` on the device -> `commit(plan,
 sampled)`. The scheduler owns every request's bookkeeping (prompt progress, generated tokens,
-its slot and its memory reservation); the runner owns the device state and learns from the
+its slot, and through its memory form the memory it holds); the runner owns the device state and learns from the
 events that `commit` and `cancel` return which slots to reset. Plain Python: no torch.
 
-Memory has two forms, chosen by the runner (`RunnerInfo.paged`):
+Memory is a `workbench.memory.CacheMemory`, in the form the runner needs (`RunnerInfo.paged`):
+`ReservedMemory` reserves each request's full cache at admission, `PagedMemory` owns a page
+pool and its `PageAllocator` (that module's docstring says how each one admits and fits).
+The scheduler asks it whether the head of the queue fits (FIFO, no overtaking), and each step,
+before anything runs, whether the plan fits; it commits the written tokens, and releases what a
+finished, cancelled or preempted request held, fenced by the step id (the engine calls `retire` once the
+device is done with a step).
 
-* Reserved (a runner with per-slot contiguous state): a request is admitted when a slot is free
-  and the budget can reserve, on top of the fixed bytes and the caches already reserved, its full
-  cache (prompt + max_tokens, capped at the slot capacity) plus one activation row per slot in
-  use. Nothing grows past its reservation, so admission is never undone; the prefill chunk gets
-  what the reservations leave.
-* Paged (the runner reads KV through block tables): one page pool per KV group, sized once
-  (`EngineConfig.kv_pool_tokens` positions, else what the budget leaves after the weights and a
-  chunk's activations, at most every slot's full context; a sliding group's pool is capped at
-  twice what every slot's window needs), and a `workbench.state.PageAllocator` over it, owned
-  here. A request whose largest state can never fit the pool is refused at `add`. A request is
-  admitted when a slot is free and the pages for its prompt plus `admission_headroom_tokens` are
-  available; its prompt's cached prefix (prefix cache) is taken by refcount and its prefill
-  starts after it.
-  Each step, before anything runs, every planned segment gets its pages (`append`), oldest
-  admission first; a prefill chunk that cannot get them all shrinks (chunk invariance makes any
-  chunking exact) or waits a step. When a decode row cannot get a page, the most recently
-  admitted running request is preempted: its pages are freed, it goes back to the front of the
-  queue and is later re-prefilled with its prompt and the tokens it had generated. The last of
-  those re-prefilled rows samples its next token, so no committed token is drawn twice (a seeded
-  generator is advanced once per committed token, preempted or not), and chunk invariance makes
-  the recomputed KV, hence every later token and logit, bitwise what it would have been.
-  After each step the written tokens are committed (full pages join the prefix cache).
-  Step ids fence every release (`PageAllocator.free(fence=)`); the engine retires a step once
-  the device is done with it (`retire`).
+Preemption (paged): when a decode row cannot get a page, the most recently admitted running
+request is preempted: its pages are freed, it goes back to the front of the queue and is later
+re-prefilled with its prompt and the tokens it had generated. The last of those re-prefilled
+rows samples its next token, so no committed token is drawn twice (a seeded generator is
+advanced once per committed token, preempted or not), and chunk invariance makes the recomputed
+KV, hence every later token and logit, bitwise what it would have been.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping, Protocol
 
 from .engine_config import EngineConfig
 from .errors import WorkbenchError
+from .memory import CacheMemory, PagedMemory, ReservedMemory
 from .planner import BatchPlanner, ChunkSizer, PrefillChunk, SlotView, StepPlan, format_bytes
 from .slots import SlotTable
 from .state import PageAllocator, PageCopy
@@ -52,7 +41,7 @@ class RunnerInfo(Protocol):
 
     Optional: `supports_fused_step: bool` (default True), whether decode rows and prefill
     chunks may share one forward; `paged: bool` (default False), whether it reads KV through
-    block tables (then the scheduler owns a PageAllocator, every Segment carries its
+    block tables (then the scheduler's memory is a PagedMemory, every Segment carries its
     `block_tables` and `copies`, and the runner also has `state_layout: StateLayout` and
     `kv_cache_key: bytes`, the model identity and KV dtype the prefix cache's hashes start from).
     """
@@ -118,7 +107,6 @@ class _Sequence:
     request: Request
     slot_id: int
     max_context: int
-    reserved_bytes: int
     num_prefilled: int = 0
     output_ids: list[int] = field(default_factory=list)
     # what the slot prefills: the prompt, or after a preemption the prompt + the tokens generated
@@ -181,16 +169,13 @@ class Scheduler:
         self._done: dict[Hashable, str] = {}  # request id -> "finished" | "cancelled"
         self._pending: StepPlan | None = None
         self._admissions = itertools.count()
-        self.paged = bool(getattr(runner_info, "paged", False))
-        self.allocator: PageAllocator | None = None
         self._preempted: dict[Hashable, _Sequence] = {}  # waiting again after a preemption
-        self._copies: dict[int, tuple[PageCopy, ...]] = {}  # slot -> copies for the pending plan
         self._step_id: int | None = None  # the newest step handed out (its fence), None before any
-        self._num_preemptions = 0  # since the previous step_stats()
-        self.kv_pool_pages: dict[str, int] = {}
-        self.kv_pool_bytes = 0
-        if self.paged:
-            self._init_pool()
+        self.paged = bool(getattr(runner_info, "paged", False))
+        self.memory: CacheMemory = (
+            PagedMemory(config, runner_info, self.budget_bytes, self.capacity) if self.paged
+            else ReservedMemory(runner_info, self.budget_bytes)
+        )
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -204,32 +189,31 @@ class Scheduler:
 
     @property
     def reserved_cache_bytes(self) -> int:
-        if self.paged:  # the pool is allocated once, whole
-            return self.kv_pool_bytes
-        return sum(s.reserved_bytes for s in self._running.values())
+        return self.memory.reserved_bytes
 
     @property
     def kv_bytes_in_use(self) -> int:
         """Paged: bytes of the pages held by running requests (0 for a runner with slot state)."""
-        if not self.paged:
-            return 0
-        lay = self.allocator.layout
-        return sum(pool.num_used * lay.page_bytes(name) for name, pool in self.allocator.pools.items())
+        return self.memory.bytes_in_use
+
+    @property
+    def allocator(self) -> PageAllocator | None:
+        """Paged: the PageAllocator over the pool; None for a runner with slot state."""
+        return self.memory.allocator if isinstance(self.memory, PagedMemory) else None
+
+    @property
+    def kv_pool_pages(self) -> dict[str, int]:
+        """Paged: pages per KV group, what the runner allocates; {} for a runner with slot state."""
+        return self.memory.pool_pages if isinstance(self.memory, PagedMemory) else {}
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.memory.pool_bytes if isinstance(self.memory, PagedMemory) else 0
 
     def step_stats(self) -> dict[str, Any]:
-        """Paged: the pool's pages (used, free, cached, allocated and freed since the previous
-        read, per group and in total), prefix-hit tokens and preemptions since the previous read.
-        Without pages, the same columns as None."""
-        keys = ("pages_used", "pages_free", "pages_cached", "pages_allocated", "pages_freed",
-                "prefix_hit_tokens", "num_preemptions")
-        if not self.paged:
-            return dict.fromkeys(keys)
-        st = self.allocator.read_stats()
-        out: dict[str, Any] = st.record()
-        for key in ("used", "free", "cached", "allocated", "freed"):
-            out[f"pages_{key}"] = sum(getattr(g, f"num_{key}") for g in st.groups)
-        out["num_preemptions"], self._num_preemptions = self._num_preemptions, 0
-        return out
+        """The step record's memory columns since the previous read (`PagedMemory.step_stats`);
+        without pages, the same columns as None."""
+        return self.memory.step_stats()
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
@@ -291,14 +275,7 @@ class Scheduler:
             raise WorkbenchError(
                 f"prompt of {n} tokens does not fit the context of {self.capacity} tokens"
             )
-        if self.paged:
-            self._check_fits_pool(request)
-        need = self.runner.fixed_bytes + self._cache_bytes(request) + self.runner.bytes_per_prefill_row
-        if not self.paged and need > self.budget_bytes:
-            raise WorkbenchError(
-                f"request {rid!r} needs {format_bytes(need)} alone but the memory budget is "
-                f"{format_bytes(self.budget_bytes)}"
-            )
+        self.memory.check_fits(rid, self._max_context(request))
         self._waiting.append(request)
         self._known.add(rid)
 
@@ -332,22 +309,20 @@ class Scheduler:
         its pages when this returns (preempting the newest requests where a decode row cannot
         get one)."""
         self._pending = None
-        self._copies = {}
         self._admit()
         while True:
             if not self._running:
                 return None
             plan = self._plan()
-            if not self.paged:
-                break
-            fitted = self._fit(plan, self._step_id)
+            order = self._by_admission()
+            fitted = self.memory.fit(plan, order, self._step_id)
             if fitted is None and not plan.decode_groups and len(plan.prefill_chunks) < len(self._running):
                 # prefill-first, and no chunk can get a page: the decode rows it held back run
-                fitted = self._fit(self._plan("decode-first"), self._step_id)
+                fitted = self.memory.fit(self._plan("decode-first"), order, self._step_id)
             if fitted is not None:
                 plan = fitted
                 break
-            self._preempt(max(self._running, key=lambda slot: self._running[slot].admitted))
+            self._preempt(next(reversed(order)))  # the newest
         if step_id is None:
             step_id = 0 if self._step_id is None else self._step_id + 1
         self._step_id = step_id
@@ -357,8 +332,7 @@ class Scheduler:
     def retire(self, step_id: int) -> None:
         """The device is done with step `step_id` (and every earlier one): pages it could still
         touch are released (paged; nothing otherwise)."""
-        if self.paged:
-            self.allocator.retire(step_id)
+        self.memory.retire(step_id)
 
     def _plan(self, policy: str | None = None) -> StepPlan:
         policy = policy or self.config.policy
@@ -403,13 +377,12 @@ class Scheduler:
         for group in plan.decode_groups:
             for slot in group.slot_ids:
                 token = _need(sampled, slot)
-                if self.paged:  # the fed token's KV is written
-                    self.allocator.commit(self._running[slot].request.request_id, self._running[slot].output_ids[-1:])
+                s = self._running[slot]
+                self.memory.commit(s.request.request_id, s.output_ids[-1:])  # the fed token's KV
                 events += self._append(slot, token)
         for chunk in plan.prefill_chunks:
             s = self._running[chunk.slot_id]
-            if self.paged:
-                self.allocator.commit(s.request.request_id, s.prefill_ids[chunk.start : chunk.start + chunk.length])
+            self.memory.commit(s.request.request_id, s.prefill_ids[chunk.start : chunk.start + chunk.length])
             s.num_prefilled += chunk.length
             if s.num_prefilled == s.prefill_len:
                 events += self._append(chunk.slot_id, _need(sampled, chunk.slot_id))
@@ -417,31 +390,35 @@ class Scheduler:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _cache_bytes(self, request: Request) -> int:
-        return self.runner.cache_bytes(self._max_context(request))
-
     def _max_context(self, request: Request) -> int:
         return min(len(request.prompt_ids) + request.max_tokens, self.capacity)
 
+    def _by_admission(self) -> dict[int, Hashable]:
+        """Slot id -> request id of every running request, oldest admission first."""
+        seqs = sorted(self._running.values(), key=lambda s: s.admitted)
+        return {s.slot_id: s.request.request_id for s in seqs}
+
     def _admit(self) -> None:
-        """Admit from the head of the queue (FIFO, no overtaking) while a slot and memory allow."""
-        if self.paged:
-            return self._admit_paged()
+        """Admit from the head of the queue (FIFO, no overtaking) while a slot is free and the
+        memory takes it. A preempted request prefills its prompt and the tokens it had generated."""
         while self._waiting and self.slots.can_allocate():
             request = self._waiting[0]
-            cache = self._cache_bytes(request)
-            need = (
-                self.runner.fixed_bytes
-                + self.reserved_cache_bytes
-                + cache
-                + self.runner.bytes_per_prefill_row * (self.slots.num_used + 1)
-            )
-            if need > self.budget_bytes:
+            rid = request.request_id
+            prev = self._preempted.get(rid)
+            tokens = request.prompt_ids + tuple(prev.output_ids) if prev else request.prompt_ids
+            cached = self.memory.admit(rid, tokens, self._max_context(request))
+            if cached is None:
                 return
             self._waiting.popleft()
-            slot = self.slots.allocate(request.request_id)
-            self._running[slot] = _Sequence(request, slot, self._max_context(request), cache,
-                                            admitted=next(self._admissions))
+            slot = self.slots.allocate(rid)
+            if prev is None:
+                s = _Sequence(request, slot, self._max_context(request), cached_tokens=cached)
+            else:
+                s = self._preempted.pop(rid)
+                s.slot_id = slot
+                s.recomputed_tokens += len(tokens) - cached
+            s.prefill_ids, s.num_prefilled, s.admitted = tokens, cached, next(self._admissions)
+            self._running[slot] = s
 
     def _append(self, slot: int, token: int) -> list[RequestEvent]:
         s = self._running[slot]
@@ -460,165 +437,31 @@ class Scheduler:
         self._done[rid] = "finished"
         return [_event("finished", s, slot, reason)]
 
-    def _release(self, slot: int, fence: int | None) -> None:
+    def _release(self, slot: int, fence: int | None, *, preempted: bool = False) -> None:
         s = self._running.pop(slot)
         self.slots.free(slot)
-        if self.paged:
-            self.allocator.free(s.request.request_id, fence)
+        self.memory.release(s.request.request_id, fence, preempted=preempted)
 
     def _decode_segment(self, slot: int) -> Segment:
         s = self._running[slot]
         return Segment(slot, s.request.request_id, (s.output_ids[-1],), s.context_len, True,
-                       *self._paging(slot))
+                       *self.memory.segment_fields(s.request.request_id))
 
     def _prefill_segment(self, chunk: PrefillChunk) -> Segment:
         s = self._running[chunk.slot_id]
         end = chunk.start + chunk.length
         tokens = s.prefill_ids[chunk.start : end]
         return Segment(chunk.slot_id, s.request.request_id, tokens, chunk.start, end == s.prefill_len,
-                       *self._paging(chunk.slot_id))
-
-    # -- paging ----------------------------------------------------------------------------
-
-    def _paging(self, slot: int) -> tuple:
-        if not self.paged:
-            return ()
-        rid = self._running[slot].request.request_id
-        tables = {g: tuple(self.allocator.block_table(rid, g).ids()) for g in self.allocator.layout.group_names}
-        return tables, self._copies.get(slot, ())
-
-    @property
-    def _chunk_bound(self) -> int:
-        """The most positions one prefill append adds (bounds a sliding group's live pages)."""
-        return self.config.chunk_size or self.config.chunk_cap
-
-    def _init_pool(self) -> None:
-        layout = self.runner.state_layout
-        P = layout.page_size
-        page_bytes = sum(layout.page_bytes(g) for g in layout.group_names)
-        fixed = self.runner.fixed_bytes
-        tokens = self.config.kv_pool_tokens
-        if tokens is None:
-            # what the budget leaves after the weights and a chunk's (plus the decode rows')
-            # activations, at most every slot's full context: more would never be used
-            rows = self.runner.bytes_per_prefill_row * (self._chunk_bound + self.config.max_concurrency)
-            room = self.budget_bytes - fixed - rows
-            most = self.config.max_concurrency * -(-self.capacity // P) * P
-            tokens = min(max(room, 0) // page_bytes * P, most)
-            if tokens < P:
-                raise WorkbenchError(
-                    f"memory budget {format_bytes(self.budget_bytes)} leaves {format_bytes(max(room, 0))} for the "
-                    f"KV pool after the fixed {format_bytes(fixed)} and a chunk's activations: allowed at least "
-                    f"one page of {P} positions ({format_bytes(page_bytes)})")
-        n = -(-tokens // P)
-        # A sliding group never holds more than a window (plus a chunk) of pages a sequence:
-        # its pool is capped at twice that for every slot (the rest is room for cached pages).
-        self.kv_pool_pages = {
-            g.name: min(n, 2 * self.config.max_concurrency * layout.max_live_pages(g.name, self.capacity, self._chunk_bound))
-            if g.sliding else n for g in layout.groups}
-        self.kv_pool_bytes = sum(k * layout.page_bytes(g) for g, k in self.kv_pool_pages.items())
-        need = fixed + self.kv_pool_bytes + self.runner.bytes_per_prefill_row
-        if need > self.budget_bytes:
-            raise WorkbenchError(
-                f"kv_pool_tokens={tokens} takes {format_bytes(self.kv_pool_bytes)}; with the fixed "
-                f"{format_bytes(fixed)} and one row it exceeds the memory budget {format_bytes(self.budget_bytes)}")
-        self.allocator = PageAllocator(layout, self.kv_pool_pages, prefix_cache=self.config.prefix_cache,
-                                       cache_key=self.runner.kv_cache_key)
-
-    def _check_fits_pool(self, request: Request) -> None:
-        """Refuse a request whose largest state can never fit the pool, even alone."""
-        n = self._max_context(request)
-        P = self.allocator.page_size
-        for group, need in self.allocator.pages_for_prompt(n, chunk=self._chunk_bound).items():
-            have = self.kv_pool_pages[group]
-            if need > have:
-                raise WorkbenchError(
-                    f"request {request.request_id!r} needs {need} pages ({need * P} positions) of KV group "
-                    f"{group!r} for {n} tokens but the KV pool holds {have} pages ({have * P} tokens): "
-                    f"raise kv_pool_tokens or lower max_tokens")
-
-    def _admit_paged(self) -> None:
-        """FIFO admission while a slot is free and the pages for the head's prompt (what it has
-        to prefill, less its cached prefix) plus the headroom are available."""
-        alloc = self.allocator
-        while self._waiting and self.slots.can_allocate():
-            request = self._waiting[0]
-            rid = request.request_id
-            prev = self._preempted.get(rid)
-            tokens = request.prompt_ids + tuple(prev.output_ids) if prev else request.prompt_ids
-            match = alloc.match(tokens)
-            n = min(len(tokens) + self.config.admission_headroom_tokens, self._max_context(request))
-            need = alloc.pages_for_prompt(max(n, len(tokens)), match, chunk=self._chunk_bound)
-            if not alloc.can_add(match) or any(need[g] > pool.num_available for g, pool in alloc.pools.items()):
-                return
-            self._waiting.popleft()
-            cached = alloc.add(rid, match)
-            slot = self.slots.allocate(rid)
-            if prev is None:
-                s = _Sequence(request, slot, self._max_context(request), 0, cached_tokens=cached)
-            else:
-                s = self._preempted.pop(rid)
-                s.slot_id = slot
-                s.recomputed_tokens += len(tokens) - cached
-            s.prefill_ids, s.num_prefilled, s.admitted = tokens, cached, next(self._admissions)
-            self._running[slot] = s
+                       *self.memory.segment_fields(s.request.request_id))
 
     def _preempt(self, slot: int) -> None:
         """Preemption by recompute: free the pages, back to the front of the queue."""
         s = self._running[slot]
-        self._release(slot, self._step_id)
+        self._release(slot, self._step_id, preempted=True)
         s.num_preemptions += 1
         s.num_prefilled = 0
         self._preempted[s.request.request_id] = s
         self._waiting.appendleft(s.request)
-        self._num_preemptions += 1
-
-    def _fit(self, plan: StepPlan, fence: int | None) -> StepPlan | None:
-        """Give every segment of `plan` its pages, oldest admission first: a decode row its
-        next position, a prefill chunk as many of its positions as fit (shrunk, or left for a
-        later step). None, with nothing allocated, when a decode row cannot get its page or
-        nothing at all could run: the caller preempts and plans again."""
-        alloc = self.allocator
-        avail = {g: pool.num_available for g, pool in alloc.pools.items()}
-        decode = {slot for g in plan.decode_groups for slot in g.slot_ids}
-        chunks = {c.slot_id: c for c in plan.prefill_chunks}
-        grow: dict[int, int] = {}
-
-        def fits(rid, n):
-            need = alloc.pages_needed(rid, n, fence)
-            return need if all(need[g] <= avail[g] for g in avail) else None
-
-        for slot in sorted(decode | set(chunks), key=lambda slot: self._running[slot].admitted):
-            rid = self._running[slot].request.request_id
-            if slot in decode:
-                need = fits(rid, 1)
-                if need is None:
-                    return None
-                n = 1
-            else:
-                n, need = chunks[slot].length, fits(rid, chunks[slot].length)
-                if need is None:  # the longest prefix of the chunk that fits (pages grow with n)
-                    lo, hi = 0, n - 1
-                    while lo < hi:
-                        mid = (lo + hi + 1) // 2
-                        lo, hi = (mid, hi) if fits(rid, mid) is not None else (lo, mid - 1)
-                    n = lo
-                    need = fits(rid, n) if n else None
-                    if n == 0:
-                        continue
-            for g in avail:
-                avail[g] -= need[g]
-            grow[slot] = n
-        if not grow:
-            return None
-        for slot, n in grow.items():
-            copies = alloc.append(self._running[slot].request.request_id, n, fence)
-            if copies:
-                self._copies[slot] = tuple(copies)
-        kept = tuple(replace(c, length=grow[c.slot_id]) for c in plan.prefill_chunks if c.slot_id in grow)
-        if kept == plan.prefill_chunks:
-            return plan
-        return replace(plan, prefill_chunks=kept, fused=plan.fused and bool(kept))
 
     def _check_pending(self, plan: StepPlan) -> None:
         if plan is not self._pending:

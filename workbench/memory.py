@@ -1,0 +1,296 @@
+"""CacheMemory: the memory of the sequences' caches, in the form the runner needs.
+
+The scheduler decides who waits, who runs and who is preempted; the memory form answers what
+memory allows: whether the head of the queue fits now, how much of a planned step gets its
+memory, and what a sequence hands back. The form is chosen by the runner (`RunnerInfo.paged`):
+
+* `ReservedMemory` (a runner with per-slot contiguous state): a request is admitted when the
+  budget can reserve, on top of the fixed bytes and the caches already reserved, its full cache
+  (prompt + max_tokens, capped at the slot capacity) plus one activation row per slot in use.
+  Nothing grows past its reservation, so every plan fits as planned and admission is never
+  undone; the prefill chunk gets what the reservations leave.
+* `PagedMemory` (the runner reads KV through block tables): one page pool per KV group, sized
+  once (`EngineConfig.kv_pool_tokens` positions, else what the budget leaves after the weights
+  and a chunk's activations, at most every slot's full context; a sliding group's pool is capped
+  at twice what every slot's window needs), and a `workbench.state.PageAllocator` over it, owned
+  here. A request whose largest state can never fit the pool is refused at `add`. A request is
+  admitted when the pages for its prompt plus `admission_headroom_tokens` are available; its
+  prompt's cached prefix (prefix cache) is taken by refcount and its prefill starts after it.
+  Each step, before anything runs, every planned segment gets its pages (`append`), oldest
+  admission first; a prefill chunk that cannot get them all shrinks (chunk invariance makes any
+  chunking exact) or waits a step; a decode row that cannot get a page fails the fit, and the
+  scheduler preempts. After each step the written tokens are committed (full pages join the
+  prefix cache). Step ids fence every release (`PageAllocator.free(fence=)`); the engine
+  retires a step once the device is done with it (`retire`).
+
+Sequences are named by their request id. Plain Python: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Hashable, Mapping, Protocol, Sequence
+
+from .engine_config import EngineConfig
+from .errors import WorkbenchError
+from .planner import StepPlan, format_bytes
+from .state import PageAllocator, PageCopy
+
+if TYPE_CHECKING:
+    from .scheduler import RunnerInfo
+
+# the step record's memory columns; a form without pages reports them as None
+STEP_STAT_KEYS = ("pages_used", "pages_free", "pages_cached", "pages_allocated", "pages_freed",
+                  "prefix_hit_tokens", "num_preemptions")
+
+
+class CacheMemory(Protocol):
+    """What the scheduler asks of a memory form."""
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Cache bytes set aside now (what the chunk sizer subtracts from the budget)."""
+
+    @property
+    def bytes_in_use(self) -> int:
+        """Cache bytes the running sequences hold (0 when that is not tracked)."""
+
+    def check_fits(self, seq_id: Hashable, max_context: int) -> None:
+        """Raise when a request of `max_context` tokens could never run, even alone (at `add`)."""
+
+    def admit(self, seq_id: Hashable, token_ids: Sequence[int], max_context: int) -> int | None:
+        """Take the memory for a new sequence that prefills `token_ids` and grows to
+        `max_context`: the prompt tokens already cached (its prefill starts there), or None,
+        with nothing taken, when it does not fit now."""
+
+    def fit(self, plan: StepPlan, seq_ids: Mapping[int, Hashable], fence: int | None) -> StepPlan | None:
+        """Give every segment of `plan` its memory (`seq_ids`: slot -> sequence of every
+        running slot, oldest admission first): the plan, shrunk where a prefill chunk got part,
+        or None, with nothing taken, when the scheduler has to preempt."""
+
+    def segment_fields(self, seq_id: Hashable) -> tuple:
+        """The trailing fields of the sequence's `Segment` (block tables, copies); () for none."""
+
+    def commit(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        """The step wrote `token_ids` (the next positions of the sequence)."""
+
+    def release(self, seq_id: Hashable, fence: int | None, *, preempted: bool = False) -> None:
+        """The sequence finished, was cancelled or was preempted: hand back its memory, which
+        steps up to `fence` may still touch."""
+
+    def retire(self, step_id: int) -> None:
+        """The device is done with step `step_id` and every earlier one."""
+
+    def step_stats(self) -> dict[str, Any]:
+        """The step record's memory columns (`STEP_STAT_KEYS`, maybe more), counted since the
+        previous read."""
+
+
+class ReservedMemory:
+    """Each sequence reserves its full cache at admission (see the module docstring)."""
+
+    def __init__(self, runner: RunnerInfo, budget_bytes: int):
+        self.runner = runner
+        self.budget_bytes = budget_bytes
+        self._reserved: dict[Hashable, int] = {}  # sequence -> its cache bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(self._reserved.values())
+
+    @property
+    def bytes_in_use(self) -> int:
+        return 0
+
+    def check_fits(self, seq_id: Hashable, max_context: int) -> None:
+        need = self.runner.fixed_bytes + self.runner.cache_bytes(max_context) + self.runner.bytes_per_prefill_row
+        if need > self.budget_bytes:
+            raise WorkbenchError(
+                f"request {seq_id!r} needs {format_bytes(need)} alone but the memory budget is "
+                f"{format_bytes(self.budget_bytes)}"
+            )
+
+    def admit(self, seq_id: Hashable, token_ids: Sequence[int], max_context: int) -> int | None:
+        cache = self.runner.cache_bytes(max_context)
+        need = (
+            self.runner.fixed_bytes
+            + self.reserved_bytes
+            + cache
+            + self.runner.bytes_per_prefill_row * (len(self._reserved) + 1)
+        )
+        if need > self.budget_bytes:
+            return None
+        self._reserved[seq_id] = cache
+        return 0
+
+    def fit(self, plan: StepPlan, seq_ids: Mapping[int, Hashable], fence: int | None) -> StepPlan:
+        return plan  # every sequence holds its whole reservation
+
+    def segment_fields(self, seq_id: Hashable) -> tuple:
+        return ()
+
+    def commit(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        pass
+
+    def release(self, seq_id: Hashable, fence: int | None, *, preempted: bool = False) -> None:
+        if preempted:
+            raise RuntimeError(f"sequence {seq_id!r} preempted: reserved memory fits every plan")
+        del self._reserved[seq_id]
+
+    def retire(self, step_id: int) -> None:
+        pass
+
+    def step_stats(self) -> dict[str, Any]:
+        return dict.fromkeys(STEP_STAT_KEYS)
+
+
+class PagedMemory:
+    """One page pool per KV group and the allocator over it (see the module docstring).
+
+    `pool_pages` (group -> pages) is what the runner allocates (`init_kv_pool`)."""
+
+    def __init__(self, config: EngineConfig, runner: RunnerInfo, budget_bytes: int, capacity: int):
+        """`capacity`: the most context tokens a sequence holds."""
+        self.config = config
+        self.capacity = capacity
+        # the most positions one prefill append adds (bounds a sliding group's live pages)
+        self.chunk_bound = config.chunk_size or config.chunk_cap
+        self._copies: dict[Hashable, tuple[PageCopy, ...]] = {}  # sequence -> copies for the fitted plan
+        self._num_preemptions = 0  # since the previous step_stats()
+        layout = runner.state_layout
+        P = layout.page_size
+        page_bytes = sum(layout.page_bytes(g) for g in layout.group_names)
+        fixed = runner.fixed_bytes
+        tokens = config.kv_pool_tokens
+        if tokens is None:
+            # what the budget leaves after the weights and a chunk's (plus the decode rows')
+            # activations, at most every slot's full context: more would never be used
+            rows = runner.bytes_per_prefill_row * (self.chunk_bound + config.max_concurrency)
+            room = budget_bytes - fixed - rows
+            most = config.max_concurrency * -(-capacity // P) * P
+            tokens = min(max(room, 0) // page_bytes * P, most)
+            if tokens < P:
+                raise WorkbenchError(
+                    f"memory budget {format_bytes(budget_bytes)} leaves {format_bytes(max(room, 0))} for the "
+                    f"KV pool after the fixed {format_bytes(fixed)} and a chunk's activations: allowed at least "
+                    f"one page of {P} positions ({format_bytes(page_bytes)})")
+        n = -(-tokens // P)
+        # A sliding group never holds more than a window (plus a chunk) of pages a sequence:
+        # its pool is capped at twice that for every slot (the rest is room for cached pages).
+        self.pool_pages: dict[str, int] = {
+            g.name: min(n, 2 * config.max_concurrency * layout.max_live_pages(g.name, capacity, self.chunk_bound))
+            if g.sliding else n for g in layout.groups}
+        self.pool_bytes = sum(k * layout.page_bytes(g) for g, k in self.pool_pages.items())
+        need = fixed + self.pool_bytes + runner.bytes_per_prefill_row
+        if need > budget_bytes:
+            raise WorkbenchError(
+                f"kv_pool_tokens={tokens} takes {format_bytes(self.pool_bytes)}; with the fixed "
+                f"{format_bytes(fixed)} and one row it exceeds the memory budget {format_bytes(budget_bytes)}")
+        self.allocator = PageAllocator(layout, self.pool_pages, prefix_cache=config.prefix_cache,
+                                       cache_key=runner.kv_cache_key)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.pool_bytes  # the pool is allocated once, whole
+
+    @property
+    def bytes_in_use(self) -> int:
+        """Bytes of the pages held by running sequences."""
+        lay = self.allocator.layout
+        return sum(pool.num_used * lay.page_bytes(name) for name, pool in self.allocator.pools.items())
+
+    def check_fits(self, seq_id: Hashable, max_context: int) -> None:
+        """Refuse a request whose largest state can never fit the pool, even alone."""
+        n = max_context
+        P = self.allocator.page_size
+        for group, need in self.allocator.pages_for_prompt(n, chunk=self.chunk_bound).items():
+            have = self.pool_pages[group]
+            if need > have:
+                raise WorkbenchError(
+                    f"request {seq_id!r} needs {need} pages ({need * P} positions) of KV group "
+                    f"{group!r} for {n} tokens but the KV pool holds {have} pages ({have * P} tokens): "
+                    f"raise kv_pool_tokens or lower max_tokens")
+
+    def admit(self, seq_id: Hashable, token_ids: Sequence[int], max_context: int) -> int | None:
+        """Admitted when the pages for `token_ids` (what it has to prefill, less its cached
+        prefix) plus the headroom are available."""
+        alloc = self.allocator
+        match = alloc.match(token_ids)
+        n = min(len(token_ids) + self.config.admission_headroom_tokens, max_context)
+        need = alloc.pages_for_prompt(max(n, len(token_ids)), match, chunk=self.chunk_bound)
+        if not alloc.can_add(match) or any(need[g] > pool.num_available for g, pool in alloc.pools.items()):
+            return None
+        return alloc.add(seq_id, match)
+
+    def fit(self, plan: StepPlan, seq_ids: Mapping[int, Hashable], fence: int | None) -> StepPlan | None:
+        """A decode row gets its next position, a prefill chunk as many of its positions as fit
+        (shrunk, or left for a later step). None, with nothing allocated, when a decode row
+        cannot get its page or nothing at all could run."""
+        alloc = self.allocator
+        self._copies = {}
+        avail = {g: pool.num_available for g, pool in alloc.pools.items()}
+        decode = {slot for g in plan.decode_groups for slot in g.slot_ids}
+        chunks = {c.slot_id: c for c in plan.prefill_chunks}
+        grow: dict[int, int] = {}
+
+        def fits(rid, n):
+            need = alloc.pages_needed(rid, n, fence)
+            return need if all(need[g] <= avail[g] for g in avail) else None
+
+        for slot, rid in seq_ids.items():  # oldest admission first
+            if slot in decode:
+                need = fits(rid, 1)
+                if need is None:
+                    return None
+                n = 1
+            elif slot in chunks:
+                n, need = chunks[slot].length, fits(rid, chunks[slot].length)
+                if need is None:  # the longest prefix of the chunk that fits (pages grow with n)
+                    lo, hi = 0, n - 1
+                    while lo < hi:
+                        mid = (lo + hi + 1) // 2
+                        lo, hi = (mid, hi) if fits(rid, mid) is not None else (lo, mid - 1)
+                    n = lo
+                    need = fits(rid, n) if n else None
+                    if n == 0:
+                        continue
+            else:
+                continue
+            for g in avail:
+                avail[g] -= need[g]
+            grow[slot] = n
+        if not grow:
+            return None
+        for slot, n in grow.items():
+            copies = alloc.append(seq_ids[slot], n, fence)
+            if copies:
+                self._copies[seq_ids[slot]] = tuple(copies)
+        kept = tuple(replace(c, length=grow[c.slot_id]) for c in plan.prefill_chunks if c.slot_id in grow)
+        if kept == plan.prefill_chunks:
+            return plan
+        return replace(plan, prefill_chunks=kept, fused=plan.fused and bool(kept))
+
+    def segment_fields(self, seq_id: Hashable) -> tuple:
+        tables = {g: tuple(self.allocator.block_table(seq_id, g).ids()) for g in self.allocator.layout.group_names}
+        return tables, self._copies.get(seq_id, ())
+
+    def commit(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        self.allocator.commit(seq_id, token_ids)
+
+    def release(self, seq_id: Hashable, fence: int | None, *, preempted: bool = False) -> None:
+        self.allocator.free(seq_id, fence)
+        if preempted:
+            self._num_preemptions += 1
+
+    def retire(self, step_id: int) -> None:
+        self.allocator.retire(step_id)
+
+    def step_stats(self) -> dict[str, Any]:
+        """The pool's pages (used, free, cached, allocated and freed since the previous read, per
+        group and in total), prefix-hit tokens and preemptions since the previous read."""
+        st = self.allocator.read_stats()
+        out: dict[str, Any] = st.record()
+        for key in ("used", "free", "cached", "allocated", "freed"):
+            out[f"pages_{key}"] = sum(getattr(g, f"num_{key}") for g in st.groups)
+        out["num_preemptions"], self._num_preemptions = self._num_preemptions, 0
+        return out
