@@ -10,12 +10,14 @@ memory, and what a sequence hands back. The form is chosen by the runner (`Runne
   Nothing grows past its reservation, so every plan fits as planned and admission is never
   undone; the prefill chunk gets what the reservations leave.
 * `PagedMemory` (the runner reads KV through block tables): one page pool per KV group, sized
-  once (`EngineConfig.kv_pool_tokens` positions, else what the budget leaves after the weights
-  and a chunk's activations, at most every slot's full context; a sliding group's pool is capped
-  at twice what every slot's window needs), and a `workbench.state.PageAllocator` over it, owned
-  here. A request whose largest state can never fit the pool is refused at `add`. A request is
-  admitted when the pages for its prompt plus `admission_headroom_tokens` are available; its
-  prompt's cached prefix (prefix cache) is taken by refcount and its prefill starts after it.
+  once: a sliding group's pool holds what every slot's window spans plus a chunk's pages, a
+  global group's `EngineConfig.kv_pool_tokens` positions, else what the budget leaves after the
+  weights, a chunk's activations and the sliding pools (at most every slot's full context); and
+  a `workbench.state.PageAllocator` over them, owned here. A request whose largest state can
+  never fit the pool is refused at `add`. A request is admitted when the pages for its prompt
+  plus `admission_headroom_tokens` are available beyond those promised to the sequences already
+  admitted; its prompt's cached prefix (prefix cache) is taken by refcount and its prefill
+  starts after it.
   Each step, before anything runs, every planned segment gets its pages (`append`), oldest
   admission first; a prefill chunk that cannot get them all shrinks (chunk invariance makes any
   chunking exact) or waits a step; a decode row that cannot get a page fails the fit, and the
@@ -59,9 +61,35 @@ class CacheMemory(Protocol):
         """Raise when a request of `max_context` tokens could never run, even alone (at `add`)."""
 
     def admit(self, seq_id: Hashable, token_ids: Sequence[int], max_context: int) -> int | None:
-        """Take the memory for a new sequence that prefills `token_ids` and grows to
-        `max_context`: the prompt tokens already cached (its prefill starts there), or None,
-        with nothing taken, when it does not fit now."""
+        """Admitted when the pages for `token_ids` (what it has to prefill, less its cached
+        prefix) plus the headroom are available, less the pages already promised: what the
+        admitted sequences still need to reach their own prompt plus headroom (they take their
+        pages as they prefill, so without this every slot would be admitted against the same
+        free pages and preempted again as their prefills grow)."""
+        alloc = self.allocator
+        match = alloc.match(token_ids)
+        n = min(len(token_ids) + self.config.admission_headroom_tokens, max_context)
+        need = alloc.pages_for_prompt(max(n, len(token_ids)), match, chunk=self.chunk_bound)
+        promised = self._promised()
+        if not alloc.can_add(match) or any(need[g] + promised[g] > pool.num_available
+                                           for g, pool in alloc.pools.items()):
+            return None
+        cached = alloc.add(seq_id, match)
+        self._targets[seq_id] = max(n, len(token_ids))
+        return cached
+
+    def _promised(self) -> dict[str, int]:
+        """Group -> pages the admitted sequences will still take to reach their admission
+        target (prompt plus headroom)."""
+        alloc = self.allocator
+        out = dict.fromkeys(alloc.pools, 0)
+        for seq_id, target in self._targets.items():
+            left = target - alloc.sequence(seq_id).length
+            if left > 0:  # (a sliding group's share: at most what its window and a chunk span)
+                for g, k in alloc.pages_needed(seq_id, left).items():
+                    live = alloc.layout.max_live_pages(g, target, self.chunk_bound)
+                    out[g] += max(0, min(k, live))
+        return out
 
     def fit(self, plan: StepPlan, seq_ids: Mapping[int, Hashable], fence: int | None) -> StepPlan | None:
         """Give every segment of `plan` its memory (`seq_ids`: slot -> sequence of every
@@ -157,29 +185,40 @@ class PagedMemory:
         self.chunk_bound = config.chunk_size or config.chunk_cap
         self._copies: dict[Hashable, tuple[PageCopy, ...]] = {}  # sequence -> copies for the fitted plan
         self._num_preemptions = 0  # since the previous step_stats()
+        self._targets: dict[Hashable, int] = {}  # admitted sequence -> positions admission counted for it
         layout = runner.state_layout
         P = layout.page_size
-        page_bytes = sum(layout.page_bytes(g) for g in layout.group_names)
         fixed = runner.fixed_bytes
+        # A sliding group needs, for every slot, the pages its window spans in decode, and for the
+        # step's prefill rows (at most a chunk, however they are split) a chunk's pages more: its
+        # pool is that, never more than the global pools' positions. The global groups take the
+        # rest of the memory (they grow with the context). Pools are per group (allocator.py says
+        # why), so a pool sized for more sliding pages than the slots can use would be memory the
+        # global groups never get: the measured capacity cost of sizing every group alike.
+        sliding = {g.name: config.max_concurrency * layout.max_live_pages(g.name, capacity) + -(-self.chunk_bound // P) + 1
+                   for g in layout.groups if g.sliding}
         tokens = config.kv_pool_tokens
         if tokens is None:
             # what the budget leaves after the weights and a chunk's (plus the decode rows')
             # activations, at most every slot's full context: more would never be used
             rows = runner.bytes_per_prefill_row * (self.chunk_bound + config.max_concurrency)
-            room = budget_bytes - fixed - rows
-            most = config.max_concurrency * -(-capacity // P) * P
-            tokens = min(max(room, 0) // page_bytes * P, most)
-            if tokens < P:
+            room = max(budget_bytes - fixed - rows, 0)
+            most = config.max_concurrency * -(-capacity // P)
+            per_position = sum(layout.page_bytes(g.name) for g in layout.groups if not g.sliding)
+            # the sliding pools first, at most half the room (short of that they shrink alike)
+            side = sum(k * layout.page_bytes(g) for g, k in sliding.items())
+            scale = min(1.0, room / 2 / side) if side else 1.0
+            sliding = {g: max(1, int(k * scale)) for g, k in sliding.items()}
+            side = sum(k * layout.page_bytes(g) for g, k in sliding.items())
+            n = min((room - side) // per_position, most) if per_position else most
+            tokens = n * P
+            if n < 1:
                 raise WorkbenchError(
-                    f"memory budget {format_bytes(budget_bytes)} leaves {format_bytes(max(room, 0))} for the "
+                    f"memory budget {format_bytes(budget_bytes)} leaves {format_bytes(room)} for the "
                     f"KV pool after the fixed {format_bytes(fixed)} and a chunk's activations: allowed at least "
-                    f"one page of {P} positions ({format_bytes(page_bytes)})")
+                    f"one page of {P} positions in every KV group")
         n = -(-tokens // P)
-        # A sliding group never holds more than a window (plus a chunk) of pages a sequence:
-        # its pool is capped at twice that for every slot (the rest is room for cached pages).
-        self.pool_pages: dict[str, int] = {
-            g.name: min(n, 2 * config.max_concurrency * layout.max_live_pages(g.name, capacity, self.chunk_bound))
-            if g.sliding else n for g in layout.groups}
+        self.pool_pages: dict[str, int] = {g.name: min(n, sliding[g.name]) if g.sliding else n for g in layout.groups}
         self.pool_bytes = sum(k * layout.page_bytes(g) for g, k in self.pool_pages.items())
         need = fixed + self.pool_bytes + runner.bytes_per_prefill_row
         if need > budget_bytes:
@@ -279,6 +318,7 @@ class PagedMemory:
 
     def release(self, seq_id: Hashable, fence: int | None, *, preempted: bool = False) -> None:
         self.allocator.free(seq_id, fence)
+        self._targets.pop(seq_id, None)
         if preempted:
             self._num_preemptions += 1
 
