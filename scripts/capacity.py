@@ -261,6 +261,10 @@ def run(args) -> tuple[pl.DataFrame, pl.DataFrame]:
                          chunk_size=args.chunk_size, policy=args.policy, admission_headroom_tokens=args.headroom,
                          **summary, scheduler_wall_s=wall))
         step_frames.append(steps)
+    if args.engine_backend != "none":
+        row, steps = engine_run(args, path, pool_tokens, requests)
+        rows.append({**rows[-1], **row})
+        step_frames.append(steps)
     base = rows[0]
     for row in rows:
         for col in RATIO_COLUMNS:
@@ -284,9 +288,10 @@ def markdown(frame: pl.DataFrame) -> str:
         mw = "-" if r["mean_running_while_waiting"] is None else f"{r['mean_running_while_waiting']:.1f}"
         lines.append(f"| {r['form']} | {r['kv_bytes'] / GIB:.3f} GiB | {r['peak_running']} | {mw} | "
                      f"{r['mean_running']:.1f} | {r['num_steps']} | {r['num_preemptions']} | {r['reprefill_rows']} |")
-    p = frame.row(frame.height - 1, named=True)
-    ratios = " | ".join(_ratio(p[f"{c}_ratio"]) for c in RATIO_COLUMNS)
-    lines.append(f"| paged / reserved | | {ratios} | | |")
+    for p in frame.iter_rows(named=True):
+        if p["form"] != "reserved":
+            ratios = " | ".join(_ratio(p[f"{c}_ratio"]) for c in RATIO_COLUMNS)
+            lines.append(f"| {p['form']} / reserved | | {ratios} | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -322,6 +327,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vocab", type=_positive(int), default=32000, help="random token ids below this")
     ap.add_argument("--max-steps", type=_positive(int), default=1_000_000)
     ap.add_argument("--out", type=Path, default=Path("data/capacity"))
+    ap.add_argument("--engine-backend", choices=("none", "triton", "torch"), default="none",
+                    help="also run the paged form on the real engine with this backend (a GPU for triton)")
     args = ap.parse_args(argv)
     if args.min_prompt > args.max_prompt:
         ap.error(f"--min-prompt={args.min_prompt} exceeds --max-prompt={args.max_prompt}: allowed min <= max")
@@ -330,6 +337,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.headroom < 0:
         ap.error(f"--headroom={args.headroom} is out of range: allowed >= 0")
     return args
+
+
+def engine_run(args, path: Path, pool_tokens: int, requests: list[Request]) -> tuple[dict, pl.DataFrame]:
+    """The paged form on the real engine (`--engine-backend`: the model's weights, its runner, the
+    same pool of `pool_tokens` positions and the same workload): form "paged_engine", its running
+    requests per step from the engine's telemetry (the step's slots) and the queue after the step."""
+    from workbench.engine import Engine
+    from workbench.model import load_model
+
+    model = load_model(path, dtype="bfloat16")
+    cfg = engine_config(args, kv_pool_tokens=pool_tokens, backend=args.engine_backend, max_context=args.max_context,
+                        dtype="bfloat16")
+    engine = Engine(model, cfg)
+    t0 = time.perf_counter()
+    handles = [engine.submit(list(r.prompt_ids), max_tokens=r.max_tokens, ignore_eos=True, request_id=r.request_id)
+               for r in requests]
+    waiting = []
+    while engine.scheduler.has_work():
+        before = len(engine.telemetry.step_records)
+        engine.step()
+        if len(engine.telemetry.step_records) > before:  # (a step ran)
+            waiting.append(engine.scheduler.num_waiting)
+    wall = time.perf_counter() - t0
+    tele = engine.telemetry.steps()
+    n = min(tele.height, len(waiting))
+    steps = pl.DataFrame(dict(form=["paged_engine"] * n, step=tele["step"][:n], num_running=tele["num_slots"][:n],
+                              num_waiting=waiting[:n], kv_bytes_in_use=tele["kv_bytes"][:n],
+                              num_preemptions=tele["num_preemptions"].fill_null(0)[:n]))
+    reqs = engine.telemetry.requests()
+    prompt = sum(len(r.prompt_ids) for r in requests)
+    prefill_rows = int(tele["prefill_rows"].sum())
+    totals = dict(generated_tokens=sum(len(h.result().token_ids) for h in handles),
+                  prompt_tokens=prompt, prefill_rows=prefill_rows, reprefill_rows=prefill_rows - prompt,
+                  recomputed_tokens=int(reqs["recomputed_tokens"].sum()), decode_rows=int(tele["decode_rows"].sum()))
+    row = dict(form="paged_engine", **summarize(steps, totals, engine.scheduler.kv_pool_bytes), scheduler_wall_s=wall,
+               engine_backend=args.engine_backend)
+    return row, steps
 
 
 def main(argv: list[str] | None = None) -> int:
