@@ -1,7 +1,7 @@
-"""Where an eager Triton forward's host time goes (device runs: `python3 scripts/host_profile.py
+"""Where an eager Triton forward's time goes (device runs: `python3 scripts/host_profile.py
 --model PATH`): wall time of prefill chunks of 64 / 512 / 2112 rows and of one eager decode row
-(each after a warm-up, synchronized), then cProfile of the 64-row chunk, top functions by own
-time. A prefix-cache hit's TTFT is one such chunk (the prompt's tokens past the cached pages)."""
+(each after a warm-up, synchronized), the device time per kernel of a 64-row chunk and of one
+row (torch.profiler), then cProfile of the 64-row chunk, top functions by own time. A prefix-cache hit's TTFT is one such chunk (the prompt's tokens past the cached pages)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,18 @@ def main() -> None:
             chunk(rows)
         print(f"eager chunk of {rows} rows: {1e3 * (time.perf_counter() - t0) / args.repeats:.2f} ms, "
               f"{r.launches} launches", flush=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    for rows in (64, 1):
+        with profile(activities=[ProfilerActivity.CUDA]) as tp:
+            for _ in range(3):
+                chunk(rows)
+        kern = sorted(((e.key, e.count, getattr(e, "device_time_total", 0) or 0) for e in tp.key_averages()),
+                      key=lambda k: -k[2])
+        total = sum(k[2] for k in kern) / 3
+        print(f"device time of a {rows}-row chunk: {total / 1e3:.2f} ms; top kernels (us per chunk, calls):")
+        for name, count, dt in kern[:14]:
+            print(f"  {dt / 3:9.1f}  x{count // 3:<4d} {name[:100]}")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.repeats):
