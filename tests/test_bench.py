@@ -1,6 +1,7 @@
 """`workbench bench` on a tiny model: the table, and tidy parquet with config and fingerprint."""
 
 import polars as pl
+import pytest
 
 from workbench.bench import format_table, run_bench
 from workbench.model import load_model
@@ -138,6 +139,23 @@ def test_bench_shared_prefix_hits_the_prefix_cache_and_says_so(tiny_gguf, tmp_pa
     (run_dir,) = (tmp_path / "off" / "runs").iterdir()
     rows = pl.read_parquet(run_dir / "summary.parquet")
     assert (rows["prefix_hit_tokens"] == 0).all() and rows["flag"].is_null().all()
+
+
+def test_prefill_rate_counts_only_the_tokens_prefilled(tiny_gguf):
+    """prefill_tok_s is the tokens actually prefilled over the time to the last first token: with
+    the prefix cache on, the shared prefix's cached pages are not counted (a hit: fewer tokens,
+    the same formula); off, every prompt token is prefilled."""
+    from workbench.bench import measure
+
+    m = load_model(tiny_gguf("gemma3"), dtype="bfloat16")
+    on, _ = measure(m, 2, 300, 2, None, prefix_cache=True, shared_prefix_len=280)
+    off, _ = measure(m, 2, 300, 2, None, prefix_cache=False, shared_prefix_len=280)
+    assert on["cached_prompt_tokens"] >= 2 * 256 and off["cached_prompt_tokens"] == 0  # (a full page each)
+    for row in (on, off):
+        assert row["num_preemptions"] == 0 and row["recomputed_tokens"] == 0
+        assert row["prefill_tokens"] == 2 * 300 - row["cached_prompt_tokens"] + row["recomputed_tokens"]
+        assert row["prefill_tok_s"] == pytest.approx(row["prefill_tokens"] / row["prefill_s"])
+    assert on["prefill_tokens"] <= 2 * (300 - 256) and off["prefill_tokens"] == 600
 
 
 def test_activation_flag_names_what_did_not_run():

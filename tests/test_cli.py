@@ -243,6 +243,19 @@ def test_prompt_from_argument_file_and_stdin_agree(tiny_gguf, tmp_path, capsys, 
     assert all(f"[prompt {n} tokens |" in out for _, out, _ in outs), outs
 
 
+def test_generate_walks_the_model_header_once(tiny_gguf, capsys, monkeypatch):
+    """The file is opened (its header checked) before torch is imported, and load_model takes
+    the open file: one header walk per `workbench generate`, not a check and then a load."""
+    from workbench import gguf_file
+
+    walks = []
+    read_layout = gguf_file.read_layout
+    monkeypatch.setattr(gguf_file, "read_layout", lambda path: walks.append(path) or read_layout(path))
+    rc, out, err = _generate(capsys, monkeypatch, "the slot", "--model", str(tiny_gguf("llama")), "--max-tokens", "2")
+    assert rc == 0, err
+    assert len(walks) == 1, walks
+
+
 def test_long_prompt_file_that_fits(tiny_gguf, tmp_path, capsys, monkeypatch):
     """A prompt near the context (2048 tokens for this model) runs."""
     f = tmp_path / "long.txt"

@@ -39,22 +39,73 @@ def table(a, seq, group="global"):
     return a.block_table(seq, group).entries
 
 
-def test_append_allocates_lowest_ids_deterministically():
-    a = alloc(8)
+def test_append_keeps_each_sequence_in_one_run():
+    """A sequence's next page is the one after its last; a new sequence starts halfway along
+    the largest free run (at page 0 in an empty pool), so two sequences growing in turn do not
+    interleave their pages (with the lowest free id first they would: a 0, 1, 3 and b 2, 4)."""
+    a = alloc(8, prefix_cache=False)
     a.add("a")
     a.add("b")
-    grow(a, "a", range(5))  # 2 pages
-    grow(a, "b", range(3))
-    assert table(a, "a") == (0, 1) and table(a, "b") == (2,)
+    grow(a, "a", range(5))  # 2 pages, from the pool's start
+    grow(a, "b", range(3))  # the largest run is 2..7: b starts halfway along it
+    assert table(a, "a") == (0, 1) and table(a, "b") == (5,)
     grow(a, "a", [9] * 4)
-    assert table(a, "a") == (0, 1, 3)
-    a.free("b")
+    grow(a, "b", [9] * 2)
+    assert table(a, "a") == (0, 1, 2) and table(a, "b") == (5, 6)
+    assert a.pools["global"].free_runs() == [(3, 5), (7, 8)]
+    a.free("b")  # its pages merge back into one run, 3..7
+    assert a.pools["global"].free_runs() == [(3, 8)]
     a.add("c")
     grow(a, "c", [1])
-    assert table(a, "c") == (2,)
-    assert a.block_table("a", "global").locate(9) == (3, 1)
+    assert table(a, "c") == (5,)
+    assert a.block_table("a", "global").locate(9) == (2, 1)
     s = a.read_stats().groups[0]
     assert (s.num_used, s.num_free, s.num_cached, s.num_quarantined) == (4, 4, 0, 0)
+
+
+def test_a_first_append_of_several_pages_takes_a_run_that_fits():
+    """A prompt's pages go to one run when a free run is long enough, even when lower ids are
+    free but scattered; when none is, they fill the largest run and continue in the next."""
+    a = alloc(12, prefix_cache=False)
+    for i in range(5):  # five one-page sequences: page 0, then halfway along the largest run each
+        a.add(i)
+        grow(a, i, [i] * 4)
+    starts = [table(a, i)[0] for i in range(5)]
+    assert starts == [0, 6, 3, 9, 2]
+    a.free(1)
+    assert a.pools["global"].free_runs() == [(1, 2), (4, 9), (10, 12)]
+    a.add("p")
+    grow(a, "p", range(12))  # 3 pages: the run 4..8 holds them, halfway along it (lowest ids: 1, 4, 5)
+    assert table(a, "p") == (6, 7, 8)
+    a.add("q")
+    grow(a, "q", range(16))  # 4 pages, no run fits: the largest (4..5, the lowest of two), then 10..11
+    assert table(a, "q") == (4, 5, 10, 11)
+    a.check()
+
+
+def test_allocation_is_deterministic_and_keeps_the_heap_small():
+    """The same calls give the same ids; many allocations and frees leave the heap of free runs
+    at most about twice the runs (stale entries are dropped), so no step slows with the pool's age."""
+    import random
+
+    def run(seed):
+        a, rng, live, out = alloc(64, prefix_cache=False), random.Random(seed), [], []
+        for step in range(400):
+            if live and (rng.random() < 0.4 or not a.can_append(live[-1], 4)):
+                a.free(live.pop(rng.randrange(len(live))))
+            else:
+                if not live or rng.random() < 0.3:
+                    live.append(step)
+                    a.add(step)
+                seq, n = rng.choice(live), rng.randint(1, 9)
+                if a.can_append(seq, n):
+                    grow(a, seq, [1] * n)
+            pool = a.pools["global"]
+            assert len(pool._free._largest) <= 2 * len(pool.free_runs()) + 16
+            out.append(tuple(table(a, s) for s in live))
+        return out
+
+    assert run(1) == run(1)
 
 
 def test_can_append_refuses_without_changing_anything():
@@ -139,11 +190,11 @@ def test_fork_shares_full_pages_and_copies_the_partial_one():
     a = alloc(8)
     a.add("p")
     grow(a, "p", range(10))  # pages 0, 1 full, 2 partial
-    copies = a.fork("p", "c", 10)
+    copies = a.fork("p", "c", 10)  # (its copy of page 2 starts a run halfway along 3..7)
     a.check()
-    assert table(a, "c")[:2] == (0, 1) and table(a, "c")[2] == 3
-    assert copies == [PageCopy("global", 2, 3, 2)]
-    assert a.pools["global"].refcount[:4] == [2, 2, 1, 1]
+    assert table(a, "c")[:2] == (0, 1) and table(a, "c")[2] == 5
+    assert copies == [PageCopy("global", 2, 5, 2)]
+    assert a.pools["global"].refcount[:6] == [2, 2, 1, 0, 0, 1]
     # each writes its own partial page in place: no copy
     assert grow(a, "p", [7]) == [] and grow(a, "c", [8]) == []
     # a fork at a page boundary copies nothing
@@ -160,11 +211,11 @@ def test_appending_into_a_shared_page_copies_it_first():
     a.fork("p", "c", 8)  # pages 0, 1 shared
     a.truncate("c", 6)  # c's last page (1) is shared and now partial
     assert table(a, "c") == (0, 1)
-    copies = a.append("c", 1)
+    copies = a.append("c", 1)  # (page 2, after 0, is taken: the copy starts a run halfway along 2..7)
     a.check()
-    assert copies == [PageCopy("global", 1, 2, 2)]
-    assert table(a, "c") == (0, 2) and table(a, "p") == (0, 1)
-    assert a.pools["global"].refcount[:3] == [2, 1, 1]
+    assert copies == [PageCopy("global", 1, 5, 2)]
+    assert table(a, "c") == (0, 5) and table(a, "p") == (0, 1)
+    assert a.pools["global"].refcount[:6] == [2, 1, 0, 0, 0, 1]
 
 
 def test_appending_into_a_cached_page_copies_it_and_keeps_the_cache():
@@ -173,8 +224,8 @@ def test_appending_into_a_cached_page_copies_it_and_keeps_the_cache():
     grow(a, "a", range(8))  # pages 0, 1 full and hashed
     a.truncate("a", 6)  # page 1 is private but cached: read-only
     assert a.pools["global"].is_read_only(1)
-    assert grow(a, "a", [50]) == [PageCopy("global", 1, 2, 2)]
-    assert table(a, "a") == (0, 2)
+    assert grow(a, "a", [50]) == [PageCopy("global", 1, 5, 2)]  # (halfway along the free 2..7)
+    assert table(a, "a") == (0, 5)
     assert a.pools["global"].cache.evictable() == [1]  # the cached content is kept
     m = a.match(list(range(8)) + [99])
     assert m.num_tokens == 8 and m.pages["global"] == (0, 1)
@@ -429,7 +480,7 @@ def test_state_slots_versions_and_fork():
     assert a.state.accept("a", 2) == 2 and a.state_slots("a") == (2, 0, 1)
     a.append("a", 6)
     copies = a.fork("a", "b", 6)
-    assert copies == [PageCopy("global", 1, 2, 2), SlotCopy(2, 3)]
+    assert copies == [PageCopy("global", 1, 5, 2), SlotCopy(2, 3)]
     assert not a.can_add()
     with pytest.raises(WorkbenchError, match="no free state slot"):
         a.add("c")

@@ -110,8 +110,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert self.a.sequence(seq).length == L
             event("append refused")
             return False
-        copies = self.a.append(seq, len(tokens), fence)
         s = self.a.sequence(seq)
+        before = {g: len(s.tables[g]) for g in self.layout.group_names}
+        copies = self.a.append(seq, len(tokens), fence)
         ops = [("copy", c) for c in copies]
         if copies:
             event("copy-on-write")
@@ -124,6 +125,15 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert all(t[i] is None for i in range(min(lo, len(t)))), "a dead page was kept"
             bound = self.layout.max_live_pages(g.name, s.length, MAX_APPEND, self.max_rollback)
             assert len(t.pages()) <= bound
+            # each page the append took continues the table's run when the page after the one
+            # before it was free (nothing an append does frees that page after its allocation)
+            free = {p for lo_, hi_ in pool.free_runs() for p in range(lo_, hi_)}
+            fresh = set(range(before[g.name], len(t))) | {L // P for c in copies if c.group == g.name}
+            for i in sorted(fresh):
+                prev = t[i - 1] if i else None
+                if prev is not None:
+                    assert t[i] == prev + 1 or prev + 1 not in free, "the page after a sequence's last was free, not taken"
+                    event("a page continues its run" if t[i] == prev + 1 else "a run breaks")
             for k, tok in enumerate(tokens):
                 page, off = t.locate(L + k)
                 assert pool.refcount[page] == 1 and not pool.is_read_only(page), "a write into a read-only page"

@@ -145,8 +145,10 @@ def attend(
         # product whatever the runs, so the bits do not depend on where pages lie (tested:
         # scattered pages against the identity table). CPU cost at 8 slots, 512-token prompts,
         # scattered pages: decode steps ~24% slower than the contiguous cache of cc1e427 (the
-        # gather's copy; 0.153 vs 0.123 s per step): allocating each sequence's pages as
-        # consecutive runs would remove it.
+        # gather's copy; 0.153 vs 0.123 s per step); the allocator hands a sequence consecutive
+        # pages where it can (state/pages.py), and a decode row over consecutive pages reads
+        # them in place, its partly written last block a run of its own (session 14: 11-16%
+        # faster 8-slot decode steps than gathering them, scripts/paged_decode_bench.py).
         pages = list(range(lo, hi + 1)) if table is None else table[lo : hi + 1].tolist()
         stale = dict(zip(tp.stale_blocks, torch.where(tp.stale, 0.0, v_cache[[pages[i] for i in tp.stale_blocks]])
                          if tp.stale is not None else ()))
@@ -158,7 +160,7 @@ def attend(
                     e += 1
             runs.append((i, e - i, pages[i]))
             i = e
-        if n == 1 and len(runs) > 1:
+        if n == 1 and any(pages[e] != pages[e - 1] + 1 for e in range(1, nb)):
             # one query row over scattered pages: the pass's pages gathered (one copy of K and
             # V, measured cheaper on the CPU than a batched call per run) into one run
             k_src, v_src = k_cache[pages], v_cache[pages]

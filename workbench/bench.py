@@ -3,7 +3,8 @@
 For each concurrency C and repeat, C distinct prompts of `prompt_len` tokens run together for
 `gen` tokens each (EOS ignored). Reported per measurement, in the shape of seed 000's table:
 
-- prefill tok/s: prompt tokens of all slots over the time until the last slot's first token;
+- prefill tok/s: the prompt tokens the run prefilled (less those served from the prefix cache,
+  plus those prefilled again after a preemption) over the time until the last slot's first token;
 - decode tok/s aggregate: tokens produced by pure decode steps over those steps' time, each
   from its start to the next step's start (all the host spends on it), and per stream
   (aggregate / C);
@@ -38,11 +39,8 @@ CORPUS = (
 
 def bench_prompts(model, num: int, prompt_len: int, shared_prefix_len: int = 0) -> list[list[int]]:
     """`num` distinct prompts of exactly `prompt_len` tokens (BOS + text from rotated corpora); with
-    `shared_prefix_len`, each starts with the same that many tokens (a shared system prompt) and
-    differs after it."""
-    if not 0 <= shared_prefix_len < prompt_len:
-        raise WorkbenchError(f"shared prefix of {shared_prefix_len} tokens is out of range: allowed 0..{prompt_len - 1} "
-                             f"(below the prompt length {prompt_len})")
+    `shared_prefix_len` (0 <= it < prompt_len, which `run_bench` checks before any work), each
+    starts with the same that many tokens (a shared system prompt) and differs after it."""
     base = model.tokenize(CORPUS * (2 + 2 * prompt_len // 60), add_bos=False)
     bos = [model.tokenizer.bos_id] if model.tokenizer.bos_id is not None else []
     shared = (bos + base)[:shared_prefix_len] if shared_prefix_len else bos
@@ -94,6 +92,13 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
     dec_tokens = int(dec["decode_rows"].sum()) if dec.height else 0
     dec_s = float(dec["span_s"].sum()) if dec.height else 0.0
     last_first = max(r.first_token_at for r in results)
+    # Prefill tok/s counts the tokens the run prefilled: each prompt's tokens less those served
+    # from the prefix cache, plus those prefilled again after a preemption (recomputation is
+    # prefill work the run did, and its time is in the span). The span ends at the last slot's
+    # first token, so a recomputation after it (a slot preempted once it had its first token)
+    # is counted without its time: a run with preemptions (num_preemptions > 0) may overstate it.
+    prefill_tokens = sum(r.num_prompt_tokens - r.cached_tokens + r.recomputed_tokens for r in results)
+    prefill_s = last_first - t0
     ttfts = [r.ttft_s for r in results]
     paged = "prefix_hit_tokens" in steps.columns and steps["pages_used"].null_count() < steps.height
 
@@ -101,7 +106,9 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
         return int(steps[col].fill_null(0).sum()) if paged else None
     agg = dec_tokens / dec_s if dec_s > 0 else 0.0
     return {
-        "prefill_tok_s": concurrency * prompt_len / (last_first - t0),
+        "prefill_tok_s": prefill_tokens / prefill_s,
+        "prefill_tokens": prefill_tokens,
+        "prefill_s": prefill_s,
         "decode_tok_s_aggregate": agg,
         "decode_tok_s_per_stream": agg / concurrency,
         "ttft_s_mean": statistics.fmean(ttfts),
@@ -115,7 +122,8 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
         "chunk_size_used": int(steps["chunk_size"].max()),
         "paged": paged,
         "prefix_hit_tokens": total("prefix_hit_tokens"),
-        "cached_prompt_tokens": sum(getattr(r, "cached_tokens", 0) or 0 for r in results) if paged else None,
+        "cached_prompt_tokens": sum(r.cached_tokens for r in results) if paged else None,
+        "recomputed_tokens": sum(r.recomputed_tokens for r in results),
         "num_preemptions": total("num_preemptions"),
         "pages_allocated": total("pages_allocated"),
         "pages_used_max": int(steps["pages_used"].max()) if paged else None,
@@ -139,6 +147,8 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
                           kv_pool_tokens=kv_pool_tokens, prefix_cache=prefix_cache)
     # (head_matmul included in triton: EngineConfig keeps the two in step)
     opts = dict(triton=config.triton, kv_pool_tokens=kv_pool_tokens, prefix_cache=prefix_cache)
+    # the one check of the shared prefix's range (bench_prompts relies on it): here, before the
+    # bandwidth probe, the warm-up and the run store, for the CLI and callers alike
     if not 0 <= shared_prefix_len < prompt_len:
         raise WorkbenchError(f"--shared-prefix-len {shared_prefix_len} is out of range: allowed 0..{prompt_len - 1} "
                              f"(below --prompt-len {prompt_len})")

@@ -200,16 +200,21 @@ def read_prompt(text: str | None, path: str | None) -> str:
 
 def cmd_generate(args) -> int:
     prompt = read_prompt(args.prompt, args.prompt_file)  # before the model loads: bad input fails fast
-    if args.model is not None:  # a damaged file is named before torch is imported
-        from pathlib import Path
+    # The file is opened (its header walked once, `check_extents`) before torch is imported, so
+    # a missing, truncated or damaged model is named in one line at once; load_model takes the
+    # open file and does not read the header again.
+    from .gguf_file import GGUFFile
 
-        from .gguf_file import check_extents
+    if args.model is None:
+        from .default_model import default_model_path
 
-        check_extents(Path(args.model))
+        source = GGUFFile.open(default_model_path())
+    else:
+        source = GGUFFile.open(args.model)
     from .engine import Engine, EngineConfig
     from .model import load_model
 
-    model = load_model(args.model, dtype=args.dtype)
+    model = load_model(source, dtype=args.dtype)
     ids = model.tokenize(prompt)
     context = model.config.context_length
     if len(ids) + 1 > context:  # (the scheduler refuses it too, in words that name no model)

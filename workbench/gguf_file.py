@@ -325,7 +325,12 @@ class GGUFFile:
         self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
 
     @classmethod
-    def open(cls, path: str | os.PathLike, use_cache: bool = True) -> "GGUFFile":
+    def open(cls, path: "str | os.PathLike | GGUFFile", use_cache: bool = True) -> "GGUFFile":
+        """The file at `path`, its header checked first (`check_extents`). An open GGUFFile is
+        returned as it is, so a caller that opened the file early (the CLI, to name a damaged
+        file before torch is imported) hands it to `load_model` without a second header walk."""
+        if isinstance(path, GGUFFile):
+            return path
         path = Path(path).expanduser().resolve()
         size, mtime_ns = _check_header(path)
         key = hashlib.sha1(f"{CACHE_FORMAT}|{path}|{size}|{mtime_ns}".encode()).hexdigest()

@@ -325,7 +325,7 @@ def _load_tokenizer(g: GGUFFile):
     return tok
 
 
-def load_model(path: str | Path | None = None, *, dtype: str = "bfloat16") -> Model:
+def load_model(path: str | Path | GGUFFile | None = None, *, dtype: str = "bfloat16") -> Model:
     """Load a GGUF model (the embedded Gemma 3 270M default when `path` is None).
 
     dtype: "bfloat16" (fast CPU path) or "float32" (the path checked against transformers).

@@ -45,8 +45,9 @@ Pending-write protection. Every call that can release pages takes `fence`: the n
 launched step that may still touch this sequence's pages (None when none is in flight).
 Pages whose refcount falls to 0 under a pending fence are quarantined until `retire(step)`.
 
-Allocation is deterministic (lowest free id, then LRU eviction), so the same calls give the
-same page ids. Plain Python: no torch.
+Allocation is deterministic, so the same calls give the same page ids, and keeps each table's
+pages consecutive where it can (pages.py: a sequence's next page is the one after its last,
+a first page goes where the sequence has room to grow, then LRU eviction). Plain Python: no torch.
 """
 
 from __future__ import annotations
@@ -231,12 +232,13 @@ class PageAllocator:
             table = seq.tables[name]
             for page in table.drop_below(plan.drops[name]):
                 pool.decref(page, fence)
-            if plan.cow[name]:
-                dst = pool.allocate()
+            new = self.layout.num_pages(L + n) - len(table)
+            if plan.cow[name]:  # (the page of L is the table's last: its copy continues the one before)
+                dst = pool.allocate(after=table[L // P - 1] if L // P else None, want=1 + new)
                 old.append((pool, table.replace(L // P, dst)))
                 copies.append(PageCopy(name, old[-1][1], dst, L % P))
-            for _ in range(self.layout.num_pages(L + n) - len(table)):
-                table.append(pool.allocate())
+            for k in range(new):
+                table.append(pool.allocate(after=table[-1] if len(table) else None, want=new - k))
         for pool, page in old:  # after allocating, so the copy source cannot be reused here
             pool.decref(page, fence)
         seq.length = L + n
@@ -336,7 +338,7 @@ class PageAllocator:
             for page in entries[lo:]:
                 pool.incref(page)
             if rest:
-                entries.append(pool.allocate())
+                entries.append(pool.allocate(after=entries[-1] if entries else None))
                 copies.append(PageCopy(name, src[full], entries[-1], rest))
             tables[name] = BlockTable(P, entries)
         tokens = parent.token_ids[:num_tokens]

@@ -1,8 +1,8 @@
-"""PagePool: the page ids of one KV group, their refcounts, the free list and the quarantine.
+"""PagePool: the page ids of one KV group, their refcounts, the free runs and the quarantine.
 
 A page is in exactly one of four states:
 
-* free: no holder, no hash; on the free list;
+* free: no holder, no hash; in a free run;
 * used: refcount > 0 (held by that many block-table entries; shared when > 1);
 * cached: refcount 0 but hashed, so a prefix hit can take it back; evictable, LRU first;
 * quarantined: refcount 0, released under a fence that is not retired yet (fences.py).
@@ -11,9 +11,23 @@ Invariant: free + used + cached + quarantined == num_pages, and the four sets ar
 A page is read-only when it is shared (refcount > 1) or hashed; `PageAllocator` copies it
 before writing (copy-on-write), it never writes one in place.
 
-Allocation is deterministic: the lowest free page id first, then the least recently used
-cached page is evicted (its hash dropped). A heap gives the lowest id in O(log n); the
-order does not affect any result, only reproducibility of the page ids.
+Allocation prefers consecutive page ids, and is deterministic. The CPU attention
+(attention.py) reads a run of consecutive pages as one view of the pool and gathers (copies)
+scattered ones, so a sequence's pages should lie in as few runs as possible; which ids a page
+gets never changes a result, only that copy and the reproducibility of the ids. The free pages
+are kept as maximal runs of consecutive ids (`FreeRuns`):
+
+* a sequence's next page is the page right after its last one, when that page is free;
+* otherwise (its first page, or the next one is taken) it starts a run where it has the most
+  room to grow: in the largest free run (the lowest such on ties), at its start when it begins
+  at page 0 (nothing precedes it), else halfway along, leaving the first half to whatever
+  sequence ends just before it (concurrent sequences each grow into pages of their own, as in
+  a file system that spreads new files); a run of several pages that fits is placed whole;
+* with no free page, the least recently used cached page is evicted (its hash dropped).
+
+Cost per page: O(log r) amortised, r the number of free runs (a heap of runs by length with
+stale entries skipped and rebuilt when they outnumber the live ones; dicts by start and end).
+No operation scans the pool.
 
 Each KV group has its own pool (see allocator.py for why). Plain Python: no torch.
 """
@@ -55,6 +69,89 @@ class GroupStats:
     num_evicted: int  # cached pages evicted since the previous read
 
 
+class FreeRuns:
+    """The free page ids of a pool as maximal runs [start, end) of consecutive ids.
+
+    Two runs never touch (a freed page merges with its neighbours). `_largest` is a heap of
+    (-length, start); an entry is stale once its run changed, and is dropped when it surfaces."""
+
+    def __init__(self, num_pages: int):
+        self.num_free = num_pages
+        self._end = {0: num_pages}  # start -> end of each run
+        self._start = {num_pages: 0}  # end -> start
+        self._largest = [(-num_pages, 0)]
+
+    def runs(self) -> list[tuple[int, int]]:
+        """(start, end) of every run, lowest first."""
+        return sorted(self._end.items())
+
+    def starts_at(self, page: int) -> bool:
+        """Whether a run starts at `page`: the page is free and the one before it is not."""
+        return page in self._end
+
+    def take(self, page: int) -> None:
+        """Take the first page of a run (`starts_at(page)`)."""
+        self._split(page, page)
+
+    def place(self, want: int) -> int:
+        """Take the first page of a new run with room for `want` pages where one fits (see
+        the module docstring); the pages after it stay free, for the caller to `take` next."""
+        start, n = self._peek()
+        page = start if start == 0 else start + max(0, min(n // 2, n - want))
+        self._split(start, page)
+        return page
+
+    def give(self, page: int) -> None:
+        """A page becomes free: it joins the run that ends at it and the one that starts after it."""
+        start, end = page, page + 1
+        if page in self._start:
+            start = self._start.pop(page)
+            del self._end[start]
+        if end in self._end:
+            end = self._end.pop(page + 1)
+            del self._start[end]
+        self._add(start, end)
+        self.num_free += 1
+        self._tidy()
+
+    def _split(self, start: int, page: int) -> None:
+        end = self._end.pop(start)
+        del self._start[end]
+        if start < page:
+            self._add(start, page)
+        if page + 1 < end:
+            self._add(page + 1, end)
+        self.num_free -= 1
+        self._tidy()
+
+    def _add(self, start: int, end: int) -> None:
+        self._end[start], self._start[end] = end, start
+        heapq.heappush(self._largest, (start - end, start))
+
+    def _tidy(self) -> None:
+        # mostly stale: rebuilt in O(runs), which the more than `runs` pushes or takes since the
+        # last rebuild pay for (amortised O(1) each)
+        if len(self._largest) > 2 * len(self._end) + 16:
+            self._largest = [(s - e, s) for s, e in self._end.items()]
+            heapq.heapify(self._largest)
+
+    def _peek(self) -> tuple[int, int]:
+        """(start, length) of the largest run, the lowest on ties."""
+        while True:
+            neg, start = self._largest[0]
+            if self._end.get(start) == start - neg:
+                return start, -neg
+            heapq.heappop(self._largest)
+
+    def check(self) -> None:
+        runs = self.runs()
+        assert all(s < e for s, e in runs), "an empty run"
+        assert all(e1 < s2 for (_, e1), (s2, _) in zip(runs, runs[1:])), "free runs overlap or touch"
+        assert self._start == {e: s for s, e in runs}, "the run maps disagree"
+        assert sum(e - s for s, e in runs) == self.num_free, "the free count drifted"
+        assert set(self._largest) >= {(s - e, s) for s, e in runs}, "a run is missing from the heap"
+
+
 class PagePool:
     def __init__(self, name: str, num_pages: int):
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
@@ -62,7 +159,7 @@ class PagePool:
         self.name = name
         self.num_pages = num_pages
         self.refcount = [0] * num_pages
-        self._free = list(range(num_pages))  # a heap (sorted is a valid heap)
+        self._free = FreeRuns(num_pages)
         self.cache = PrefixCache()
         self.quarantine = Quarantine()
         self._num_used = 0
@@ -72,7 +169,7 @@ class PagePool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._free.num_free
 
     @property
     def num_used(self) -> int:
@@ -89,7 +186,11 @@ class PagePool:
     @property
     def num_available(self) -> int:
         """Pages an allocation can take now: free ones, then evictable cached ones."""
-        return len(self._free) + self.cache.num_evictable
+        return self._free.num_free + self.cache.num_evictable
+
+    def free_runs(self) -> list[tuple[int, int]]:
+        """The free pages as runs [start, end) of consecutive ids, lowest first."""
+        return self._free.runs()
 
     def is_read_only(self, page: int) -> bool:
         return self.refcount[page] > 1 or self.cache.hash_of(page) is not None
@@ -103,10 +204,16 @@ class PagePool:
     def can_allocate(self, n: int = 1) -> bool:
         return self.num_available >= n
 
-    def allocate(self) -> int:
-        """A blank page with refcount 1: the lowest free id, else the LRU cached page."""
-        if self._free:
-            page = heapq.heappop(self._free)
+    def allocate(self, after: int | None = None, want: int = 1) -> int:
+        """A blank page with refcount 1: the page right after `after` (the last page the
+        caller's sequence holds) when it is free, else the first page of a new run with room
+        for `want` pages (the caller's pages still to come, this one included), else the LRU
+        cached page."""
+        if after is not None and self._free.starts_at(after + 1):
+            page = after + 1
+            self._free.take(page)
+        elif self._free.num_free:
+            page = self._free.place(want)
         else:
             page = self.cache.evict()
             if page is None:
@@ -152,7 +259,7 @@ class PagePool:
         if self.cache.hash_of(page) is not None:
             self.cache.make_evictable(page)
         else:
-            heapq.heappush(self._free, page)
+            self._free.give(page)
 
     # -- telemetry and checks ---------------------------------------------------------------
 
@@ -165,9 +272,11 @@ class PagePool:
 
     def check(self) -> None:
         """Assert the pool's invariants (tests call this after every operation)."""
-        free, cached, quarantined = set(self._free), set(self.cache.evictable()), set(self.quarantine.items())
+        self._free.check()
+        free = {p for s, e in self.free_runs() for p in range(s, e)}
+        cached, quarantined = set(self.cache.evictable()), set(self.quarantine.items())
         used = {p for p, r in enumerate(self.refcount) if r > 0}
-        assert len(free) == len(self._free), "a page is on the free list twice"
+        assert all(0 <= p < self.num_pages for p in free), "a free page id is out of range"
         assert len(quarantined) == self.num_quarantined, "a page is quarantined twice"
         assert used == {p for p in range(self.num_pages) if self.refcount[p] > 0}
         assert len(used) == self._num_used, "the used count drifted"
