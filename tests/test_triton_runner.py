@@ -3,6 +3,11 @@
 On a machine without CUDA the kernels run under TRITON_INTERPRET=1 (set by tests/conftest.py
 before triton is imported): slow but exact, so the models are tiny. On a CUDA machine the same
 tests run natively (tl.dot forms, CUDA graphs for decode steps).
+
+The runner is paged: its KV lives in pages allocated once, and every segment names its pages.
+Tests that call `runner.run` themselves get pool and tables from a `DirectPages` (one per
+runner: the scheduler's page bookkeeping without the scheduler); `TritonOptions(page_size=64)`
+where a test should cross pages in a short prompt.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from workbench.engine_config import ConfigError
 from workbench.errors import WorkbenchError
 from workbench.model import Segment as ModelSegment
 from workbench.runners import triton_layers
+from workbench.runners.direct_pages import DirectPages
 from workbench.runners.triton_options import TritonOptions
 from workbench.runners.triton_runner import TritonRunner
 from workbench.scheduler import Segment
@@ -45,21 +51,35 @@ def _config(dtype: str, concurrency: int, graphs, chunk_size: int | None = None,
                         max_context=64, memory_budget_bytes=1 << 30, triton=TritonOptions(graphs=graphs, **options))
 
 
-def _solo(r, a, n):
-    """Slot 0 prefilled with a[:n], then one decode step (a[n]): logits [2, vocab]."""
-    got = [r.run([Segment(0, "a", tuple(a[:n]), 0, True)], {0: 64})[0]]
-    got.append(r.run([Segment(0, "a", (a[n],), n, True)], {0: 64})[0])
+def _solo(r, pages, a, n):
+    """Sequence "a" in slot 0 prefilled with a[:n], then one decode step (a[n]): logits [2, vocab]."""
+    got = [r.run([pages.segment(0, "a", a[:n], 0)], {0: 64})[0]]
+    got.append(r.run([pages.segment(0, "a", (a[n],), n)], {0: 64})[0])
     return torch.stack(got)
 
 
-def _assert_batched_is_solo(r, a, b, n, solo):
-    """The same two forwards for a new request in slot 0, batched with slot 1's prefill of b[:-1]
-    and its decode step b[-1]: slot 0's logits bitwise ``solo``."""
+def _assert_batched_is_solo(r, pages, a, b, n, solo):
+    """The same two forwards for a new sequence "a2" in slot 0, batched with slot 1's prefill of
+    b[:-1] and its decode step b[-1]: slot 0's logits bitwise ``solo``. "a" is freed first, so
+    that its page, a's KV still in it, is reused by one of them (2 pages per group)."""
+    pages.free("a")
     k = len(b) - 1
-    o = r.run([Segment(1, "b", tuple(b[:k]), 0, True), Segment(0, "a2", tuple(a[:n]), 0, True)], {0: 64, 1: 64})
+    o = r.run([pages.segment(1, "b", b[:k], 0), pages.segment(0, "a2", a[:n], 0)], {0: 64, 1: 64})
     assert torch.equal(o[0], solo[0])
-    o = r.run([Segment(0, "a2", (a[n],), n, True), Segment(1, "b", (b[k],), k, True)], {0: 64, 1: 64})
+    o = r.run([pages.segment(0, "a2", (a[n],), n), pages.segment(1, "b", (b[k],), k)], {0: 64, 1: 64})
     assert torch.equal(o[0], solo[1])
+
+
+def _unowned_pages_untouched(r, pages) -> None:
+    """After forwards on a pool poisoned with NaN (`DevicePages.poison`), where no page that a
+    forward wrote has been freed since: every page no sequence holds is still NaN in every layer,
+    K and V (the forwards wrote only their own pages). The scratch page is not an allocator page
+    (graph padding rows write it)."""
+    for g, pool in pages.allocator.pools.items():
+        free = [p for p in range(pool.num_pages) if pool.refcount[p] == 0]
+        assert free, f"group {g}: every page is held, so nothing is checked"
+        for t in (r.kv.k[g], r.kv.v[g]):
+            assert torch.isnan(t[:, free]).all(), g
 
 
 @pytest.mark.parametrize("arch,weight_type", [("gemma3", "Q8_0"), ("llama", "Q5_0")])
@@ -70,21 +90,25 @@ def test_logits_close_to_torch(tiny_model, arch, weight_type):
     r = TritonRunner(m, 256)
     gen = torch.Generator().manual_seed(1)
     toks = torch.randint(0, m.config.vocab_size, (20,), generator=gen).tolist()
+    with pytest.raises(RuntimeError, match="the KV pool is not allocated: call init_kv_pool first"):
+        r.run([Segment(3, "a", tuple(toks[:7]), 0, False)], {3: 64})
+    pages = DirectPages(r, tokens_per_group=256)
+    r.kv.poison()  # (the forwards write every position they read)
     st = m.new_state(256)
     ctx = {3: 64}
     # chunk 1 (not sampled), chunk 2 (sampled), then decode
-    assert r.run([Segment(3, "a", tuple(toks[:7]), 0, False)], ctx) == {}
+    assert r.run([pages.segment(3, "a", toks[:7], 0, samples=False)], ctx) == {}
     m.forward([ModelSegment(st, toks[:7], "none")])
-    got = r.run([Segment(3, "a", tuple(toks[7:13]), 7, True)], ctx)[3]
+    got = r.run([pages.segment(3, "a", toks[7:13], 7)], ctx)[3]
     ref = m.forward([ModelSegment(st, toks[7:13], "last")])[0][0]
     assert got.dtype == torch.float32 and got.shape == (m.config.vocab_size,)
     assert _rel(got, ref) < 1e-4
     for i in range(13, 18):
-        got = r.run([Segment(3, "a", (toks[i],), i, True)], ctx)[3]
+        got = r.run([pages.segment(3, "a", (toks[i],), i)], ctx)[3]
         ref = m.forward([ModelSegment(st, [toks[i]], "last")])[0][0]
         assert _rel(got, ref) < 1e-4, i
-    with pytest.raises(RuntimeError, match="KV holds"):
-        r.run([Segment(3, "a", (toks[0],), 5, True)], ctx)
+    with pytest.raises(RuntimeError, match="slot 3: a segment without block tables"):
+        r.run([Segment(3, "a", (toks[18],), 18, True)], ctx)
 
 
 def test_options_are_validated_and_reach_the_runner(tiny_model):
@@ -159,7 +183,7 @@ def test_engine_config_picks_the_head_form(tiny_model):
 def test_engine_batched_equals_solo(tiny_model, temperature):
     """Three slots (mixed prefill chunks + decode rows in one forward; prompts crossing the
     window) give bitwise the tokens and logits of each request run alone. The batched engine
-    takes the graph path (3 rows padded to a bucket of 4, the pad row writing the scratch slot:
+    takes the graph path (3 rows padded to a bucket of 4, the pad row writing the scratch page:
     real CUDA graphs on a GPU, the same path replayed eagerly on the CPU); solo runs plain."""
     m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
     prompts = _prompts(m, 2, 3, 11, 6)
@@ -185,21 +209,72 @@ def test_engine_batched_equals_solo(tiny_model, temperature):
 def test_decode_loop_matches_engine_steps(tiny_model, history):
     """The benchmark fast path (graph replays, greedy tokens fed back on the device) gives the
     tokens of step-by-step runs, kept in the graph's record (graph_history: gathered in chunks of
-    that many steps, here 4 steps as 3 + 1)."""
+    that many steps, here 4 steps as 3 + 1); the loop runs on 64-position pages, the eager steps
+    it is compared with on 256-position pages. A decode segment whose tables do not cover the
+    steps is refused, and so is the loop without graphs."""
     m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
     prompts = _prompts(m, 3, 5, 9)
-    a = TritonRunner(m, 256, TritonOptions(graphs=GRAPHS, graph_history=history))
+    a = TritonRunner(m, 256, TritonOptions(graphs=GRAPHS, graph_history=history, page_size=64))
     b = TritonRunner(m, 256, TritonOptions(graphs=False))
+    pa, pb = DirectPages(a, tokens_per_group=2 * 64), DirectPages(b, tokens_per_group=2 * 256)
     first, want = [], []
     for sl, p in enumerate(prompts):
-        first.append(int(a.run([Segment(sl, sl, tuple(p), 0, True)], {sl: 32})[sl].argmax()))
-        t = [int(b.run([Segment(sl, sl, tuple(p), 0, True)], {sl: 32})[sl].argmax())]
+        first.append(int(a.run([pa.segment(sl, sl, p, 0)], {sl: 32})[sl].argmax()))
+        t = [int(b.run([pb.segment(sl, sl, p, 0)], {sl: 32})[sl].argmax())]
         for i in range(4):
-            t.append(int(b.run([Segment(sl, sl, (t[-1],), len(p) + i, True)], {sl: 32})[sl].argmax()))
+            t.append(int(b.run([pb.segment(sl, sl, (t[-1],), len(p) + i)], {sl: 32})[sl].argmax()))
         want.append(t[1:])
-    hist = a.decode_loop([0, 1], first, 4)
+    segs = [pa.segment(sl, sl, (first[sl],), len(p), reserve=4) for sl, p in enumerate(prompts)]
+    with pytest.raises(WorkbenchError, match="slot 1: its block tables do not cover 56 steps from position 9"):
+        a.decode_loop(segs, 56)  # (one 64-position page each: slot 0 fits 5 + 56, slot 1 not 9 + 56)
+    with pytest.raises(WorkbenchError, match="decode_loop needs CUDA graphs"):
+        b.decode_loop([], 4)
+    hist = a.decode_loop(segs, 4)
     assert hist.T.tolist() == want
     assert a.launches > 0 and a.graphs.record.shape[1] == history
+
+
+def test_scattered_pages_are_bitwise_consecutive_pages(tiny_model):
+    """A sequence whose pages are scattered (other sequences hold pages, then free some, so
+    that its pages come out non-consecutive and out of order between pages others hold) gives
+    bitwise the logits of the same sequence on consecutive pages: 64-position pages, a prompt
+    over two pages prefilled in two chunks and a two-row segment (the eager path), two decode
+    steps between them (the graph path). Llama: one global group, so every row reads all its
+    keys through the table. Each pool is poisoned with NaN, so a read of a page the sequence
+    does not hold would show; pages nobody holds stay untouched."""
+    m = tiny_model("llama", "float32", "Q8_0")
+    P = 64
+    n = P + 2  # the prompt: positions 0..65, its logical pages 0 and 1
+    toks = _tokens(m, 41, n + 4)[0]
+
+    def run(scatter: bool):
+        r = TritonRunner(m, 4 * P, TritonOptions(graphs=GRAPHS, page_size=P))
+        pages = DirectPages(r, tokens_per_group=6 * P)
+        r.kv.poison()
+        # scattered: every page held by a one-token sequence (never run), so that freeing the
+        # one on page 3 (then 1) leaves it the only free page, the next page of "x"
+        owner = {pages.segment(0, f"f{i}", (1,), 0).block_tables["global"][0]: f"f{i}"
+                 for i in range(6 if scatter else 0)}
+        release = (lambda page: pages.free(owner[page])) if scatter else (lambda page: None)
+        ctx = {0: 4 * P}
+        release(3)
+        assert r.run([pages.segment(0, "x", toks[:P], 0, samples=False)], ctx) == {}
+        release(1)
+        out = [r.run([pages.segment(0, "x", toks[P:n], P)], ctx)[0]]
+        out += [r.run([pages.segment(0, "x", (toks[i],), i)], ctx)[0] for i in (n, n + 1)]
+        seg = pages.segment(0, "x", toks[n + 2 : n + 4], n + 2)
+        out.append(r.run([seg], ctx)[0])
+        assert [b for b, _ in r.graphs.keys] == [1]  # (the decode steps took the graph path, 1 row)
+        release(0)
+        release(5)
+        _unowned_pages_untouched(r, pages)
+        return torch.stack(out), seg.block_tables["global"]
+
+    got, scattered = run(True)
+    want, consecutive = run(False)
+    assert scattered == (3, 1) and consecutive[1] == consecutive[0] + 1
+    assert torch.isfinite(want).all()
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("head", ["dense", "q8i8"])
@@ -213,8 +288,10 @@ def test_argmax_in_head_gives_the_same_tokens(tiny_model, monkeypatch, head):
 
     def decode(**kw):
         r = TritonRunner(m, 256, TritonOptions(graphs=GRAPHS, head_matmul=head, **kw))
-        first = [int(r.run([Segment(sl, sl, tuple(p), 0, True)], {sl: 32})[sl].argmax()) for sl, p in enumerate((a, b))]
-        return r.decode_loop([0, 1], first, 4).tolist(), r.launches, r.graphs.logits[:2].clone()
+        pages = DirectPages(r, tokens_per_group=2 * 256)
+        first = [int(r.run([pages.segment(sl, sl, p, 0)], {sl: 32})[sl].argmax()) for sl, p in enumerate((a, b))]
+        segs = [pages.segment(sl, sl, (t,), len(p), reserve=4) for sl, (p, t) in enumerate(zip((a, b), first))]
+        return r.decode_loop(segs, 4).tolist(), r.launches, r.graphs.logits[:2].clone()
 
     got = {on: decode(argmax_in_head=on) for on in (False, True)}
     assert got[True][0] == got[False][0]
@@ -292,12 +369,13 @@ def test_run_ahead_is_exact_and_used(tiny_model):
     runs = []
     for ahead in (True, False):
         r = TritonRunner(m, 64, TritonOptions(graphs=GRAPHS))
+        pages = DirectPages(r, tokens_per_group=2 * 256)
         ctx = {0: 32, 1: 32}
-        r.run([Segment(0, "a", tuple(a), 0, True), Segment(1, "b", tuple(b), 0, True)], ctx)
-        step = [Segment(0, "a", (7,), len(a), True), Segment(1, "b", (8,), len(b), True)]
+        r.run([pages.segment(0, "a", a, 0), pages.segment(1, "b", b, 0)], ctx)
+        step = [pages.segment(0, "a", (7,), len(a)), pages.segment(1, "b", (8,), len(b))]
         toks = r.run(step, ctx, argmax=frozenset({0, 1}), ahead=ahead)
         other = (toks[0] + 1) % m.config.vocab_size  # (not the token the early launch took)
-        runs.append(r.run([Segment(0, "a", (other,), len(a) + 1, True), Segment(1, "b", (toks[1],), len(b) + 1, True)],
+        runs.append(r.run([pages.segment(0, "a", (other,), len(a) + 1), pages.segment(1, "b", (toks[1],), len(b) + 1)],
                           ctx))
         assert r.graphs.ahead_launched == int(ahead) and r.graphs.ahead_used == 0
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
@@ -313,8 +391,9 @@ def test_folded_launches_are_bitwise_the_separate_ones(tiny_model, option):
     outs = []
     for fuse in (True, False):
         r = TritonRunner(m, 256, TritonOptions(graphs=False, **{option: fuse}))
-        got = [r.run([Segment(0, "a", tuple(toks[:12]), 0, True)], {0: 64})[0]]
-        got += [r.run([Segment(0, "a", (toks[i],), i, True)], {0: 64})[0] for i in (12, 13)]
+        pages = DirectPages(r, tokens_per_group=256)
+        got = [r.run([pages.segment(0, "a", toks[:12], 0)], {0: 64})[0]]
+        got += [r.run([pages.segment(0, "a", (toks[i],), i)], {0: 64})[0] for i in (12, 13)]
         outs.append(torch.stack(got))
         outs.append(r.launches)
     assert torch.equal(outs[0], outs[2])
@@ -338,14 +417,15 @@ def test_head_forms_are_close_and_invariant(tiny_model, dtype):
     runs = {}
     for head in ("dense", "q8i8"):
         r = TritonRunner(m, 256, TritonOptions(graphs=False, layer_forms={}, head_matmul=head))
-        runs[head] = (_solo(r, a, 10), r.launches, r)
+        pages = DirectPages(r, tokens_per_group=2 * 256)
+        runs[head] = (_solo(r, pages, a, 10), r.launches, r, pages)
     w = {h: runs[h][2].head.parts[0][1] for h in runs}
     assert w["dense"].form == "dense" and w["dense"].packed is None
     assert w["q8i8"].form == "q8i8" and w["q8i8"].dense is None and runs["q8i8"][1] == runs["dense"][1] + 1
     y, ref = runs["q8i8"][0], runs["dense"][0]
     assert (y - ref).abs().max() < 0.02 * ref.abs().max() and not torch.equal(y, ref)
     for head in runs:
-        _assert_batched_is_solo(runs[head][2], a, b, 10, runs[head][0])
+        _assert_batched_is_solo(runs[head][2], runs[head][3], a, b, 10, runs[head][0])
 
 
 def test_cublas_variant_shares_the_dense_head(tiny_model):
@@ -353,12 +433,13 @@ def test_cublas_variant_shares_the_dense_head(tiny_model):
     tensor instead of a second copy, and its logits are close to the invariant runner's."""
     m = tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW)
     toks = (3, 9, 4, 17, 5)
-    ref = TritonRunner(m, 64, TritonOptions(graphs=False)).run([Segment(0, "a", toks, 0, True)], {0: 32})[0]
+    base = TritonRunner(m, 64, TritonOptions(graphs=False))
+    ref = base.run([DirectPages(base, tokens_per_group=256).segment(0, "a", toks, 0)], {0: 32})[0]
     r = TritonRunner(m, 64, TritonOptions(graphs=False, products="cublas_bf16"))
     assert r.head_matmul == "dense"  # (the default int8 head is the quantized products')
     assert r.head.dense is r.head.parts[0][1].dense
     assert r.batch_verdict(None)[0] is False  # not batch-invariant: never batched for exactness
-    got = r.run([Segment(0, "a", toks, 0, True)], {0: 32})[0]
+    got = r.run([DirectPages(r, tokens_per_group=256).segment(0, "a", toks, 0)], {0: 32})[0]
     torch.testing.assert_close(got.float(), ref.float(), rtol=5e-2, atol=5e-2)
 
 
@@ -372,31 +453,40 @@ def test_pair_launch_fuses_a_mixed_format_qkv(tiny_model):
     for pair in (False, True):
         r = TritonRunner(m, 256, TritonOptions(graphs=False, pair_launch=pair))
         assert [w.form for _, w in r.layers[0].qkv.parts] == ["mma", "gemv"]
-        runs[pair] = (_solo(r, a, 8), r.launches, r)
+        pages = DirectPages(r, tokens_per_group=2 * 256)
+        runs[pair] = (_solo(r, pages, a, 8), r.launches, r, pages)
     assert runs[False][1] - runs[True][1] == m.config.n_layers
     if runs[True][0].device.type == "cpu":
         assert torch.equal(runs[True][0], runs[False][0])
-    _assert_batched_is_solo(runs[True][2], a, b, 8, runs[True][0])
+    _assert_batched_is_solo(runs[True][2], runs[True][3], a, b, 8, runs[True][0])
 
 
 def test_rope_in_attention_is_bitwise_the_separate_kernel(tiny_model):
     """rope_in_attention: in graphed decode steps QK-norm + rope + the KV write run inside the
     attention launch (one launch fewer per layer); prefill and mixed steps keep the separate
     kernel, so the two forms must agree bitwise: decode logits equal with it on and off, and
-    through Engine (chunked prefill mixed with decode rows) batched equals solo, tokens and logits."""
+    through Engine (chunked prefill mixed with decode rows) batched equals solo, tokens and logits.
+    The 3 decode rows are padded to a graph bucket of 4: on a pool poisoned with NaN, the pad row
+    writes the scratch page (position 0) and no page that no sequence holds."""
     m = tiny_model("gemma3", "bfloat16", "Q8_0", sliding_window=WINDOW)
     prompts = _prompts(m, 31, 6, 11, 3)
     got = {}
     for on in (False, True):
         r = TritonRunner(m, 256, TritonOptions(graphs=GRAPHS, rope_in_attention=on))
-        toks = [int(r.run([Segment(sl, sl, tuple(p), 0, True)], {sl: 64})[sl].argmax()) for sl, p in enumerate(prompts)]
+        pages = DirectPages(r, tokens_per_group=5 * 256)  # (3 sequences of one page, 2 pages spare)
+        r.kv.poison()
+        toks = [int(r.run([pages.segment(sl, sl, p, 0)], {sl: 64})[sl].argmax()) for sl, p in enumerate(prompts)]
         steps = []
         for i in range(3):
-            o = r.run([Segment(sl, sl, (toks[sl],), len(p) + i, True) for sl, p in enumerate(prompts)],
+            o = r.run([pages.segment(sl, sl, (toks[sl],), len(p) + i) for sl, p in enumerate(prompts)],
                       {sl: 64 for sl in range(3)})
             steps.append(torch.stack([o[sl] for sl in range(3)]))
             toks = [int(o[sl].argmax()) for sl in range(3)]
         got[on] = (torch.stack(steps), r.launches)
+        assert torch.isfinite(got[on][0]).all()
+        _unowned_pages_untouched(r, pages)
+        for g in r.kv.groups:
+            assert torch.isfinite(r.kv.k[g][:, r.kv.scratch(g), 0]).all(), g  # (the pad row's KV)
     assert torch.equal(got[True][0], got[False][0])
     assert got[False][1] - got[True][1] == m.config.n_layers
     kw = dict(max_tokens=5, ignore_eos=True)
@@ -420,14 +510,15 @@ def test_per_format_k_slices_are_invariant(tiny_model, monkeypatch):
                    tensor_types=(("attn_v.weight", "Q8_0"), ("ffn_down.weight", "Q8_0")))
     a, b = _tokens(m, 23, 9, 6)
     base = TritonRunner(m, 256, TritonOptions(graphs=False))
-    want = _solo(base, a, 8)
+    want = _solo(base, DirectPages(base, tokens_per_group=256), a, 8)
     monkeypatch.setattr(qm, "QMATMUL_FORMAT_SPLIT_K", {"Q5_0": 64})
     r = TritonRunner(m, 256, TritonOptions(graphs=False))
+    pages = DirectPages(r, tokens_per_group=2 * 256)
     L, L0 = r.layers[0], base.layers[0]
     c = m.config
     assert (L.qkv.splits, L.gate_up.splits, L.down.splits) == (c.n_embd // 64, c.n_embd // 64, L0.down.splits)
     assert {w.packed.slice_k for _, w in L.qkv.parts} == {64}
-    got = _solo(r, a, 8)
+    got = _solo(r, pages, a, 8)
     assert r.launches == base.launches
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-    _assert_batched_is_solo(r, a, b, 8, got)
+    _assert_batched_is_solo(r, pages, a, b, 8, got)

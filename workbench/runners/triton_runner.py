@@ -271,7 +271,7 @@ class TritonRunner:
     def decode_loop(self, forward: Sequence[Segment], steps: int) -> torch.Tensor:
         """Greedy decode `steps` tokens for the decode rows `forward` (each slot already
         prefilled: a segment of its next input token at its next position, whose block tables
-        already cover `steps` positions from there, e.g. from `workbench.state.DirectPages`) by
+        already cover `steps` positions from there, e.g. from `runners.direct_pages.DirectPages`) by
         chained graph replays, the tokens fed back on the device. Returns int64 [steps,
         len(forward)] on the device. CUDA graphs only."""
         if self.graphs is None:
