@@ -341,10 +341,10 @@ def register_cli(sub) -> None:
                         "booleans true/false, layer_forms as Q8_0:gemv+Q4_K:mma (default: the measured best, "
                         "docs/GPU_NOTES.md)")
     p.add_argument("--kv-pool-tokens", type=int_range(1), default=None, metavar="N",
-                   help="paged runners (torch): positions each KV group's page pool holds "
-                        "(default: what the memory budget allows)")
+                   help="positions each global KV group's page pool holds (a sliding group's: what every "
+                        "slot's window spans; default: what the memory budget allows)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                   help="paged runners (torch): no prefix cache across requests")
+                   help="no prefix cache across requests")
     p.add_argument("--shared-prefix-len", type=int_range(0), default=0, metavar="N",
                    help="every prompt starts with the same N tokens (a shared system prompt); one request "
                         "with it runs alone first, and its TTFT is recorded as ttft_s_cold (0: no shared prefix)")

@@ -33,8 +33,9 @@ class EngineConfig:
     backend: str = "torch"  # or "triton"
     dtype: str | None = None  # None: the loaded model's precision; else it must match it
     max_batch_rows: int = 64  # most decode rows in one batched group
-    # paged runners only (the torch runner): positions each KV group's page pool holds
-    # (None: what the memory budget allows, at most max_concurrency full contexts)
+    # positions each global KV group's page pool holds; a sliding group's holds what every slot's
+    # window spans plus a chunk (None: what the memory budget allows, at most max_concurrency
+    # full contexts; workbench/memory.py)
     kv_pool_tokens: int | None = None
     prefix_cache: bool = True  # paged runners: share full prompt pages across requests
     # paged runners: a request is admitted when its prompt plus this many positions of pages are free
