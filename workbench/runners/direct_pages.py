@@ -55,6 +55,13 @@ class DirectPages:
         tables = {g: tuple(alloc.block_table(rid, g).ids()) for g in alloc.layout.group_names}
         return Segment(slot, rid, tuple(int(t) for t in token_ids), start_pos, samples, tables, tuple(copies))
 
+    def fork(self, parent: Hashable, child: Hashable, num_tokens: int) -> tuple:
+        """A new sequence `child` sharing `parent`'s first `num_tokens` positions
+        (`PageAllocator.fork`); returns the copies its first segment must carry."""
+        copies = self.allocator.fork(parent, child, num_tokens)
+        self._held[child] = num_tokens
+        return tuple(copies)
+
     def free(self, rid: Hashable) -> None:
         self.allocator.free(rid)
         self._held.pop(rid, None)
