@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 import workbench
 from workbench.errors import WorkbenchError
 
+from engine_drive import serve_arrivals
+
 
 def _engine(model, n=4, **kw):
     return workbench.Engine(model, workbench.EngineConfig(max_concurrency=n, dtype=model.dtype_name, **kw), keep_logits=True)
@@ -172,17 +174,11 @@ def test_soak_random_arrivals_and_cancels(tiny_model, data):
     specs = [(data.draw(st.integers(1, 90)), data.draw(st.integers(1, 6)), data.draw(st.integers(0, 10**6))) for _ in range(n_req)]
     arrive = [data.draw(st.integers(0, 6)) for _ in range(n_req)]
     cancel_at = [data.draw(st.one_of(st.none(), st.integers(0, 10))) for _ in range(n_req)]
-    handles = {}
-    for step in range(40):
-        for i, (n, mt, seed) in enumerate(specs):
-            if arrive[i] == step:
-                handles[i] = e.submit(_prompt(n, seed), max_tokens=mt, ignore_eos=True)
-            if cancel_at[i] == step and i in handles and not handles[i].done:
-                handles[i].cancel()
-        e.step()
-        if step > max(arrive) and not e.scheduler.has_work():
-            break
-    e.run_until_done()
+    def submit(i):
+        n, mt, seed = specs[i]
+        return e.submit(_prompt(n, seed), max_tokens=mt, ignore_eos=True)
+
+    handles = serve_arrivals(e, submit, arrive, cancel_at, 40)
     for i, h in handles.items():
         r = h.result()
         if r.finish_reason == "cancelled":

@@ -18,6 +18,8 @@ from workbench.errors import WorkbenchError
 from workbench.model import Segment
 from workbench.sampling import SamplingParams, make_generator, sample
 
+from engine_drive import serve_arrivals
+
 
 def _ids(n, seed, vocab=390):
     rnd = random.Random(seed)
@@ -190,22 +192,15 @@ def test_soak_arrivals_cancels_preemptions_and_hits(tiny_model, data):
         specs.append((prompt, data.draw(st.integers(1, 160)), data.draw(st.sampled_from([0.0, 0.7]))))
     arrive = [data.draw(st.integers(0, 8)) for _ in specs]
     cancel_at = [data.draw(st.one_of(st.none(), st.integers(0, 30))) for _ in specs]
-    handles = {}
-    for step in range(200):
-        for i, (prompt, mt, temp) in enumerate(specs):
-            if arrive[i] == step:
-                if len(prompt) + mt > 256 * pool_pages:
-                    with pytest.raises(WorkbenchError, match="KV pool holds"):
-                        e.submit(prompt, max_tokens=mt)
-                    continue
-                handles[i] = e.submit(prompt, max_tokens=mt, temperature=temp, seed=3, index=i, ignore_eos=True)
-            if cancel_at[i] == step and i in handles and not handles[i].done:
-                handles[i].cancel()
-                e.scheduler.allocator.check()
-        e.step()
-        if step > max(arrive) and not e.scheduler.has_work():
-            break
-    e.run_until_done()
+    def submit(i):
+        prompt, mt, temp = specs[i]
+        if len(prompt) + mt > 256 * pool_pages:
+            with pytest.raises(WorkbenchError, match="KV pool holds"):
+                e.submit(prompt, max_tokens=mt)
+            return None
+        return e.submit(prompt, max_tokens=mt, temperature=temp, seed=3, index=i, ignore_eos=True)
+
+    handles = serve_arrivals(e, submit, arrive, cancel_at, 200, after_cancel=e.scheduler.allocator.check)
     for i, h in handles.items():
         r = h.result()
         if r.finish_reason != "cancelled":

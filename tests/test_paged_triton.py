@@ -33,6 +33,8 @@ from hypothesis import strategies as st
 from workbench import Engine, EngineConfig
 from workbench.runners.triton_options import TritonOptions
 
+from engine_drive import serve_arrivals
+
 CUDA = torch.cuda.is_available()
 GRAPHS = True if CUDA else "emulate"  # the graph path: CUDA graphs, or the same path replayed eagerly
 PAGE = 64
@@ -299,18 +301,8 @@ def test_soak_arrivals_cancels_preemptions_and_hits(tiny_model, slots, pages, gr
     e = _engine(m, slots, graphs=graphs, kv_pool_tokens=PAGE * pages, chunk_size=chunk, prefix_cache=prefix_cache,
                 admission_headroom_tokens=headroom)
     names = ["p0", *others]
-    handles = {}
-    for step in range(100):
-        for i, name in enumerate(names):
-            if arrive[i] == step:
-                handles[i] = _submit(e, name)
-            if cancel_at[i] == step and i in handles and not handles[i].done:
-                handles[i].cancel()
-                e.scheduler.allocator.check()
-        e.step()
-        if step > max(arrive) and not e.scheduler.has_work():
-            break
-    e.run_until_done()
+    handles = serve_arrivals(e, lambda i: _submit(e, names[i]), arrive, cancel_at, 100,
+                             after_cancel=e.scheduler.allocator.check)
     for i, h in handles.items():
         r = h.result()
         if r.finish_reason != "cancelled":

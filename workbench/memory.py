@@ -195,7 +195,8 @@ class PagedMemory:
         # rest of the memory (they grow with the context). Pools are per group (allocator.py says
         # why), so a pool sized for more sliding pages than the slots can use would be memory the
         # global groups never get: the measured capacity cost of sizing every group alike.
-        sliding = {g.name: config.max_concurrency * layout.max_live_pages(g.name, capacity) + -(-self.chunk_bound // P) + 1
+        chunk_pages = -(-self.chunk_bound // P) + 1
+        sliding = {g.name: config.max_concurrency * layout.max_live_pages(g.name, capacity) + chunk_pages
                    for g in layout.groups if g.sliding}
         tokens = config.kv_pool_tokens
         if tokens is None:
@@ -204,13 +205,13 @@ class PagedMemory:
             rows = runner.bytes_per_prefill_row * (self.chunk_bound + config.max_concurrency)
             room = max(budget_bytes - fixed - rows, 0)
             most = config.max_concurrency * -(-capacity // P)
-            per_position = sum(layout.page_bytes(g.name) for g in layout.groups if not g.sliding)
+            global_page_bytes = sum(layout.page_bytes(g.name) for g in layout.groups if not g.sliding)
             # the sliding pools first, at most half the room (short of that they shrink alike)
             side = sum(k * layout.page_bytes(g) for g, k in sliding.items())
             scale = min(1.0, room / 2 / side) if side else 1.0
             sliding = {g: max(1, int(k * scale)) for g, k in sliding.items()}
             side = sum(k * layout.page_bytes(g) for g, k in sliding.items())
-            n = min((room - side) // per_position, most) if per_position else most
+            n = min((room - side) // global_page_bytes, most) if global_page_bytes else most
             tokens = n * P
             if n < 1:
                 raise WorkbenchError(

@@ -16,7 +16,7 @@ import torch
 from .attention import round_up_capacity
 from .model import KVState, Model, Segment as ModelSegment
 from .planner import SlotView
-from .scheduler import Segment
+from .scheduler import Segment, check_paged_forward
 from .state import cache_key
 
 
@@ -75,12 +75,9 @@ class TorchRunner:
         on the CPU the logits are already where the engine samples, so this runner never does.
         ``ahead``: a hint that the next call will be these rows one position on (runners with
         an asynchronous device may start it early; this one runs synchronously and ignores it)."""
-        if self.pages is None:
-            raise RuntimeError("the KV pool is not allocated: call init_kv_pool first")
+        check_paged_forward(forward, self.pages is not None)
         segs = []
         for s in forward:
-            if s.block_tables is None:
-                raise RuntimeError(f"slot {s.slot_id}: a segment without block tables (the runner is paged)")
             self.pages.copy(s.copies)
             tables = {g: torch.tensor(ids, dtype=torch.int64) for g, ids in s.block_tables.items()}
             segs.append(ModelSegment(KVState(self.pages, tables, s.start_pos), s.token_ids,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Mapping, Protocol
+from typing import Any, Hashable, Mapping, Protocol, Sequence
 
 from .engine_config import EngineConfig
 from .errors import WorkbenchError
@@ -88,6 +88,16 @@ class Segment:
     # covering start_pos + len(token_ids) positions; None for a runner with slot state
     block_tables: Mapping[str, tuple[int, ...]] | None = None
     copies: tuple[PageCopy, ...] = ()  # page copies to run before this forward (copy-on-write)
+
+
+def check_paged_forward(forward: Sequence[Segment], pool_allocated: bool) -> None:
+    """What a paged runner requires of a forward before it runs: its pool allocated
+    (`init_kv_pool`) and every segment carrying its block tables."""
+    if not pool_allocated:
+        raise RuntimeError("the KV pool is not allocated: call init_kv_pool first")
+    for s in forward:
+        if s.block_tables is None:
+            raise RuntimeError(f"slot {s.slot_id}: a segment without block tables (the runner is paged)")
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ whose tables cover what they write:
     runner.decode_loop([pages.segment(0, "a", (tok,), n, reserve=steps)], steps)
     pages.free("a")
 
-Positions are appended (and committed) as segments are made, so a segment must continue its
-sequence: start at the positions it already holds. No prefix cache (a script asks for it
+Positions are appended as segments are made (no tokens are committed: there is no prefix
+cache to hash them for), so a segment must continue its sequence: start at or below the
+positions it already holds. No prefix cache (a script asks for it
 through the engine). Plain bookkeeping: no torch.
 """
 

@@ -78,6 +78,6 @@ def forward_tables(segments: Sequence, groups: Sequence[str]) -> tuple[torch.Ten
         if s.samples:
             sel.append(len(ids) - 1)
     R, S, W = len(ids), len(segments), table_width(segments, groups)
-    tables = [list(t) + [-1] * (W - len(t)) for g in groups for s in segments for t in (s.block_tables[g],)]
+    tables = [list(s.block_tables[g]) + [-1] * (W - len(s.block_tables[g])) for g in groups for s in segments]
     flat = torch.tensor([ids, pos, row], dtype=torch.int32).flatten()
     return torch.cat([flat, torch.tensor(tables, dtype=torch.int32).flatten()]), sel, R, W

@@ -26,7 +26,7 @@ invariance costs.
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -35,7 +35,7 @@ from .. import device_weights as _dw
 from ..errors import WorkbenchError
 from ..model import Model
 from ..planner import SlotView
-from ..scheduler import Segment
+from ..scheduler import Segment, check_paged_forward
 from ..state import StateLayout, cache_key
 from .triton_kv import DevicePages, forward_tables
 from .triton_options import TritonOptions
@@ -201,11 +201,7 @@ class TritonRunner:
         the outputs are bitwise those of running without the hint."""
         if not forward:
             return {}
-        if self.kv is None:
-            raise RuntimeError("the KV pool is not allocated: call init_kv_pool first")
-        for s in forward:
-            if s.block_tables is None:
-                raise RuntimeError(f"slot {s.slot_id}: a segment without block tables (the runner is paged)")
+        check_paged_forward(forward, self.kv is not None)
         with self._pdl.enabled(self.options.pdl):
             launched = None
             if self.graphs is not None:
