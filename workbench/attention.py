@@ -147,8 +147,8 @@ def attend(
         # scattered pages: decode steps ~24% slower than the contiguous cache of cc1e427 (the
         # gather's copy; 0.153 vs 0.123 s per step); the allocator hands a sequence consecutive
         # pages where it can (state/pages.py), and a decode row over consecutive pages reads
-        # them in place, its partly written last block a run of its own (session 14: 11-16%
-        # faster 8-slot decode steps than gathering them, scripts/paged_decode_bench.py).
+        # them in place, its partly written last block a run of its own (no gather: only
+        # scattered pages are copied).
         pages = list(range(lo, hi + 1)) if table is None else table[lo : hi + 1].tolist()
         stale = dict(zip(tp.stale_blocks, torch.where(tp.stale, 0.0, v_cache[[pages[i] for i in tp.stale_blocks]])
                          if tp.stale is not None else ()))
