@@ -1,5 +1,7 @@
-"""Decode steps as CUDA graphs: one per (row bucket, attention-segment bucket), with the greedy
-tokens fed back on the device and the next step launched ahead.
+"""Steps as CUDA graphs: a decode step per (row bucket, attention-segment bucket), with the greedy
+tokens fed back on the device and the next step launched ahead; and a short prefill chunk or
+mixed step (prefill rows beside decode rows) per (row bucket, sampled-row bucket, segment bucket),
+where an eager forward is bound by its ~150 launches rather than by the device.
 
 * Rows are padded to a bucket (1, 2, 4, ..., 64); a padded row reads token 0 at position 0
   through the scratch block-table row, whose every entry is its group's scratch page (no
@@ -20,8 +22,16 @@ tokens fed back on the device and the next step launched ahead.
   without a copy, so equal (slot, position, token) rows read the same pages; entries that did
   change are a sliding window's dropped pages, which no later row reads.) Pages released while
   a launch ahead is in flight stay fenced until it is done (`TritonRunner.ahead_in_flight`).
-* "emulate": the same path replayed eagerly, so that the CPU tests cover buckets, padding, the
-  scratch table row and the device-fed tokens.
+* Chunk graphs (`chunk`): any forward of at most ``chunk_rows`` rows in at most 64 segments
+  that is not a decode step. Rows pad to a bucket of CHUNK_BUCKETS (steps of 1.5x / 2x: a
+  padded row costs little where launches bound the forward), padded rows as in decode; the
+  sampled rows' indices are a graph input (a fourth input row), padded to a power of two with
+  row 0, and the graph ends with their argmax. The same kernels as the eager forward on the same
+  rows, with every shape fixed by the weights and not by the row count, so each row's logits
+  are bitwise the eager ones (tests/test_chunk_graphs.py). On an H200, a 64-row chunk took
+  11-18 ms eager against 1.07 ms on the device (session 14, run 73): the prefix-hit TTFT.
+* "emulate": the same paths replayed eagerly, so that the CPU tests cover buckets, padding, the
+  scratch table row, the sampled-row input and the device-fed tokens.
 """
 
 from __future__ import annotations
@@ -34,8 +44,9 @@ import triton
 
 from ..kernels.sampling import argmax, argmax_from_partials
 from ..scheduler import Segment
+from .triton_options import CHUNK_BUCKETS
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode rows per captured graph
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode rows per captured graph (and most segments of a chunk graph)
 
 
 class _Eager:
@@ -66,13 +77,14 @@ def pow2_at_least(n: int, lo: int) -> int:
     return max(lo, triton.next_power_of_2(max(1, n)))
 
 
-class DecodeGraphs:
+class StepGraphs:
     """The graphs of one runner over its layer loop and KV pages (`triton_kv.DevicePages`, the
-    pools the graphs were captured on: a new pool clears them, ``clear``); ``width``: entries
-    of a block table row (pages of a full slot)."""
+    pools the graphs were captured on: a new pool makes new graphs); ``width``: entries of a
+    block table row (pages of a full slot); ``chunk_rows``: the most rows a chunk graph takes
+    (0: none, `TritonOptions.chunk_graph_rows`)."""
 
     def __init__(self, loop, kv, device: torch.device, *, emulate: bool, share_pool: bool, segment: int,
-                 history: int, width: int):
+                 history: int, width: int, chunk_rows: int = 0):
         self.loop, self.kv, self.device = loop, kv, device
         self.width = width
         self.positions = width * kv.page_size  # the most positions a row's table can address
@@ -80,9 +92,12 @@ class DecodeGraphs:
         self.share_pool = share_pool  # (cuBLAS, the comparison variant, tripped the allocator with a shared pool)
         self.segment = segment
         self.history = history
+        self.chunk_rows = chunk_rows
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._chunk_graphs: dict[tuple[int, int, int], _Graph] = {}  # (row bucket, sampled bucket, segments)
         self._pool = None
-        self.inputs: torch.Tensor | None = None  # int32 [3, B]: token, position, table row per graph row
+        # int32 [4, max(B, chunk_rows)]: token, position, table row per graph row; sampled rows (chunks)
+        self.inputs: torch.Tensor | None = None
         self.tables: list[torch.Tensor] = []  # per KV group int32 [B + 1, width]; row B: the scratch row
         self._mirror: list[list[tuple | None]] = []  # per group, per row: the table on the device
         self.tokens: torch.Tensor | None = None  # int64 [B]: each row's greedy token
@@ -100,12 +115,20 @@ class DecodeGraphs:
         the largest bucket of rows)."""
         return len(forward) <= BUCKETS[-1] and all(len(s.token_ids) == 1 and s.samples for s in forward)
 
-    def clear(self) -> None:
-        self._graphs.clear()
+    def takes_chunk(self, forward: Sequence[Segment]) -> bool:
+        """Whether a chunk graph runs this forward (not a decode step: ``takes`` first)."""
+        return (len(forward) <= BUCKETS[-1] and 0 < self.chunk_rows
+                and sum(len(s.token_ids) for s in forward) <= self.chunk_rows)
 
     @property
     def keys(self) -> list[tuple[int, int]]:
+        """The decode graphs captured: (row bucket, attention segments)."""
         return sorted(self._graphs)
+
+    @property
+    def chunk_keys(self) -> list[tuple[int, int, int]]:
+        """The chunk graphs captured: (row bucket, sampled-row bucket, attention segments)."""
+        return sorted(self._chunk_graphs)
 
     # -- one step -------------------------------------------------------------------------------
     def step(self, forward: Sequence[Segment], max_context: dict[int, int], argmax_slots: frozenset[int],
@@ -146,6 +169,18 @@ class DecodeGraphs:
             done.synchronize()
         return self._tok_host[:n].tolist()
 
+    def chunk(self, forward: Sequence[Segment]) -> int:
+        """Replay the chunk graph of this forward (``takes_chunk``); returns how many rows it
+        sampled: their logits and greedy tokens are ``logits[:n]`` / ``tokens[:n]``, in order."""
+        rows = sum(len(s.token_ids) for s in forward)
+        sampled = sum(1 for s in forward if s.samples)
+        max_pos = max(s.start_pos + len(s.token_ids) - 1 for s in forward)
+        g = self.chunk_graph_for(rows, sampled, max_pos)
+        self.fill_chunk(forward, g.bucket)
+        g.replay()
+        self.launches = g.launches
+        return sampled
+
     # -- the benchmark fast path ------------------------------------------------------------------
     def decode_loop(self, segs: Sequence[Segment], steps: int) -> torch.Tensor:
         """Greedy decode ``steps`` tokens for ``segs`` (one token each, already prefilled) by
@@ -168,33 +203,52 @@ class DecodeGraphs:
         return out
 
     # -- capture --------------------------------------------------------------------------------
+    def _nseg(self, max_pos: int) -> int:
+        seg = self.segment
+        return min(pow2_at_least(-(-(max_pos + 1) // seg), 1), self.positions // seg)
+
     def graph_for(self, rows: int, max_pos: int) -> _Graph:
         bucket = next(b for b in BUCKETS if b >= rows)
-        seg = self.segment
-        nseg = min(pow2_at_least(-(-(max_pos + 1) // seg), 1), self.positions // seg)
+        nseg = self._nseg(max_pos)
         g = self._graphs.get((bucket, nseg))
-        if g is not None:
-            return g
+        if g is None:
+            body = lambda: self._body(bucket, nseg * self.segment - 1)
+            g = self._graphs[(bucket, nseg)] = self._capture(body, lambda: self._pad(bucket), bucket, nseg)
+        return g
+
+    def chunk_graph_for(self, rows: int, sampled: int, max_pos: int) -> _Graph:
+        bucket = next(b for b in CHUNK_BUCKETS if b >= rows)
+        sel = pow2_at_least(sampled, 1)  # (the head runs on one row where none is sampled, as eagerly)
+        nseg = self._nseg(max_pos)
+        key = (bucket, sel, nseg)
+        g = self._chunk_graphs.get(key)
+        if g is None:
+            body = lambda: self._chunk_body(bucket, sel, nseg * self.segment - 1)
+            g = self._chunk_graphs[key] = self._capture(body, lambda: self._pad(max(bucket, sel)), bucket, nseg)
+        return g
+
+    def _capture(self, body, pad, bucket: int, nseg: int) -> _Graph:
+        """A graph of ``body`` (its launch count its return), captured on padded inputs (every row
+        the scratch table row: the warm-up and the capture write only scratch pages); the inputs
+        as they were before, after."""
         self._buffers()
         if self.emulate:
-            g = self._graphs[(bucket, nseg)] = _Graph(_Eager(lambda: self._body(bucket, nseg * seg - 1)), bucket, nseg)
-            return g
+            return _Graph(_Eager(body), bucket, nseg)
         torch.cuda.synchronize()
         saved = self.inputs.clone()
-        self._pad(bucket)
+        pad()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile and warm up outside the capture
-            self._body(bucket, nseg * seg - 1)
+            body()
         torch.cuda.current_stream().wait_stream(side)
-        self._pad(bucket)
+        pad()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool if self.share_pool else None):
-            launches = self._body(bucket, nseg * seg - 1)
+            launches = body()
         torch.cuda.synchronize()
         self.inputs.copy_(saved)
-        g = self._graphs[(bucket, nseg)] = _Graph(graph, bucket, nseg, launches)
-        return g
+        return _Graph(graph, bucket, nseg, launches)
 
     def _body(self, bucket: int, max_pos: int) -> int:
         """One decode step of ``bucket`` rows into the graph's buffers; its launch count."""
@@ -213,10 +267,21 @@ class DecodeGraphs:
             argmax(self.logits[:bucket], out=self.tokens[:bucket], feed=(ids, pos), hist=record)
         return loop.launches + (1 if best is not None else 2)
 
+    def _chunk_body(self, bucket: int, sel: int, max_pos: int) -> int:
+        """One chunk forward of ``bucket`` rows, ``sel`` of them sampled (input row 3), and their
+        argmax; its launch count."""
+        loop = self.loop
+        loop.launches = 0
+        ids, pos, seq = self.inputs[0, :bucket], self.inputs[1, :bucket], self.inputs[2, :bucket]
+        loop.forward(ids, pos, seq, bucket, max_pos, self.kv, self.tables, sel=self.inputs[3, :sel],
+                     logits_out=self.logits[:sel])
+        argmax(self.logits[:sel], out=self.tokens[:sel])
+        return loop.launches + 3  # (the sampled rows' gather, the argmax's two launches)
+
     def _buffers(self) -> None:
         if self.inputs is None:
             B = BUCKETS[-1]
-            self.inputs = torch.zeros((3, B), dtype=torch.int32, device=self.device)
+            self.inputs = torch.zeros((4, max(B, self.chunk_rows)), dtype=torch.int32, device=self.device)
             self.tokens = torch.zeros(B, dtype=torch.int64, device=self.device)
             self.record = torch.zeros((B, self.history), dtype=torch.int64, device=self.device)
             self.logits = torch.zeros((B, self.loop.vocab), dtype=torch.float32, device=self.device)
@@ -225,20 +290,43 @@ class DecodeGraphs:
                            for g in self.kv.groups]
             self._mirror = [[None] * B for _ in self.kv.groups]
 
-    def _pad(self, bucket: int) -> None:
-        self.inputs[:, :bucket] = 0
-        self.inputs[2, :bucket] = BUCKETS[-1]  # (the scratch table row)
+    def _pad(self, width: int) -> None:
+        self.inputs[:, :width] = 0
+        self.inputs[2, :width] = BUCKETS[-1]  # (the scratch table row)
 
     def fill(self, forward: Sequence[Segment], bucket: int) -> None:
         """The graph's inputs for these decode rows (padded rows: the scratch table row), and the
-        block-table rows that differ from what the device holds (one copy per group, of rows 0
-        up to the last that changed)."""
+        block-table rows that differ from what the device holds."""
         self._buffers()
         host = torch.zeros((3, bucket), dtype=torch.int32)
         host[2, :] = BUCKETS[-1]
         for i, s in enumerate(forward):
             host[0, i], host[1, i], host[2, i] = s.token_ids[0], s.start_pos, i
-        self.inputs[:, :bucket].copy_(host)
+        self.inputs[:3, :bucket].copy_(host)
+        self._fill_tables(forward)
+
+    def fill_chunk(self, forward: Sequence[Segment], bucket: int) -> None:
+        """A chunk graph's inputs: the rows (padded: the scratch table row), the sampled rows
+        (each sampled segment's last row; padded: row 0) and the changed block-table rows."""
+        self._buffers()
+        host = torch.zeros((4, max(bucket, BUCKETS[-1])), dtype=torch.int32)
+        host[2, :] = BUCKETS[-1]
+        r = k = 0
+        for i, s in enumerate(forward):
+            n = len(s.token_ids)
+            host[0, r : r + n] = torch.tensor(s.token_ids, dtype=torch.int32)
+            host[1, r : r + n] = torch.arange(s.start_pos, s.start_pos + n, dtype=torch.int32)
+            host[2, r : r + n] = i
+            r += n
+            if s.samples:
+                host[3, k] = r - 1
+                k += 1
+        self.inputs[:, : host.shape[1]].copy_(host)
+        self._fill_tables(forward)
+
+    def _fill_tables(self, forward: Sequence[Segment]) -> None:
+        """Segment i's block tables into table row i, per group: the rows that differ from what
+        the device holds (one copy per group, of rows 0 up to the last that changed)."""
         for gi, g in enumerate(self.kv.groups):
             mirror = self._mirror[gi]
             rows = [s.block_tables[g] for s in forward]

@@ -29,6 +29,8 @@ LAYER_FORMS = ("mma", "gemv")
 # The GGUF formats the kernels read (kernels.quant_tiles.FORMATS' names; a test keeps the two in
 # step): spelled out here so that the options need no triton.
 FORMATS = ("Q8_0", "Q5_0", "Q4_K", "Q6_K")
+# rows per captured chunk graph (runners/triton_graphs.py): steps of 1.5x / 2x
+CHUNK_BUCKETS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,12 @@ class TritonOptions:
     # (buckets, padding, scratch slot, device-fed tokens: what the CPU tests cover). Session 1,
     # H200 machine A: 8.4 ms per step eager with a host round trip, 2.33 ms graphed (3.6x).
     graphs: bool | str = True
+    # With graphs on, prefill chunks and mixed steps of up to this many rows (in at most 64
+    # segments) replay a CUDA graph too, rows padded to a bucket of CHUNK_BUCKETS (0: eager).
+    # Such a forward is bound by its ~150 launches (session 14, run 73: a 64-row chunk 11-18 ms
+    # eager against 1.07 ms of device time), which is a prefix hit's whole TTFT; above 512 rows
+    # the device time covers the launches.
+    chunk_graph_rows: int = 512
     # The output head's product form, a choice of numerics. None: "q8i8" for a bfloat16 engine's
     # Q8_0 head with the quantized products, "dense" otherwise. "q8i8": the Q8_0 planes against
     # x quantized per 32 values to Q8_0 blocks (llama.cpp's numerics for its quantized products),
@@ -122,6 +130,9 @@ class TritonOptions:
         for name in ("pdl", "fuse_combine", "fuse_glu", "pair_launch", "rope_in_attention", "argmax_in_head"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"{name}={getattr(self, name)!r} is not allowed: allowed True, False")
+        r = self.chunk_graph_rows
+        if isinstance(r, bool) or r not in (0,) + CHUNK_BUCKETS:
+            _fail(f"chunk_graph_rows={r!r} is not allowed: allowed 0 (off) or one of {', '.join(map(str, CHUNK_BUCKETS))}")
         h = self.graph_history
         if isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= 1 << 16:
             _fail(f"graph_history={h!r} is out of range: allowed 1..65536")
@@ -184,7 +195,7 @@ def _parse_value(name: str, raw: str) -> Any:
         return raw if low == "emulate" else _BOOLS.get(low, raw)
     if name in ("head_matmul", "kv_dtype"):
         return None if low in ("none", "") else raw
-    if name in ("attn_segment", "graph_history", "page_size"):
+    if name in ("attn_segment", "graph_history", "page_size", "chunk_graph_rows"):
         try:
             return int(raw)
         except ValueError:

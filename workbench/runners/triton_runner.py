@@ -11,8 +11,8 @@ passing `EngineConfig.triton`, a `TritonOptions`). This file ties the parts toge
 * the KV pages (`triton_kv.DevicePages`: one pool per KV group, allocated once by
   `init_kv_pool`; every segment names its pages by block table, the kernels read through them,
   kernels/kv_pages.py), so the runner keeps no per-slot state;
-* `run`: a graphed decode step (`triton_graphs.DecodeGraphs`: CUDA graphs per row bucket,
-  device-fed greedy tokens, run-ahead) or an eager forward (any rows: prefill chunks, mixed
+* `run`: a graphed decode step (`triton_graphs.StepGraphs`: CUDA graphs per row bucket,
+  device-fed greedy tokens, run-ahead), a graphed short chunk or mixed step, or an eager forward (any rows: prefill chunks, mixed
   steps), both through the layer loop (`triton_layers.LayerLoop`: every launch of a forward).
 
 Every kernel computes a row from that row alone, with shapes, tiles and split-K fixed by the
@@ -62,7 +62,7 @@ class TritonRunner:
             raise WorkbenchError(f"backend='triton' needs an even head_dim and n_embd <= {MAX_EMBD}")
         # (the kernels are imported once TRITON_INTERPRET is known to be right: triton.jit reads it)
         from ..kernels import pdl
-        from .triton_graphs import DecodeGraphs
+        from .triton_graphs import StepGraphs
         from .triton_layers import LayerLoop
 
         self._pdl = pdl
@@ -111,7 +111,7 @@ class TritonRunner:
         emulate = options.graphs == "emulate"
         use_graphs = emulate or (options.graphs is True and self.device.type == "cuda")
         self._use_graphs, self._emulate = use_graphs, emulate
-        self.graphs: DecodeGraphs | None = None  # (made with the pages: they are captured on them)
+        self.graphs: StepGraphs | None = None  # (made with the pages: they are captured on them)
         self.launches = 0  # kernel launches of the last forward
 
     @property
@@ -149,15 +149,15 @@ class TritonRunner:
     def init_kv_pool(self, num_pages: dict[str, int]) -> None:
         """Allocate the pages: `num_pages` per KV group (the scheduler's `kv_pool_pages`), plus
         each group's scratch page."""
-        from .triton_graphs import DecodeGraphs
+        from .triton_graphs import StepGraphs
 
         c = self.cfg
         self.kv = None  # (the old pool's memory first)
         self.kv = DevicePages(self.state_layout, num_pages, c.n_kv_heads, c.head_dim, self.kv_dtype, self.device)
-        self.graphs = DecodeGraphs(self.loop, self.kv, self.device, emulate=self._emulate,
-                                   share_pool=self.products == "quant", segment=self.attn_segment,
-                                   history=self.options.graph_history,
-                                   width=self.table_width) if self._use_graphs else None
+        self.graphs = StepGraphs(self.loop, self.kv, self.device, emulate=self._emulate,
+                                 share_pool=self.products == "quant", segment=self.attn_segment,
+                                 history=self.options.graph_history, width=self.table_width,
+                                 chunk_rows=self.options.chunk_graph_rows) if self._use_graphs else None
 
     def reset(self, slot: int) -> None:
         """Nothing per slot to drop (a finished sequence's pages go back to the allocator); a
@@ -211,6 +211,8 @@ class TritonRunner:
                 self.kv.copy(copies)
             if self.graphs is not None and self.graphs.takes(forward):
                 return self._run_graphed(forward, max_context, argmax, ahead, launched)
+            if self.graphs is not None and self.graphs.takes_chunk(forward):
+                return self._run_chunk_graph(forward, argmax)
             return self._run_eager(forward, argmax)
 
     def _run_graphed(self, forward, max_context, argmax, ahead, launched) -> dict[int, torch.Tensor | int]:
@@ -221,6 +223,14 @@ class TritonRunner:
             return {s.slot_id: t for s, t in zip(forward, toks)}
         # the graph computed every row's argmax into its tokens already
         return self._rows_out([s.slot_id for s in forward], self.graphs.logits[:n], self.graphs.tokens[:n], argmax)
+
+    def _run_chunk_graph(self, forward, argmax) -> dict[int, torch.Tensor | int]:
+        n = self.graphs.chunk(forward)
+        self.launches = self.graphs.launches
+        if not n:
+            return {}
+        g = self.graphs
+        return self._rows_out([s.slot_id for s in forward if s.samples], g.logits[:n], g.tokens[:n], argmax)
 
     def _run_eager(self, forward: Sequence[Segment], argmax: frozenset[int] = frozenset()) -> dict[int, torch.Tensor | int]:
         groups = self.kv.groups

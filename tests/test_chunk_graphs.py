@@ -1,0 +1,84 @@
+"""Chunk graphs (`triton_graphs.StepGraphs.chunk`): prefill chunks and mixed steps of up to
+`TritonOptions.chunk_graph_rows` rows replay a graph per (row bucket, sampled-row bucket,
+attention-segment bucket), and give bitwise the eager forward's logits and greedy tokens.
+
+One scenario drives two runners over the same pages (same allocator calls, so the same page
+ids): the graph path (CUDA graphs, or under the interpreter the same path replayed eagerly) and
+the eager one. Its steps cover the shapes the padding has to get right: a chunk that samples no
+row, rows padded to a bucket, a chunk crossing into a new page beside another sequence's first
+chunk, decode rows beside a prefill chunk (a mixed step), more sampled rows than the row bucket
+(the sampled-row input padded past the rows), and a forward above the largest graphed bucket
+(eager on both). Each pool is poisoned with NaN, so a padded row reading or writing anything but
+the scratch page would show. The graphs captured are asserted, so the test cannot pass with the
+chunk graphs unused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench.engine_config import ConfigError
+from workbench.runners.direct_pages import DirectPages
+from workbench.runners.triton_options import CHUNK_BUCKETS, TritonOptions
+from workbench.runners.triton_runner import TritonRunner
+
+GRAPHS = True if torch.cuda.is_available() else "emulate"
+P = 64  # positions per page: the first sequence crosses into its second page in step 2
+
+
+def _scenario(r: TritonRunner, toks: list[int]) -> list[dict]:
+    pages = DirectPages(r, tokens_per_group=24 * P)
+    r.kv.poison()
+    ctx = {sl: 4 * P for sl in range(20)}
+    greedy = frozenset({0, 3, 5})  # these slots' rows come back as tokens, the rest as logits
+    seg = pages.segment
+    steps = [
+        # 20 rows, none sampled (bucket 24; the head on one row, its result dropped)
+        [seg(0, "a", toks[:20], 0, samples=False)],
+        # 50 rows across a's page boundary beside b's first 9 rows, both sampled (bucket 64, sampled 2)
+        [seg(0, "a", toks[20:70], 20), seg(1, "b", toks[100:109], 0)],
+        # a mixed step: two decode rows beside c's 5-row prompt (bucket 8, 3 sampled: bucket 4)
+        [seg(0, "a", (toks[70],), 70), seg(1, "b", (toks[109],), 9), seg(2, "c", toks[120:125], 0)],
+        # 14 one-token prompts, not sampled (bucket 16)
+        [seg(3 + i, f"d{i}", (toks[130 + i],), 0, samples=False) for i in range(14)],
+        # 17 sampled rows in 18 (bucket 24): the sampled-row input (bucket 32) runs past the rows
+        [seg(0, "a", (toks[71],), 71), seg(1, "b", (toks[110],), 10), seg(2, "c", toks[125:127], 5)]
+        + [seg(3 + i, f"d{i}", (toks[150 + i],), 1) for i in range(14)],
+        # 65 rows: above chunk_graph_rows=64 below, so eager on both runners
+        [seg(0, "a", toks[72:137], 72)],
+    ]
+    out = []
+    for forward in steps:
+        got = r.run(forward, ctx, argmax=greedy)
+        out.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in got.items()})
+    return out
+
+
+def test_chunk_graphs_give_the_eager_bits(tiny_model):
+    m = tiny_model("llama", "float32", "Q8_0", n_layers=1, n_embd=64, n_heads=2, n_kv_heads=1, n_ff=128)
+    toks = torch.randint(4, m.config.vocab_size, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    graphed = TritonRunner(m, 4 * P, TritonOptions(graphs=GRAPHS, page_size=P, chunk_graph_rows=64))
+    eager = TritonRunner(m, 4 * P, TritonOptions(graphs=False, page_size=P))
+    got, want = _scenario(graphed, toks), _scenario(eager, toks)
+    assert eager.graphs is None
+    assert [sorted(s) for s in got] == [sorted(s) for s in want] == [
+        [], [0, 1], [0, 1, 2], [], list(range(17)), [0]]
+    for g, w in zip(got, want):
+        for slot, v in w.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.isfinite(v).all()
+                assert torch.equal(g[slot], v), slot
+            else:
+                assert isinstance(g[slot], int) and g[slot] == v, slot
+    # every chunk step but the last took a graph: (row bucket, sampled bucket, 64-key segments)
+    assert graphed.graphs.chunk_keys == [(8, 4, 2), (16, 1, 1), (24, 1, 1), (24, 32, 2), (64, 2, 2)]
+    assert graphed.graphs.keys == []  # (no step was a pure decode step)
+
+
+@pytest.mark.parametrize("rows", [-1, 7, 100, 1024, True])
+def test_chunk_graph_rows_is_checked(rows):
+    with pytest.raises(ConfigError) as e:
+        TritonOptions(chunk_graph_rows=rows)
+    assert str(e.value) == (f"chunk_graph_rows={rows!r} is not allowed: allowed 0 (off) or one of "
+                            + ", ".join(map(str, CHUNK_BUCKETS)))
