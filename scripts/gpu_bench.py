@@ -746,6 +746,9 @@ def to_parquet(args) -> None:
                 r["error"] = r["error"][-300:]
             {"bench": bench, "copy_bw": bench, "profile": prof, "head": head}.get(r.get("stage"), exact).append(r)
     dest = Path(args.dest)
+    if not any("variant" in r for r in bench):  # (every run directory, not the new one alone: the files are rebuilt from them all)
+        sys.exit(f"parquet: no bench rows in {', '.join(args.dirs)}: give every run directory "
+                 f"(data/gpu/run*), the files are rebuilt from them all; nothing written")
 
     def frame(rows):
         cols = sorted({k for r in rows for k in r})

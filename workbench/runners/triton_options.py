@@ -40,12 +40,6 @@ class TritonOptions:
     # (buckets, padding, scratch slot, device-fed tokens: what the CPU tests cover). Session 1,
     # H200 machine A: 8.4 ms per step eager with a host round trip, 2.33 ms graphed (3.6x).
     graphs: bool | str = True
-    # With graphs on, prefill chunks and mixed steps of up to this many rows (in at most 64
-    # segments) replay a CUDA graph too, rows padded to a bucket of CHUNK_BUCKETS (0: eager).
-    # Such a forward is bound by its ~150 launches (session 14, run 73: a 64-row chunk 11-18 ms
-    # eager against 1.07 ms of device time), which is a prefix hit's whole TTFT; above 512 rows
-    # the device time covers the launches.
-    chunk_graph_rows: int = 512
     # The output head's product form, a choice of numerics. None: "q8i8" for a bfloat16 engine's
     # Q8_0 head with the quantized products, "dense" otherwise. "q8i8": the Q8_0 planes against
     # x quantized per 32 values to Q8_0 blocks (llama.cpp's numerics for its quantized products),
@@ -112,6 +106,13 @@ class TritonOptions:
     # against a copy after each replay (removed): 0.567 / 0.582 / 0.619 / 0.777 vs 0.568 / 0.584
     # / 0.625 / 0.782 ms per step.
     graph_history: int = 1024
+    # With graphs on, prefill chunks and mixed steps of up to this many rows (in at most 64
+    # segments) replay a CUDA graph too, rows padded to a bucket of CHUNK_BUCKETS (0: eager).
+    # Such a forward is bound by its ~150 launches (session 14, run 73: a 64-row chunk 11-18 ms
+    # eager against 1.07 ms of device time). Session 15, run 74, with a 2,048-token prefix
+    # cached: TTFT 3 / 9-10 ms at 1 / 4 requests against 20-22 / 11-19 ms eager (cold 48 ms);
+    # above 512 rows the device time covers the launches.
+    chunk_graph_rows: int = 512
 
     def __post_init__(self):
         if not (isinstance(self.graphs, bool) or self.graphs == "emulate"):
