@@ -238,8 +238,8 @@ def test_scattered_pages_are_bitwise_consecutive_pages(tiny_model):
     """A sequence whose pages are scattered (other sequences hold pages, then free some, so
     that its pages come out non-consecutive and out of order between pages others hold) gives
     bitwise the logits of the same sequence on consecutive pages: 64-position pages, a prompt
-    over two pages prefilled in two chunks and a two-row segment (the eager path), two decode
-    steps between them (the graph path). Llama: one global group, so every row reads all its
+    over two pages prefilled in two chunks and a two-row segment (chunk graphs), two decode
+    steps between them (decode graphs). Llama: one global group, so every row reads all its
     keys through the table. Each pool is poisoned with NaN, so a read of a page the sequence
     does not hold would show; pages nobody holds stay untouched."""
     m = tiny_model("llama", "float32", "Q8_0")

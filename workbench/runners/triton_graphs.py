@@ -44,6 +44,7 @@ import triton
 
 from ..kernels.sampling import argmax, argmax_from_partials
 from ..scheduler import Segment
+from .triton_kv import forward_rows
 from .triton_options import CHUNK_BUCKETS
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode rows per captured graph (and most segments of a chunk graph)
@@ -309,18 +310,11 @@ class StepGraphs:
         """A chunk graph's inputs: the rows (padded: the scratch table row), the sampled rows
         (each sampled segment's last row; padded: row 0) and the changed block-table rows."""
         self._buffers()
+        ids, pos, row, sel = forward_rows(forward)
         host = torch.zeros((4, max(bucket, BUCKETS[-1])), dtype=torch.int32)
         host[2, :] = BUCKETS[-1]
-        r = k = 0
-        for i, s in enumerate(forward):
-            n = len(s.token_ids)
-            host[0, r : r + n] = torch.tensor(s.token_ids, dtype=torch.int32)
-            host[1, r : r + n] = torch.arange(s.start_pos, s.start_pos + n, dtype=torch.int32)
-            host[2, r : r + n] = i
-            r += n
-            if s.samples:
-                host[3, k] = r - 1
-                k += 1
+        host[:3, : len(ids)] = torch.tensor([ids, pos, row], dtype=torch.int32)
+        host[3, : len(sel)] = torch.tensor(sel, dtype=torch.int32)
         self.inputs[:, : host.shape[1]].copy_(host)
         self._fill_tables(forward)
 

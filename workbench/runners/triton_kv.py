@@ -8,7 +8,8 @@ kernels read.
   ``[pages + 1, PAGE, Hkv, D]``, the layout kernels/kv_pages.py addresses through a block table.
   Which page holds what is the scheduler's `PageAllocator`'s business; pages are never zeroed
   (the kernels never read a position a row does not own: tests poison them with NaN).
-* `forward_tables`: an eager forward's row tables (token, position, table row) and block tables
+* `forward_rows` / `forward_tables`: a forward's rows (eager forwards and chunk graphs alike);
+  an eager forward's row tables (token, position, table row) and block tables
   (one row per segment, per group), packed in one int32 host tensor, so one copy moves them.
 """
 
@@ -65,10 +66,9 @@ def table_width(segments: Sequence, groups: Sequence[str]) -> int:
     return max([1] + [len(s.block_tables[g]) for s in segments for g in groups])
 
 
-def forward_tables(segments: Sequence, groups: Sequence[str]) -> tuple[torch.Tensor, list[int], int, int]:
-    """(host int32 tensor, sampled rows, R, W): the tensor is ``[3 * R + G * S * W]``, first the
-    rows' (token, position, table row) as [3, R], then per group its block tables [S, W] (row i:
-    segment i's page ids, -1 past its pages); sampled rows: each sampled segment's last row."""
+def forward_rows(segments: Sequence) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The rows of a forward, segment after segment: (tokens, positions, table rows, sampled
+    rows), a row's table row the index of its segment, a sampled row each sampled segment's last."""
     ids, pos, row, sel = [], [], [], []
     for i, s in enumerate(segments):
         n = len(s.token_ids)
@@ -77,6 +77,14 @@ def forward_tables(segments: Sequence, groups: Sequence[str]) -> tuple[torch.Ten
         row += [i] * n
         if s.samples:
             sel.append(len(ids) - 1)
+    return ids, pos, row, sel
+
+
+def forward_tables(segments: Sequence, groups: Sequence[str]) -> tuple[torch.Tensor, list[int], int, int]:
+    """(host int32 tensor, sampled rows, R, W): the tensor is ``[3 * R + G * S * W]``, first the
+    rows' (token, position, table row) as [3, R] (`forward_rows`), then per group its block
+    tables [S, W] (row i: segment i's page ids, -1 past its pages)."""
+    ids, pos, row, sel = forward_rows(segments)
     R, S, W = len(ids), len(segments), table_width(segments, groups)
     tables = [list(s.block_tables[g]) + [-1] * (W - len(s.block_tables[g])) for g in groups for s in segments]
     flat = torch.tensor([ids, pos, row], dtype=torch.int32).flatten()

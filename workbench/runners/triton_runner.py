@@ -12,8 +12,8 @@ passing `EngineConfig.triton`, a `TritonOptions`). This file ties the parts toge
   `init_kv_pool`; every segment names its pages by block table, the kernels read through them,
   kernels/kv_pages.py), so the runner keeps no per-slot state;
 * `run`: a graphed decode step (`triton_graphs.StepGraphs`: CUDA graphs per row bucket,
-  device-fed greedy tokens, run-ahead), a graphed short chunk or mixed step, or an eager forward (any rows: prefill chunks, mixed
-  steps), both through the layer loop (`triton_layers.LayerLoop`: every launch of a forward).
+  device-fed greedy tokens, run-ahead), a graphed short prefill chunk or mixed step, or an
+  eager forward (any rows), all through the layer loop (`triton_layers.LayerLoop`: every launch of a forward).
 
 Every kernel computes a row from that row alone, with shapes, tiles and split-K fixed by the
 weight shapes, never by the number of rows: a slot's logits are bitwise the same whatever else
@@ -225,11 +225,11 @@ class TritonRunner:
         return self._rows_out([s.slot_id for s in forward], self.graphs.logits[:n], self.graphs.tokens[:n], argmax)
 
     def _run_chunk_graph(self, forward, argmax) -> dict[int, torch.Tensor | int]:
-        n = self.graphs.chunk(forward)
-        self.launches = self.graphs.launches
+        g = self.graphs
+        n = g.chunk(forward)
+        self.launches = g.launches
         if not n:
             return {}
-        g = self.graphs
         return self._rows_out([s.slot_id for s in forward if s.samples], g.logits[:n], g.tokens[:n], argmax)
 
     def _run_eager(self, forward: Sequence[Segment], argmax: frozenset[int] = frozenset()) -> dict[int, torch.Tensor | int]:
