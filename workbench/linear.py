@@ -10,8 +10,13 @@ BLAS does not promise that. Measured on this machine (torch 2.13, x86-64 with AV
   per-element summation order differs, so results differ in the last bits. A call of a *fixed*
   row count gives each row the same bits whatever its position and neighbours. The float32
   policy therefore pads every product to tiles of exactly `ROW_TILE[float32]` rows.
-- bfloat16 (oneDNN, fp32 accumulation): identical per-row results for every M >= 2 (checked
-  from 2 to 600 rows); a 1-row call may take another kernel, so calls are padded to 2 rows.
+- bfloat16 (oneDNN, fp32 accumulation): identical per-row results for every M from 2 to 32;
+  a 1-row call may take another kernel, so calls are padded to 2 rows. Above 32 rows it
+  depends on the CPU: without AMX every M >= 2 agreed (checked from 2 to 600 rows), but on a
+  Xeon with AMX-BF16 (session 16's machine) an M >= 33 call takes another kernel for some
+  shapes (the 640 -> 262,144 head, 640 -> 32,768), whose rows differ in the last bits. The
+  bfloat16 policy therefore calls in tiles of at most `ROW_TILE[bfloat16]` = 32 rows, the last
+  one ragged (at least 2 rows), which is identical on both.
 
 `tests/test_linear.py` asserts both policies bitwise (the `f(a[:1]) == f(a)[:1]` metamorphic
 test) on the real model's shapes, so a BLAS whose behaviour differs fails loudly rather than
@@ -22,9 +27,11 @@ from __future__ import annotations
 
 import torch
 
-# Launch configuration as data: rows per product tile (None = one call) and the fewest rows.
-ROW_TILE = {torch.float32: 8, torch.bfloat16: None}
+# Launch configuration as data: rows per product tile and the fewest rows a call takes; float32
+# pads every tile to exactly ROW_TILE rows, bfloat16 lets the last tile be shorter (>= MIN_ROWS).
+ROW_TILE = {torch.float32: 8, torch.bfloat16: 32}
 MIN_ROWS = {torch.float32: 8, torch.bfloat16: 2}
+RAGGED = {torch.float32: False, torch.bfloat16: True}
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -32,21 +39,21 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     dtype = w.dtype
     m = x.shape[0]
     xs = x.to(dtype)
-    tile = ROW_TILE[dtype]
-    min_rows = MIN_ROWS[dtype]
-    if tile is None:
+    tile, min_rows = ROW_TILE[dtype], MIN_ROWS[dtype]
+    if RAGGED[dtype] and m <= tile:
         if m >= min_rows:
             return (xs @ w.T).float()
         pad = xs.new_zeros(min_rows, xs.shape[1])
         pad[:m] = xs
         return (pad @ w.T)[:m].float()
     n_tiles = -(-m // tile)
-    if n_tiles * tile != m:
-        padded = xs.new_zeros(n_tiles * tile, xs.shape[1])
+    rows = m if RAGGED[dtype] and m % tile >= min_rows else n_tiles * tile
+    if rows != m:
+        padded = xs.new_zeros(rows, xs.shape[1])
         padded[:m] = xs
         xs = padded
-    out = torch.empty(n_tiles * tile, w.shape[0], dtype=dtype)
+    out = torch.empty(rows, w.shape[0], dtype=dtype)
     wt = w.T
     for t in range(n_tiles):
-        torch.mm(xs[t * tile : (t + 1) * tile], wt, out=out[t * tile : (t + 1) * tile])
+        torch.mm(xs[t * tile : min((t + 1) * tile, rows)], wt, out=out[t * tile : min((t + 1) * tile, rows)])
     return out[:m].float()
