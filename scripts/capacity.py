@@ -27,10 +27,10 @@ rows). With the chunk fixed, neither scheduler counts the chunk's rows against t
 neither can trade prefill rows for KV. Had the budget included a chunk's activations (4,096 rows
 of ~1.1 MiB: 4.7 GiB), the reserved form's admission (fixed + reservations + one row a slot
 <= budget) would have spent that room on reservations while still running the full chunk,
-i.e. used memory twice. The paged pool gets `EngineConfig(kv_pool_tokens=T)`, T the largest
+i.e. used memory twice. The paged pool gets `EngineConfig(kv_resident_tokens=T)`, T the largest
 page multiple whose pool bytes (`Scheduler.kv_pool_bytes`, found by asking the scheduler, so its
 sizing rules are not copied here) are <= `--kv-gib`. Deriving the pool from the budget instead
-(`kv_pool_tokens=None`) sets aside a chunk's activations that this budget does not hold.
+(`kv_resident_tokens=None`) sets aside a chunk's activations that this budget does not hold.
 The reserved form's admission can still reserve up to (max_concurrency - 1 - slots) rows beyond
 `--kv-gib`; its peak reserved bytes are recorded (`kv_bytes`), so any advantage is visible and
 goes to the reserved form.
@@ -154,13 +154,13 @@ def engine_config(args, **kw) -> EngineConfig:
 
 
 def pool_tokens_for(args, runner: CapacityRunner, kv_bytes: int) -> tuple[int, int]:
-    """The largest kv_pool_tokens (a page multiple) whose pool the scheduler sizes at <= kv_bytes,
+    """The largest kv_resident_tokens (a page multiple) whose pool the scheduler sizes at <= kv_bytes,
     and that pool's bytes; found by bisection on the scheduler's own `kv_pool_bytes` (probed
-    with an unbounded budget: with explicit kv_pool_tokens the budget only checks the pool)."""
+    with an unbounded budget: with explicit kv_resident_tokens the budget only checks the pool)."""
     P = runner.state_layout.page_size
 
     def pool_bytes(pages: int) -> int:
-        config = engine_config(args, kv_pool_tokens=pages * P)
+        config = engine_config(args, kv_resident_tokens=pages * P)
         return Scheduler(config, runner, budget_bytes=1 << 62).kv_pool_bytes
 
     page_bytes = [runner.state_layout.page_bytes(g) for g in runner.state_layout.group_names]
@@ -242,7 +242,7 @@ def run(args) -> tuple[pl.DataFrame, pl.DataFrame]:
         budget = runner.fixed_bytes + kv_bytes + runner.bytes_per_prefill_row * args.max_concurrency
         if form == "paged":
             pool_tokens, _ = pool_tokens_for(args, runner, kv_bytes)
-            sched = Scheduler(engine_config(args, kv_pool_tokens=pool_tokens), runner, budget_bytes=budget)
+            sched = Scheduler(engine_config(args, kv_resident_tokens=pool_tokens), runner, budget_bytes=budget)
         else:
             sched = Scheduler(engine_config(args), runner, budget_bytes=budget)
         t0 = time.perf_counter()
@@ -254,7 +254,7 @@ def run(args) -> tuple[pl.DataFrame, pl.DataFrame]:
         summary = summarize(steps, totals, held)
         rows.append(dict(form=form, model=path.name, fixed_bytes=runner.fixed_bytes,
                          bytes_per_prefill_row=runner.bytes_per_prefill_row, budget_bytes=budget,
-                         kv_gib=args.kv_gib, kv_pool_tokens=pool_tokens if form == "paged" else None,
+                         kv_gib=args.kv_gib, kv_resident_tokens=pool_tokens if form == "paged" else None,
                          num_requests=args.requests, seed=args.seed, min_prompt=args.min_prompt,
                          max_prompt=args.max_prompt, max_tokens=args.max_tokens,
                          max_concurrency=args.max_concurrency, max_context=args.max_context,
@@ -347,7 +347,7 @@ def engine_run(args, path: Path, pool_tokens: int, requests: list[Request]) -> t
     from workbench.model import load_model
 
     model = load_model(path, dtype="bfloat16")
-    cfg = engine_config(args, kv_pool_tokens=pool_tokens, backend=args.engine_backend, max_context=args.max_context,
+    cfg = engine_config(args, kv_resident_tokens=pool_tokens, backend=args.engine_backend, max_context=args.max_context,
                         dtype="bfloat16")
     engine = Engine(model, cfg)
     t0 = time.perf_counter()

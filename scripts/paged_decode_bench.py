@@ -81,7 +81,7 @@ def run_arms(model, arms: list[Arm], scenario: str, prompt_len: int, steps: int,
     prompts = bench_prompts(model, 16, prompt_len)
     engines, handles = [], []
     for arm in arms:
-        engine = Engine(model, EngineConfig(max_concurrency=8, dtype="bfloat16", kv_pool_tokens=POOL_TOKENS))
+        engine = Engine(model, EngineConfig(max_concurrency=8, dtype="bfloat16", kv_resident_tokens=POOL_TOKENS))
         if arm.placement == "lowest-id":
             for pool in engine.scheduler.allocator.pools.values():
                 pool.allocate = lowest_id(pool)

@@ -100,6 +100,18 @@ class FakePagedRunner(FakeRunner):
     paged: bool = True
     kv_cache_key: bytes = b"fake-model\x00int"
     pages: dict[tuple[str, int], list] = field(default_factory=dict)
+    host: dict[tuple[str, int], list] = field(default_factory=dict)  # host backing's pages
+    num_moved: int = 0
+
+    def move_pages(self, moves) -> None:
+        """Host backing: whole pages copied to the host store and back (a host page is dropped
+        once paged in, so paging in a page twice, or one never paged out, raises KeyError)."""
+        for m in moves:
+            if m.to_host:
+                self.host[(m.group, m.host)] = list(self.pages[(m.group, m.device)])
+            else:
+                self.pages[(m.group, m.device)] = self.host.pop((m.group, m.host))
+            self.num_moved += 1
 
     @property
     def state_layout(self) -> StateLayout:
@@ -174,6 +186,9 @@ def drive(
             if check is not None:
                 check(scheduler, plan)
             plans.append(plan)
+            moves = scheduler.page_moves(plan)
+            if moves:
+                runner.move_pages(moves)
             sampled = runner.run(scheduler.forwards(plan))
             for ev in scheduler.commit(plan, sampled):
                 _record(ev, result, runner)

@@ -177,3 +177,81 @@ def test_bench_shared_prefix_out_of_range_is_one_line(tiny_gguf, tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--shared-prefix-len 16 is out of range: allowed 0..15" in err[0]
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_prefill_rate_counts_the_admitted_tokens_with_compression(tiny_gguf):
+    """--prompt-compression: prefill tok/s counts the effective (admitted) prompt tokens, and the
+    row carries raw and effective sums, how many requests compressed and the scorer's time; off,
+    raw equals effective and nothing is counted as compressed. (llama: every layer global, so
+    the default scorer has a layer that scores.)"""
+    from workbench.bench import measure
+
+    m = load_model(tiny_gguf("llama"), dtype="bfloat16")
+    on, _ = measure(m, 2, 300, 2, None, prompt_compression=0.5)
+    off, _ = measure(m, 2, 300, 2, None)
+    assert on["raw_prompt_tokens"] == off["raw_prompt_tokens"] == off["effective_prompt_tokens"] == 600
+    assert on["num_compressed"] == 2 and on["compress_s"] > 0
+    assert off["num_compressed"] is None and off["compress_s"] is None
+    assert abs(on["effective_prompt_tokens"] - 300) <= 2 * 16  # half of each, to half a 32-token block
+    for row in (on, off):
+        assert row["prefill_tokens"] == (row["effective_prompt_tokens"] - row["cached_prompt_tokens"]
+                                         + row["recomputed_tokens"])
+        assert row["prefill_tok_s"] == pytest.approx(row["prefill_tokens"] / row["prefill_s"])
+
+
+def test_bench_prompt_compression_flags_a_run_that_compressed_nothing(tiny_gguf, tmp_path, capsys):
+    """`auto` leaves a 200-token prompt whole (below its threshold): the row is flagged and says
+    so on stdout; a ratio compresses it, unflagged; the params record what was asked."""
+    from workbench.cli import main
+
+    base = ["bench", "--model", str(tiny_gguf("llama")), "--concurrency", "1", "--prompt-len", "200", "--gen", "2",
+            "--no-progress"]
+    assert main([*base, "--prompt-compression", "auto", "--data-dir", str(tmp_path / "auto")]) == 0
+    out = capsys.readouterr().out
+    assert ("prompt compression auto, concurrency 1: prompt tokens 200 raw, 200 admitted, 0 of 1 requests "
+            "compressed -- FLAGGED: prompt compression auto asked, but no prompt was compressed") in out
+    (run_dir,) = (tmp_path / "auto" / "runs").iterdir()
+    rows = pl.read_parquet(run_dir / "summary.parquet")
+    assert rows["flag"].to_list() == [
+        "prompt compression auto asked, but no prompt was compressed (auto leaves a prompt below its threshold whole)"]
+    assert rows["raw_prompt_tokens"].to_list() == rows["effective_prompt_tokens"].to_list() == [200]
+    assert rows["prompt_compression"].to_list() == ["auto"] and rows["num_compressed"].to_list() == [0]
+
+    assert main([*base, "--prompt-compression", "0.5", "--data-dir", str(tmp_path / "half")]) == 0
+    assert "FLAGGED" not in capsys.readouterr().out
+    (run_dir,) = (tmp_path / "half" / "runs").iterdir()
+    rows = pl.read_parquet(run_dir / "summary.parquet")
+    assert rows["flag"].is_null().all() and rows["num_compressed"].to_list() == [1]
+    assert rows["raw_prompt_tokens"].to_list() == [200] and 0 < rows["effective_prompt_tokens"][0] < 200
+    assert rows["prompt_compression"].to_list() == ["0.5"]
+
+
+def test_activation_flag_names_compression_that_did_not_run():
+    from workbench.bench import activation_flag
+
+    none = {"paged": True, "prefix_hit_tokens": 0, "num_compressed": 0}
+    assert "a whole block" in activation_flag(none, prefix_cache=True, shared_prefix_len=0, prompt_compression=0.25)
+    assert activation_flag({**none, "num_compressed": 1}, prefix_cache=True, shared_prefix_len=0,
+                           prompt_compression=0.25) is None
+    assert activation_flag(none, prefix_cache=True, shared_prefix_len=0, prompt_compression="off") is None
+    both = activation_flag(none, prefix_cache=True, shared_prefix_len=300, prompt_compression="auto")
+    assert both.startswith("a shared prefix with the prefix cache asked") and "; prompt compression auto asked" in both
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("half", "'half' is not allowed: allowed off, auto or a ratio in (0, 1]"),
+    ("1.5", "1.5 is out of range: allowed off, auto or a ratio in (0, 1]"),
+    ("0", "0 is out of range: allowed off, auto or a ratio in (0, 1]"),
+    ("nan", "nan is out of range"),
+])
+def test_bench_bad_prompt_compression_is_one_line(text, needle, tmp_path, capsys):
+    """A bad --prompt-compression: one line naming the value and what is allowed, exit 2, before
+    any model is read (the model path does not exist)."""
+    from workbench.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--prompt-compression", text, "--model", str(tmp_path / "absent.gguf")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("workbench bench: error: argument --prompt-compression: "), err
+    assert needle in err, err

@@ -432,7 +432,7 @@ def test_a_parameter_added_later_does_not_split_old_runs_off():
     if it had their defaults (pages.toml param_defaults), a run with another value is apart."""
     page = next(p for p in load_pages().ablations if p.name == "bench")
     old = {"backend": "torch", "prompt_len": 512, "gen": 128, "concurrency": [1, 2]}
-    new = {**old, "prefix_cache": True, "shared_prefix_len": 0, "kv_pool_tokens": "auto",
+    new = {**old, "prefix_cache": True, "shared_prefix_len": 0, "kv_resident_tokens": "auto",
            "head_matmul": "default", "triton_options": "default"}
     assert measurement_params(old, page) == measurement_params(new, page)
     assert measurement_params({**new, "shared_prefix_len": 2048}, page) != measurement_params(old, page)

@@ -15,7 +15,7 @@ def plan(decode=(), chunks=()):
 
 
 def paged_memory(pool_tokens=64, **config):
-    config = EngineConfig(memory_budget_bytes=1 << 30, kv_pool_tokens=pool_tokens, admission_headroom_tokens=0,
+    config = EngineConfig(memory_budget_bytes=1 << 30, kv_resident_tokens=pool_tokens, admission_headroom_tokens=0,
                           **config)
     return PagedMemory(config, FakePagedRunner(slot_capacity=400), 1 << 30, 400)
 

@@ -71,7 +71,7 @@ def test_a_pool_too_small_preempts_and_recomputes_bitwise(tiny_model, prefix_cac
     m = tiny_model("llama", "bfloat16")
     prompts = [_ids(150 + 20 * i, seed=i) for i in range(4)]
     # 4 pages of 256 positions; each request grows to ~350-410 positions (2 pages): 8 > 4
-    e = _engine(m, 4, kv_pool_tokens=4 * 256, prefix_cache=prefix_cache, chunk_size=64)
+    e = _engine(m, 4, kv_resident_tokens=4 * 256, prefix_cache=prefix_cache, chunk_size=64)
     handles = [e.submit(p, max_tokens=200, temperature=temperature, top_k=40 if temperature else None,
                         seed=7 if temperature else None, index=i, ignore_eos=True) for i, p in enumerate(prompts)]
     e.run_until_done()
@@ -86,13 +86,13 @@ def test_a_pool_too_small_preempts_and_recomputes_bitwise(tiny_model, prefix_cac
 
 def test_a_request_that_never_fits_is_refused_at_submit(tiny_model):
     m = tiny_model("llama", "bfloat16")
-    e = _engine(m, 2, kv_pool_tokens=512)
+    e = _engine(m, 2, kv_resident_tokens=512)
     with pytest.raises(WorkbenchError, match=r"KV pool holds 2 pages \(512 tokens\)"):
         e.submit(_ids(400, seed=1), max_tokens=200)
     r = e.submit(_ids(300, seed=2), max_tokens=5, ignore_eos=True).result()  # still serving
     _same(r, _reference(m, _ids(300, seed=2), 5))
-    with pytest.raises(WorkbenchError, match="kv_pool_tokens=0 is out of range"):
-        workbench.EngineConfig(kv_pool_tokens=0)
+    with pytest.raises(WorkbenchError, match="kv_resident_tokens=0 is out of range"):
+        workbench.EngineConfig(kv_resident_tokens=0)
     with pytest.raises(WorkbenchError, match="admission_headroom_tokens=-1 is out of range"):
         workbench.EngineConfig(admission_headroom_tokens=-1)
     with pytest.raises(WorkbenchError, match="prefix_cache=1 is not allowed"):
@@ -157,7 +157,7 @@ def test_sliding_pages_are_freed_past_the_window(tiny_model):
 
 def test_telemetry_frames_have_the_page_columns(tiny_model):
     m = tiny_model("llama", "bfloat16")
-    e = _engine(m, 2, kv_pool_tokens=3 * 256, chunk_size=64, prefix_cache=False)
+    e = _engine(m, 2, kv_resident_tokens=3 * 256, chunk_size=64, prefix_cache=False)
     e.generate([_ids(200, seed=i) for i in range(2)], max_tokens=120, ignore_eos=True)
     steps = e.telemetry.steps()
     for col in ("pages_used", "pages_free", "pages_cached", "pages_allocated", "pages_freed",
@@ -181,7 +181,7 @@ def test_soak_arrivals_cancels_preemptions_and_hits(tiny_model, data):
     n_slots = data.draw(st.integers(1, 5))
     pool_pages = data.draw(st.integers(2, 6))
     chunk = data.draw(st.sampled_from([None, 16, 100]))
-    e = _engine(m, n_slots, kv_pool_tokens=256 * pool_pages, chunk_size=chunk,
+    e = _engine(m, n_slots, kv_resident_tokens=256 * pool_pages, chunk_size=chunk,
                 prefix_cache=data.draw(st.booleans()), admission_headroom_tokens=data.draw(st.sampled_from([0, 256])))
     shared = _ids(300, seed=77)
     n_req = data.draw(st.integers(1, 7))
@@ -219,7 +219,7 @@ def test_real_model_prefix_hits_past_the_512_window(real_model_bf16):
     text = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog number {i * 7}." for i in range(70))
     shared = m.tokenize(text)[:790]
     prompts = [shared + m.tokenize(s, add_bos=False) for s in (" In short,", " The last item", " Count:")]
-    e = _engine(m, 3, kv_pool_tokens=12 * 256, chunk_size=256)
+    e = _engine(m, 3, kv_resident_tokens=12 * 256, chunk_size=256)
     e.submit(shared + [4], max_tokens=1, ignore_eos=True).result()
     results = e.generate(prompts, max_tokens=8, ignore_eos=True)
     assert all(r.cached_tokens == 768 for r in results)

@@ -15,7 +15,7 @@ from workbench.scheduler import Request
 def paged(pool_tokens, budget=1 << 30, **config):
     runner = FakePagedRunner(slot_capacity=400)
     config.setdefault("admission_headroom_tokens", 0)
-    return make(runner, budget=budget, kv_pool_tokens=pool_tokens, **config)
+    return make(runner, budget=budget, kv_resident_tokens=pool_tokens, **config)
 
 
 def check_paged(sched, plan) -> None:
@@ -65,7 +65,7 @@ def test_a_request_that_never_fits_the_pool_is_refused_in_one_line():
 
 
 def test_a_budget_too_small_for_the_pool_is_refused():
-    with pytest.raises(WorkbenchError, match="kv_pool_tokens=64000 .* exceeds the memory budget"):
+    with pytest.raises(WorkbenchError, match="kv_resident_tokens=64000 .* exceeds the memory budget"):
         paged(64000, budget=1 << 20)
 
 

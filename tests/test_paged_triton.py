@@ -131,7 +131,7 @@ def test_a_pool_too_small_preempts_and_recomputes_bitwise(tiny_model):
     re-prefills its prompt and tokens, and both are bitwise their solo runs, tokens and logits.
     Their decode steps take the graph path (two rows in a bucket of two)."""
     m = _llama(tiny_model)
-    e = _engine(m, 2, kv_pool_tokens=2 * PAGE)
+    e = _engine(m, 2, kv_resident_tokens=2 * PAGE)
     names = ("p0", "p1")
     hs = [_submit(e, n) for n in names]
     e.run_until_done()
@@ -235,7 +235,7 @@ def test_run_ahead_keeps_released_pages_fenced(tiny_model):
     next step is done; the page then serves the other request's growth into its second page
     (no launch ahead across that boundary, one after it), and the tokens are the solo run's."""
     m = _llama(tiny_model)
-    e = _engine(m, 2, keep_logits=False, kv_pool_tokens=2 * PAGE)
+    e = _engine(m, 2, keep_logits=False, kv_resident_tokens=2 * PAGE)
     keep, drop = _submit(e, "p0"), _submit(e, "q")
     e.step()  # the prefills
     e.step()  # a decode step, the next one launched ahead
@@ -261,7 +261,7 @@ def test_a_preempted_hit_comes_back_through_the_cache(tiny_model):
     page going back to the cache, and once p0 is done r1 is admitted again through a second hit
     and recomputes only its own positions. All three are bitwise their solo runs."""
     m = _llama(tiny_model)
-    e = _engine(m, 3, kv_pool_tokens=3 * PAGE)
+    e = _engine(m, 3, kv_resident_tokens=3 * PAGE)
     p0, r0 = _submit(e, "p0"), _submit(e, "r0")
     e.step()
     e.step()  # r0's last token: its shared page is cached
@@ -298,7 +298,7 @@ def test_soak_arrivals_cancels_preemptions_and_hits(tiny_model, slots, pages, gr
     cancelled. (No shrinking: under the interpreter an example takes about 10 s of CPU. A
     request too large for the pool is refused at submit: tests/test_paged_engine.py.)"""
     m = _llama(tiny_model)
-    e = _engine(m, slots, graphs=graphs, kv_pool_tokens=PAGE * pages, chunk_size=chunk, prefix_cache=prefix_cache,
+    e = _engine(m, slots, graphs=graphs, kv_resident_tokens=PAGE * pages, chunk_size=chunk, prefix_cache=prefix_cache,
                 admission_headroom_tokens=headroom)
     names = ["p0", *others]
     handles = serve_arrivals(e, lambda i: _submit(e, names[i]), arrive, cancel_at, 100,

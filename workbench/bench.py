@@ -3,8 +3,11 @@
 For each concurrency C and repeat, C distinct prompts of `prompt_len` tokens run together for
 `gen` tokens each (EOS ignored). Reported per measurement, in the shape of seed 000's table:
 
-- prefill tok/s: the prompt tokens the run prefilled (less those served from the prefix cache,
-  plus those prefilled again after a preemption) over the time until the last slot's first token;
+- prefill tok/s: the prompt tokens the run prefilled (the effective prompts, after prompt
+  compression, less those served from the prefix cache, plus those prefilled again after a
+  preemption) over the time until the last slot's first token (which includes the scoring);
+- prompt tokens raw and effective: what was submitted and what was admitted (they differ only
+  with `--prompt-compression`; `num_compressed` counts the requests that were compressed);
 - decode tok/s aggregate: tokens produced by pure decode steps over those steps' time, each
   from its start to the next step's start (all the host spends on it), and per stream
   (aggregate / C);
@@ -53,17 +56,22 @@ def bench_prompts(model, num: int, prompt_len: int, shared_prefix_len: int = 0) 
 
 
 def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | None, policy: str = "decode-first",
-            backend: str = "torch", head_matmul: str | None = None, triton=None, kv_pool_tokens: int | None = None,
-            prefix_cache: bool = True, shared_prefix_len: int = 0):
+            backend: str = "torch", head_matmul: str | None = None, triton=None, kv_resident_tokens: int | None = None,
+            prefix_cache: bool = True, shared_prefix_len: int = 0, prompt_compression: str | float = "off",
+            kv_host_tokens: int | None = None, preemption: str = "swap", residency_quantum: int = 32):
     """One measurement. ``triton``: the triton backend's ``TritonOptions`` (None: the defaults).
-    ``kv_pool_tokens`` / ``prefix_cache``: the paged runners' pool and prefix cache (EngineConfig);
-    ``shared_prefix_len``: every prompt starts with the same that many tokens."""
+    ``kv_resident_tokens`` / ``prefix_cache``: the paged runners' pool and prefix cache (EngineConfig);
+    ``shared_prefix_len``: every prompt starts with the same that many tokens;
+    ``prompt_compression``: EngineConfig's ("off", "auto" or a kept ratio); ``kv_host_tokens``,
+    ``preemption``, ``residency_quantum``: host backing's (EngineConfig)."""
     from .engine import Engine
     from .engine_config import EngineConfig, TritonOptions
 
     cfg = EngineConfig(max_concurrency=concurrency, chunk_size=chunk, policy=policy, dtype=model.dtype_name,
                        backend=backend, head_matmul=head_matmul, triton=triton or TritonOptions(),
-                       kv_pool_tokens=kv_pool_tokens, prefix_cache=prefix_cache)
+                       kv_resident_tokens=kv_resident_tokens, prefix_cache=prefix_cache,
+                       prompt_compression=prompt_compression, kv_host_tokens=kv_host_tokens,
+                       preemption=preemption, residency_quantum=residency_quantum)
     engine = Engine(model, cfg)
     prompts = bench_prompts(model, concurrency + 1, prompt_len, shared_prefix_len)
     prime, prompts = prompts[-1], prompts[:-1]
@@ -92,12 +100,14 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
     dec_tokens = int(dec["decode_rows"].sum()) if dec.height else 0
     dec_s = float(dec["span_s"].sum()) if dec.height else 0.0
     last_first = max(r.first_token_at for r in results)
-    # Prefill tok/s counts the tokens the run prefilled: each prompt's tokens less those served
-    # from the prefix cache, plus those prefilled again after a preemption (recomputation is
-    # prefill work the run did, and its time is in the span). The span ends at the last slot's
-    # first token, so a recomputation after it (a slot preempted once it had its first token)
-    # is counted without its time: a run with preemptions (num_preemptions > 0) may overstate it.
-    prefill_tokens = sum(r.num_prompt_tokens - r.cached_tokens + r.recomputed_tokens for r in results)
+    # Prefill tok/s counts the tokens the run prefilled: each effective prompt's tokens (the
+    # admitted prompt, after compression) less those served from the prefix cache, plus those
+    # prefilled again after a preemption (recomputation is prefill work the run did, and its
+    # time is in the span). The span ends at the last slot's first token, so a recomputation
+    # after it (a slot preempted once it had its first token) is counted without its time: a run
+    # with preemptions (num_preemptions > 0) may overstate it. Compression's scoring runs at
+    # submit, so its time is in the span too (compress_s says how much).
+    prefill_tokens = sum(r.effective_prompt_tokens - r.cached_tokens + r.recomputed_tokens for r in results)
     prefill_s = last_first - t0
     ttfts = [r.ttft_s for r in results]
     paged = "prefix_hit_tokens" in steps.columns and steps["pages_used"].null_count() < steps.height
@@ -105,10 +115,17 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
     def total(col: str):  # (proof of activation: what the paged state really did; None where unpaged)
         return int(steps[col].fill_null(0).sum()) if paged else None
     agg = dec_tokens / dec_s if dec_s > 0 else 0.0
+    scored = [r.compression.scores for r in results if r.compression is not None and r.compression.scores]
     return {
         "prefill_tok_s": prefill_tokens / prefill_s,
         "prefill_tokens": prefill_tokens,
         "prefill_s": prefill_s,
+        "raw_prompt_tokens": sum(r.raw_prompt_tokens for r in results),  # as submitted (what usage bills)
+        "effective_prompt_tokens": sum(r.effective_prompt_tokens for r in results),  # as admitted
+        # (proof of activation: the requests that compression shortened; None where it was off)
+        "num_compressed": (None if prompt_compression == "off"
+                           else sum(r.compression is not None and r.compression.compressed for r in results)),
+        "compress_s": sum(sc.scorer_s for sc in scored) if scored else None,  # the scorer's time, in prefill_s
         "decode_tok_s_aggregate": agg,
         "decode_tok_s_per_stream": agg / concurrency,
         "ttft_s_mean": statistics.fmean(ttfts),
@@ -127,6 +144,15 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
         "num_preemptions": total("num_preemptions"),
         "pages_allocated": total("pages_allocated"),
         "pages_used_max": int(steps["pages_used"].max()) if paged else None,
+        # host backing (None without a host store): pages and bytes moved, requests paged out,
+        # the transfers' time, and the longest run of steps a request waited admitted
+        "pages_out": total("pages_out") if kv_host_tokens else None,
+        "pages_in": total("pages_in") if kv_host_tokens else None,
+        "bytes_out": total("bytes_out") if kv_host_tokens else None,
+        "bytes_in": total("bytes_in") if kv_host_tokens else None,
+        "num_swaps": total("swaps_out") if kv_host_tokens else None,
+        "transfer_ms": float(steps["transfer_ms"].fill_null(0).sum()) if kv_host_tokens else None,
+        "max_wait_steps": max(r.max_wait_steps for r in results),
         "weight_bytes": engine.runner.step_weight_bytes,  # read per decode step: the floor's bytes
         "resident_weight_bytes": engine.runner.fixed_bytes,
     }, [r.token_ids for r in results]
@@ -134,19 +160,27 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
 
 def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk: int | None,
               repeats: int, data_dir: str, backend: str = "torch", head_matmul: str | None = None,
-              triton=None, kv_pool_tokens: int | None = None, prefix_cache: bool = True,
-              shared_prefix_len: int = 0, progress=print) -> tuple[object, list[dict]]:
+              triton=None, kv_resident_tokens: int | None = None, prefix_cache: bool = True,
+              shared_prefix_len: int = 0, prompt_compression: str | float = "off",
+              kv_host_tokens: int | None = None, preemption: str = "swap", residency_quantum: int = 32,
+              progress=print) -> tuple[object, list[dict]]:
     """``triton``: the triton backend's ``TritonOptions`` for every engine of the run (None: the
-    defaults); the run's params record the options that differ from them (``triton_options``)."""
+    defaults); the run's params record the options that differ from them (``triton_options``).
+    ``prompt_compression``: EngineConfig's, for every engine of the run."""
     from .engine_config import EngineConfig, TritonOptions
     from .hardware import measure_copy_bandwidth
     from .runstore import RunStore
 
     # (a bad combination: one line, before any work)
     config = EngineConfig(backend=backend, head_matmul=head_matmul, triton=triton or TritonOptions(),
-                          kv_pool_tokens=kv_pool_tokens, prefix_cache=prefix_cache)
-    # (head_matmul included in triton: EngineConfig keeps the two in step)
-    opts = dict(triton=config.triton, kv_pool_tokens=kv_pool_tokens, prefix_cache=prefix_cache)
+                          kv_resident_tokens=kv_resident_tokens, prefix_cache=prefix_cache,
+                          prompt_compression=prompt_compression, kv_host_tokens=kv_host_tokens,
+                          preemption=preemption, residency_quantum=residency_quantum)
+    # (head_matmul included in triton: EngineConfig keeps the two in step; the ratio as a float)
+    opts = dict(triton=config.triton, kv_resident_tokens=kv_resident_tokens, prefix_cache=prefix_cache,
+                prompt_compression=config.prompt_compression, kv_host_tokens=kv_host_tokens,
+                preemption=preemption, residency_quantum=residency_quantum)
+    compression = compression_text(config.prompt_compression)
     # the one check of the shared prefix's range (bench_prompts relies on it): here, before the
     # bandwidth probe, the warm-up and the run store, for the CLI and callers alike
     if not 0 <= shared_prefix_len < prompt_len:
@@ -168,9 +202,13 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
         "gen": gen,
         "chunk": chunk if chunk is not None else "auto",
         "repeats": repeats,
-        "kv_pool_tokens": kv_pool_tokens if kv_pool_tokens is not None else "auto",
+        "kv_resident_tokens": kv_resident_tokens if kv_resident_tokens is not None else "auto",
         "prefix_cache": prefix_cache,
         "shared_prefix_len": shared_prefix_len,
+        "prompt_compression": compression,
+        "kv_host_tokens": kv_host_tokens if kv_host_tokens is not None else "none",
+        "preemption": preemption,
+        "residency_quantum": residency_quantum,
     }
     from .cli import format_duration
 
@@ -179,7 +217,8 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
     progress(f"bench: {num} measurement{'s' if num != 1 else ''} (concurrency {','.join(map(str, concurrency))}"
              f" x {repeats} repeat{'s' if repeats != 1 else ''}), prompt {prompt_len} tokens, gen {gen} tokens, "
              f"backend {backend}, {model.dtype_name}"
-             + (f", triton options {options_text(config.triton)}" if config.triton.changed() else ""))
+             + (f", triton options {options_text(config.triton)}" if config.triton.changed() else "")
+             + (f", prompt compression {compression}" if compression != "off" else ""))
     import torch
 
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
@@ -208,15 +247,20 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
                     "fraction_of_floor": m["decode_tok_s_aggregate"] / floor,
                     "matches_solo": None if solo_tokens is None else toks[0] == solo_tokens,
                 }
-                row["flag"] = activation_flag(row, prefix_cache=prefix_cache, shared_prefix_len=shared_prefix_len)
+                row["flag"] = activation_flag(row, prefix_cache=prefix_cache, shared_prefix_len=shared_prefix_len,
+                                              prompt_compression=config.prompt_compression,
+                                              host_backing=kv_host_tokens is not None)
                 rows.append(row)
                 if row["flag"]:
                     progress(f"bench: FLAGGED: {row['flag']}")
                 exact = {None: "", True: ", exact vs solo", False: ", DIFFERS from solo"}[row["matches_solo"]]
+                kept = (f", prompt tokens {m['effective_prompt_tokens']} of {m['raw_prompt_tokens']} admitted"
+                        if config.prompt_compression != "off" else "")
                 progress(
                     f"[{len(rows)}/{num}] concurrency {c}, prompt {prompt_len}, repeat {r + 1}/{repeats}: "
                     f"decode {m['decode_tok_s_aggregate']:.1f} tok/s aggregate ({row['fraction_of_floor']:.2f} of "
-                    f"the floor), prefill {m['prefill_tok_s']:.1f} tok/s, TTFT max {m['ttft_s_max']:.2f} s{exact} "
+                    f"the floor), prefill {m['prefill_tok_s']:.1f} tok/s, TTFT max {m['ttft_s_max']:.2f} s"
+                    f"{kept}{exact} "
                     f"({format_duration(time.perf_counter() - t_measure)})"
                 )
         run.write_rows("summary", rows)
@@ -224,15 +268,33 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
     return run, rows
 
 
-def activation_flag(row: dict, *, prefix_cache: bool, shared_prefix_len: int) -> str | None:
+def activation_flag(row: dict, *, prefix_cache: bool, shared_prefix_len: int,
+                    prompt_compression: str | float = "off", host_backing: bool = False) -> str | None:
     """Why a measurement that asked for a feature shows none of it (None when each asked-for
-    feature ran): a shared prefix with the cache on must show prefix-hit tokens, on a paged runner."""
+    feature ran; each feature's reason, joined by "; ", when several did not): a shared prefix
+    with the cache on must show prefix-hit tokens, on a paged runner; prompt compression must
+    have compressed at least one request ("auto" leaves prompts below its threshold whole); host
+    backing must have paged a page out or recomputed a request (else the pool held everything)."""
+    why = []
     if shared_prefix_len and prefix_cache:
         if not row.get("paged"):
-            return "a shared prefix with the prefix cache asked, but the runner is not paged (no prefix cache ran)"
-        if not row.get("prefix_hit_tokens"):
-            return "a shared prefix with the prefix cache asked, but no prompt token came from the cache"
-    return None
+            why.append("a shared prefix with the prefix cache asked, but the runner is not paged (no prefix cache ran)")
+        elif not row.get("prefix_hit_tokens"):
+            why.append("a shared prefix with the prefix cache asked, but no prompt token came from the cache")
+    if prompt_compression != "off" and not row.get("num_compressed"):
+        whole = ("auto leaves a prompt below its threshold whole" if prompt_compression == "auto"
+                 else "a prompt too short for the ratio to drop a whole block is admitted whole")
+        why.append(f"prompt compression {compression_text(prompt_compression)} asked, but no prompt was "
+                   f"compressed ({whole})")
+    if host_backing and not (row.get("pages_out") or row.get("num_preemptions")):
+        why.append("host backing asked, but no page was paged out and no request recomputed (the resident "
+                   "pool held every request's KV: lower --kv-resident-tokens or raise the concurrency)")
+    return "; ".join(why) or None
+
+
+def compression_text(mode: str | float) -> str:
+    """'off', 'auto' or the ratio as the request records write it (0.5 -> '0.5', 1.0 -> '1')."""
+    return mode if isinstance(mode, str) else f"{mode:g}"
 
 
 def options_text(options) -> str:
@@ -281,8 +343,10 @@ def _cmd_bench(args) -> int:
     run, rows = run_bench(model, concurrency=args.concurrency, prompt_len=args.prompt_len, gen=args.gen,
                           chunk=args.chunk, repeats=args.repeats, data_dir=args.data_dir, backend=args.backend,
                           head_matmul=args.head_matmul, triton=args.triton_options,
-                          kv_pool_tokens=args.kv_pool_tokens, prefix_cache=args.prefix_cache,
-                          shared_prefix_len=args.shared_prefix_len,
+                          kv_resident_tokens=args.kv_resident_tokens, prefix_cache=args.prefix_cache,
+                          shared_prefix_len=args.shared_prefix_len, prompt_compression=args.prompt_compression,
+                          kv_host_tokens=args.kv_host_tokens, preemption=args.preemption,
+                          residency_quantum=args.residency_quantum,
                           progress=progress if args.progress else lambda line: None)
     print(format_table(rows))
     if args.shared_prefix_len:
@@ -291,6 +355,17 @@ def _cmd_bench(args) -> int:
             print(f"shared prefix {args.shared_prefix_len}, concurrency {r['concurrency']}: TTFT alone and cold "
                   f"{r['ttft_s_cold']:.3f} s, measured requests {hit:.3f} s mean ({r['ttft_s_cold'] / hit:.1f}x), "
                   f"prefix-hit tokens {r['prefix_hit_tokens']}" + (f" -- FLAGGED: {r['flag']}" if r["flag"] else ""))
+    if args.prompt_compression != "off":
+        for r in rows:
+            print(f"prompt compression {compression_text(args.prompt_compression)}, concurrency {r['concurrency']}: prompt tokens "
+                  f"{r['raw_prompt_tokens']} raw, {r['effective_prompt_tokens']} admitted, {r['num_compressed']} of "
+                  f"{r['concurrency']} requests compressed" + (f" -- FLAGGED: {r['flag']}" if r["flag"] else ""))
+    if args.kv_host_tokens is not None:
+        for r in rows:
+            print(f"host backing, concurrency {r['concurrency']}: pages out/in {r['pages_out']}/{r['pages_in']} "
+                  f"({(r['bytes_out'] + r['bytes_in']) / 2**20:.1f} MiB, {r['transfer_ms']:.1f} ms), requests paged out "
+                  f"{r['num_swaps']} times, recomputed {r['num_preemptions']}, longest wait {r['max_wait_steps']} steps"
+                  + (f" -- FLAGGED: {r['flag']}" if r["flag"] else ""))
     print(f"results: {run.path}")
     return 0
 
@@ -307,11 +382,32 @@ def _triton_options(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _prompt_compression(text: str) -> str | float:
+    """--prompt-compression's type: off, auto or a ratio, as `compression.check_ratio` allows."""
+    import argparse
+
+    from .compression import check_ratio
+    from .errors import ConfigError
+
+    allowed = "allowed off, auto or a ratio in (0, 1]"
+    try:
+        value = text if text in ("off", "auto") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed: {allowed}") from None
+    try:
+        return check_ratio(value)
+    except ConfigError:
+        raise argparse.ArgumentTypeError(f"{text} is out of range: {allowed}") from None
+
+
 def register_cli(sub) -> None:
     from dataclasses import fields
 
     from .cli import add_model_args, int_list, int_range
-    from .engine_config import HEAD_MATMULS, TritonOptions
+    from .compression import CompressionOptions
+    from .engine_config import HEAD_MATMULS, PREEMPTIONS, EngineConfig, TritonOptions
+
+    auto = CompressionOptions()  # (--prompt-compression's help: the auto threshold and target)
 
     p = sub.add_parser(
         "bench", help="throughput at several concurrencies (tidy parquet in the run store)",
@@ -340,7 +436,7 @@ def register_cli(sub) -> None:
                         f"{', '.join(f.name for f in fields(TritonOptions))}), e.g. 'pdl=false,attn_segment=32'; "
                         "booleans true/false, layer_forms as Q8_0:gemv+Q4_K:mma (default: the measured best, "
                         "docs/GPU_NOTES.md)")
-    p.add_argument("--kv-pool-tokens", type=int_range(1), default=None, metavar="N",
+    p.add_argument("--kv-resident-tokens", type=int_range(1), default=None, metavar="N",
                    help="positions each global KV group's page pool holds (a sliding group's: what every "
                         "slot's window spans; default: what the memory budget allows)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
@@ -348,5 +444,17 @@ def register_cli(sub) -> None:
     p.add_argument("--shared-prefix-len", type=int_range(0), default=0, metavar="N",
                    help="every prompt starts with the same N tokens (a shared system prompt); one request "
                         "with it runs alone first, and its TTFT is recorded as ttft_s_cold (0: no shared prefix)")
+    p.add_argument("--kv-host-tokens", type=int_range(1), default=None, metavar="N",
+                   help="host backing: positions of each global KV group's host store (requests beyond the "
+                        "resident pool are admitted and turn over, paged out to it; default: none)")
+    p.add_argument("--preemption", default=EngineConfig.preemption, choices=list(PREEMPTIONS),
+                   help="host backing: a request evicted for pages is paged out (swap) or recomputed")
+    p.add_argument("--residency-quantum", type=int_range(1), default=EngineConfig.residency_quantum, metavar="STEPS",
+                   help="host backing: steps a paged-in request runs before it may be paged out for a waiting one")
+    p.add_argument("--prompt-compression", type=_prompt_compression, default=EngineConfig.prompt_compression,
+                   metavar="off|auto|RATIO",
+                   help="compress each prompt before admission (PFlash, workbench/compression.py): auto (prompts "
+                        f"of {auto.auto_min_tokens}+ tokens keep about {auto.auto_kept_tokens}) or the fraction "
+                        "kept, in (0, 1]; prefill tok/s then counts the admitted tokens")
     add_model_args(p)
     p.set_defaults(func=_cmd_bench)

@@ -12,6 +12,11 @@
 
 The streaming form is cooperative: iterating a handle's tokens drives `step()` until that
 request has something new, so every other admitted request advances at the same time.
+
+With `EngineConfig(prompt_compression=...)` a prompt is compressed once at submit, before the
+scheduler sees it (workbench/compression.py): the scheduler admits and prefills the kept
+tokens, the result keeps the raw prompt (`prompt_ids`, what usage bills) beside the admitted
+one (`effective_prompt_ids`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Hashable, Iterator, Sequence
 import psutil
 import torch
 
+from .compression import CompressedPrompt, PromptCompressor
 from .engine_config import EngineConfig
 from .errors import WorkbenchError
 from .model import Model
@@ -52,10 +58,25 @@ class GenerationResult:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (OpenAI's cached_tokens)
     num_preemptions: int = 0
     recomputed_tokens: int = 0  # tokens re-prefilled after preemptions
+    num_swaps: int = 0  # times paged out to the host store (host backing)
+    max_wait_steps: int = 0  # the most steps in a row it waited, admitted, after its first step
+    # the prompt the scheduler admitted: prompt_ids after compression (None: prompt_ids itself)
+    effective_prompt_ids: list[int] | None = field(repr=False, default=None)
+    compression: CompressedPrompt | None = field(repr=False, default=None)  # None: compression off
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def raw_prompt_tokens(self) -> int:
+        """The prompt as submitted: what usage bills (seed 002 billed raw)."""
+        return len(self.prompt_ids)
+
+    @property
+    def effective_prompt_tokens(self) -> int:
+        """The prompt as admitted and prefilled (after compression)."""
+        return len(self.prompt_ids if self.effective_prompt_ids is None else self.effective_prompt_ids)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -74,7 +95,7 @@ class GenerationResult:
         if self.first_token_at is None or self.prefill_started_at is None:
             return 0.0
         dt = self.first_token_at - self.prefill_started_at
-        return self.num_prompt_tokens / dt if dt > 0 else 0.0
+        return self.effective_prompt_tokens / dt if dt > 0 else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -93,9 +114,12 @@ class GenerationResult:
 class _Live:
     """An admitted or waiting request's engine-side state: sampling, stream, timing."""
 
-    def __init__(self, rid, prompt_ids, params: SamplingParams, index: int, submitted_at: float):
+    def __init__(self, rid, prompt_ids, params: SamplingParams, index: int, submitted_at: float,
+                 compression: CompressedPrompt | None = None):
         self.rid = rid
         self.prompt_ids = list(prompt_ids)
+        self.compression = compression
+        self.effective_ids = list(compression.kept_ids) if compression is not None else self.prompt_ids
         self.params = params
         self.generator = make_generator(params.seed, index)
         self.submitted_at = submitted_at
@@ -170,6 +194,12 @@ class Engine:
         self.scheduler = Scheduler(config, self.runner, budget_bytes=budget)
         if self.scheduler.paged:
             self.runner.init_kv_pool(self.scheduler.kv_pool_pages)
+            if self.scheduler.kv_host_pages:
+                self.runner.init_host_store(self.scheduler.kv_host_pages)
+        # prompt compression (PFlash): the scorer is loaded once; it runs on the CPU torch path
+        # whatever the backend (a device scorer is future work: workbench/compression.py)
+        self.compressor = (None if config.prompt_compression == "off"
+                           else PromptCompressor(model, config.prompt_compression, config.compression))
         self.telemetry = Telemetry()
         self._live: dict[Hashable, _Live] = {}
         self._ids = itertools.count()
@@ -211,9 +241,13 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._live:
             raise WorkbenchError(f"request {rid!r} already exists")
-        req = Request(rid, tuple(ids), max_tokens, params, () if ignore_eos else self.stop_ids)
+        submitted_at = time.perf_counter()  # (a compressed request's TTFT includes its scoring)
+        # prepared once, before the scheduler sees it: the scheduler admits the effective prompt
+        compressed = self.compressor.compress(ids) if self.compressor is not None else None
+        admitted = compressed.kept_ids if compressed is not None else tuple(ids)
+        req = Request(rid, admitted, max_tokens, params, () if ignore_eos else self.stop_ids)
         self.scheduler.add(req)
-        self._live[rid] = _Live(rid, ids, params, index, time.perf_counter())
+        self._live[rid] = _Live(rid, ids, params, index, submitted_at, compressed)
         return RequestHandle(self, rid)
 
     def cancel(self, request_id: Hashable) -> None:
@@ -257,6 +291,9 @@ class Engine:
             plan = self.scheduler.schedule(self._step_index)
         if plan is None:
             return []
+        moves = self.scheduler.page_moves(plan)
+        if moves:  # host backing: page-outs, then page-ins, before anything reads the pages
+            self.runner.move_pages(moves)
         forwards = self.scheduler.forwards(plan)
         max_ctx = self.scheduler.max_contexts()
         logits = {}
@@ -329,8 +366,13 @@ class Engine:
             cached_tokens=ev.cached_tokens,
             num_preemptions=ev.num_preemptions,
             recomputed_tokens=ev.recomputed_tokens,
+            num_swaps=ev.num_swaps,
+            max_wait_steps=ev.max_wait_steps,
+            effective_prompt_ids=live.effective_ids,
+            compression=live.compression,
         )
         r = live.result
+        cp = r.compression
         itl = r.inter_token_s
         self.telemetry.record_request({
             "request_id": str(r.request_id),
@@ -349,6 +391,15 @@ class Engine:
             "cached_tokens": r.cached_tokens,
             "num_preemptions": r.num_preemptions,
             "recomputed_tokens": r.recomputed_tokens,
+            "num_swaps": r.num_swaps,
+            "max_wait_steps": r.max_wait_steps,
+            # prompt compression: what was asked, whether it compressed (a request that asked
+            # and shows compressed=False was left whole: below the threshold, or too short)
+            "raw_prompt_tokens": r.raw_prompt_tokens,
+            "effective_prompt_tokens": r.effective_prompt_tokens,
+            "prompt_compression": "off" if cp is None else cp.asked,
+            "compressed": cp is not None and cp.compressed,
+            "compress_s": None if cp is None or cp.scores is None else cp.scores.scorer_s,
         })
 
     def _record_step(self, plan, num_forwards: int, t0: float, t1: float) -> None:
@@ -374,6 +425,10 @@ class Engine:
             "start_s": t0 - self._t_origin,
             "kv_bytes": self.scheduler.kv_bytes_in_use if self.scheduler.paged else self.runner.kv_bytes,
             "rss_bytes": self._proc.memory_info().rss,
+            # host backing: resident requests the plan left out (paged-out ones wait too), and the
+            # seconds the runner's page moves took that finished since the previous step
+            "deferred_seqs": self.scheduler.num_running - len(plan.slot_ids()),
+            "transfer_ms": 1e3 * self.runner.read_transfer_s() if self.scheduler.kv_host_pages else None,
             **self.scheduler.step_stats(),
         })
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
+from .compression import CompressionOptions, check_ratio
 from .errors import ConfigError
 from .planner import POLICIES
 from .runners.triton_options import HEAD_MATMULS, TritonOptions
@@ -20,6 +21,10 @@ __all__ = ["ConfigError", "EngineConfig", "HEAD_MATMULS", "TritonOptions"]
 MAX_CONCURRENCY = 64
 BACKENDS = ("torch", "triton")
 DTYPES = ("bfloat16", "float32")
+# "lru": the resident sequence paged in longest ago whose quantum has run. (Scoring pages by the
+# attention mass they received is issue 20's next slice: it needs partial residency.)
+EVICTIONS = ("lru",)
+PREEMPTIONS = ("swap", "recompute")
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,19 @@ class EngineConfig:
     # positions each global KV group's page pool holds; a sliding group's holds what every slot's
     # window spans plus a chunk (None: what the memory budget allows, at most max_concurrency
     # full contexts; workbench/memory.py)
-    kv_pool_tokens: int | None = None
+    kv_resident_tokens: int | None = None
+    # host backing (KVFlash, workbench/state/host.py): positions of each global KV group's host
+    # store (a sliding group's holds what every slot's window spans); None: no host store, a
+    # preempted request is recomputed
+    kv_host_tokens: int | None = None
+    # which resident sequence is paged out for one waiting to page in (EVICTIONS)
+    eviction: str = "lru"
+    # a request preempted for pages: "swap" (to the host store while it has room, else
+    # recompute) or "recompute" (re-prefill it later)
+    preemption: str = "swap"
+    # steps a paged-in sequence runs before it may be paged out for a waiting one (the fairness
+    # bound: a paged-out request waits about this many steps per turn of the resident set)
+    residency_quantum: int = 32
     prefix_cache: bool = True  # paged runners: share full prompt pages across requests
     # paged runners: a request is admitted when its prompt plus this many positions of pages are free
     admission_headroom_tokens: int = 256
@@ -46,6 +63,12 @@ class EngineConfig:
     # backend "triton" only: shorthand for triton=TritonOptions(head_matmul=...), kept in step
     # with triton.head_matmul (HEAD_MATMULS; None: the default form)
     head_matmul: str | None = None
+    # prompt compression before admission (workbench/compression.py): "off", "auto" (prompts of
+    # at least compression.auto_min_tokens keep about compression.auto_kept_tokens) or the
+    # fraction of each prompt kept, in (0, 1]
+    prompt_compression: str | float = "off"
+    # its options (scorer, query window, block size, sinks, auto threshold); with compression on only
+    compression: CompressionOptions = CompressionOptions()
 
     def __post_init__(self):
         _int_in_range("max_concurrency", self.max_concurrency, 1, MAX_CONCURRENCY)
@@ -54,8 +77,12 @@ class EngineConfig:
         _int_in_range("chunk_cap", self.chunk_cap, 1, None)
         _int_in_range("memory_budget_bytes", self.memory_budget_bytes, 1, None, optional=True)
         _int_in_range("max_batch_rows", self.max_batch_rows, 1, None)
-        _int_in_range("kv_pool_tokens", self.kv_pool_tokens, 1, None, optional=True)
+        _int_in_range("kv_resident_tokens", self.kv_resident_tokens, 1, None, optional=True)
         _int_in_range("admission_headroom_tokens", self.admission_headroom_tokens, 0, None)
+        _int_in_range("kv_host_tokens", self.kv_host_tokens, 1, None, optional=True)
+        _choice("eviction", self.eviction, EVICTIONS)
+        _choice("preemption", self.preemption, PREEMPTIONS)
+        _int_in_range("residency_quantum", self.residency_quantum, 1, None)
         if not isinstance(self.prefix_cache, bool):
             raise ConfigError(f"prefix_cache={self.prefix_cache!r} is not allowed: allowed True or False")
         _choice("policy", self.policy, POLICIES)
@@ -79,6 +106,13 @@ class EngineConfig:
             if self.triton != TritonOptions():
                 raise ConfigError(f"triton options ({', '.join(self.triton.changed())}) are the triton backend's: "
                                   f"allowed with backend='triton' only (backend={self.backend!r})")
+        object.__setattr__(self, "prompt_compression", check_ratio(self.prompt_compression))
+        if not isinstance(self.compression, CompressionOptions):
+            raise ConfigError(f"compression={self.compression!r} is not allowed: allowed a CompressionOptions "
+                              f"(workbench.compression)")
+        if self.prompt_compression == "off" and self.compression != CompressionOptions():
+            raise ConfigError("compression options are prompt compression's: allowed with prompt_compression "
+                              "'auto' or a ratio only (prompt_compression='off')")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EngineConfig":
@@ -92,11 +126,14 @@ class EngineConfig:
         d = dict(d)
         if isinstance(d.get("triton"), Mapping):  # (to_dict's form)
             d["triton"] = TritonOptions.from_dict(d["triton"])
+        if isinstance(d.get("compression"), Mapping):
+            d["compression"] = CompressionOptions.from_dict(d["compression"])
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["triton"] = self.triton.to_dict()
+        d["compression"] = self.compression.to_dict()
         return d
 
 

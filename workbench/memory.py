@@ -11,12 +11,11 @@ memory, and what a sequence hands back. The form is chosen by the runner (`Runne
   undone; the prefill chunk gets what the reservations leave.
 * `PagedMemory` (the runner reads KV through block tables): one page pool per KV group, sized
   once: a sliding group's pool holds what every slot's window spans plus a chunk's pages, a
-  global group's `EngineConfig.kv_pool_tokens` positions, else what the budget leaves after the
+  global group's `EngineConfig.kv_resident_tokens` positions, else what the budget leaves after the
   weights, a chunk's activations and the sliding pools (at most every slot's full context); and
   a `workbench.state.PageAllocator` over them, owned here. A request whose largest state can
   never fit the pool is refused at `add`. A request is admitted when the pages for its prompt
-  plus `admission_headroom_tokens` are available beyond those promised to the sequences already
-  admitted; its prompt's cached prefix (prefix cache) is taken by refcount and its prefill
+  plus `admission_headroom_tokens` are available; its prompt's cached prefix (prefix cache) is taken by refcount and its prefill
   starts after it.
   Each step, before anything runs, every planned segment gets its pages (`append`), oldest
   admission first; a prefill chunk that cannot get them all shrinks (chunk invariance makes any
@@ -36,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Hashable, Mapping, Protocol, Sequence
 from .engine_config import EngineConfig
 from .errors import WorkbenchError
 from .planner import StepPlan, format_bytes
-from .state import PageAllocator, PageCopy
+from .state import PageAllocator, PageCopy, PageMove
 
 if TYPE_CHECKING:
     from .scheduler import RunnerInfo
@@ -44,6 +43,10 @@ if TYPE_CHECKING:
 # the step record's memory columns; a form without pages reports them as None
 STEP_STAT_KEYS = ("pages_used", "pages_free", "pages_cached", "pages_allocated", "pages_freed",
                   "prefix_hit_tokens", "num_preemptions")
+# host backing's columns (PagedMemory with a host store; None without one): pages and bytes
+# moved to the host store and back, sequences paged out and in, held on the host now
+RESIDENCY_STAT_KEYS = ("pages_out", "pages_in", "bytes_out", "bytes_in", "swaps_out", "swaps_in",
+                       "paged_out_seqs", "host_pages_used")
 
 
 class CacheMemory(Protocol):
@@ -61,35 +64,7 @@ class CacheMemory(Protocol):
         """Raise when a request of `max_context` tokens could never run, even alone (at `add`)."""
 
     def admit(self, seq_id: Hashable, token_ids: Sequence[int], max_context: int) -> int | None:
-        """Admitted when the pages for `token_ids` (what it has to prefill, less its cached
-        prefix) plus the headroom are available, less the pages already promised: what the
-        admitted sequences still need to reach their own prompt plus headroom (they take their
-        pages as they prefill, so without this every slot would be admitted against the same
-        free pages and preempted again as their prefills grow)."""
-        alloc = self.allocator
-        match = alloc.match(token_ids)
-        n = min(len(token_ids) + self.config.admission_headroom_tokens, max_context)
-        need = alloc.pages_for_prompt(max(n, len(token_ids)), match, chunk=self.chunk_bound)
-        promised = self._promised()
-        if not alloc.can_add(match) or any(need[g] + promised[g] > pool.num_available
-                                           for g, pool in alloc.pools.items()):
-            return None
-        cached = alloc.add(seq_id, match)
-        self._targets[seq_id] = max(n, len(token_ids))
-        return cached
-
-    def _promised(self) -> dict[str, int]:
-        """Group -> pages the admitted sequences will still take to reach their admission
-        target (prompt plus headroom)."""
-        alloc = self.allocator
-        out = dict.fromkeys(alloc.pools, 0)
-        for seq_id, target in self._targets.items():
-            left = target - alloc.sequence(seq_id).length
-            if left > 0:  # (a sliding group's share: at most what its window and a chunk span)
-                for g, k in alloc.pages_needed(seq_id, left).items():
-                    live = alloc.layout.max_live_pages(g, target, self.chunk_bound)
-                    out[g] += max(0, min(k, live))
-        return out
+        """The tokens it prefills before its cached prefix: admitted, or None (not now)."""
 
     def fit(self, plan: StepPlan, seq_ids: Mapping[int, Hashable], fence: int | None) -> StepPlan | None:
         """Give every segment of `plan` its memory (`seq_ids`: slot -> sequence of every
@@ -185,7 +160,6 @@ class PagedMemory:
         self.chunk_bound = config.chunk_size or config.chunk_cap
         self._copies: dict[Hashable, tuple[PageCopy, ...]] = {}  # sequence -> copies for the fitted plan
         self._num_preemptions = 0  # since the previous step_stats()
-        self._targets: dict[Hashable, int] = {}  # admitted sequence -> positions admission counted for it
         layout = runner.state_layout
         P = layout.page_size
         fixed = runner.fixed_bytes
@@ -198,7 +172,7 @@ class PagedMemory:
         chunk_pages = -(-self.chunk_bound // P) + 1
         sliding = {g.name: config.max_concurrency * layout.max_live_pages(g.name, capacity) + chunk_pages
                    for g in layout.groups if g.sliding}
-        tokens = config.kv_pool_tokens
+        tokens = config.kv_resident_tokens
         if tokens is None:
             # what the budget leaves after the weights and a chunk's (plus the decode rows')
             # activations, at most every slot's full context: more would never be used
@@ -224,10 +198,25 @@ class PagedMemory:
         need = fixed + self.pool_bytes + runner.bytes_per_prefill_row
         if need > budget_bytes:
             raise WorkbenchError(
-                f"kv_pool_tokens={tokens} takes {format_bytes(self.pool_bytes)}; with the fixed "
+                f"kv_resident_tokens={tokens} takes {format_bytes(self.pool_bytes)}; with the fixed "
                 f"{format_bytes(fixed)} and one row it exceeds the memory budget {format_bytes(budget_bytes)}")
+        # the host store (host backing): a global group's kv_host_tokens positions, a sliding
+        # group's what every slot's window spans (a paged-out sequence holds at most that)
+        self.host_pages: dict[str, int] = {}
+        if config.kv_host_tokens is not None:
+            h = -(-config.kv_host_tokens // P)
+            self.host_pages = {g.name: config.max_concurrency * layout.max_live_pages(g.name, capacity)
+                               if g.sliding else h for g in layout.groups}
+        self.host_bytes = sum(k * layout.page_bytes(g) for g, k in self.host_pages.items())
+        self._moves: list[PageMove] = []  # this step's page-outs and page-ins, in order
+        self._targets: dict[Hashable, int] = {}  # host backing: admitted sequence -> its admission target
+        # admitted before their pages were free (admit_waiting): sequence -> (tokens, admission target)
+        self._waiting: dict[Hashable, tuple] = {}
+        self._swaps = [0, 0]  # sequences paged out, paged in since the previous step_stats()
+        self._bytes = [0, 0]  # bytes paged out, paged in since then
         self.allocator = PageAllocator(layout, self.pool_pages, prefix_cache=config.prefix_cache,
-                                       cache_key=runner.kv_cache_key)
+                                       cache_key=runner.kv_cache_key,
+                                       num_host_pages=self.host_pages or None)
 
     @property
     def reserved_bytes(self) -> int:
@@ -249,18 +238,44 @@ class PagedMemory:
                 raise WorkbenchError(
                     f"request {seq_id!r} needs {need} pages ({need * P} positions) of KV group "
                     f"{group!r} for {n} tokens but the KV pool holds {have} pages ({have * P} tokens): "
-                    f"raise kv_pool_tokens or lower max_tokens")
+                    f"raise kv_resident_tokens or lower max_tokens")
 
     def admit(self, seq_id: Hashable, token_ids: Sequence[int], max_context: int) -> int | None:
         """Admitted when the pages for `token_ids` (what it has to prefill, less its cached
-        prefix) plus the headroom are available."""
+        prefix) plus the headroom are available. With host backing, beyond those promised too:
+        what the admitted sequences still need to reach their own prompt plus headroom (they
+        take their pages as they prefill, so without this every slot would be admitted against
+        the same free pages, and those that get none in `fit` would wait without ever turning
+        over; host backing admits them waiting instead, `admit_waiting`). (Without host backing
+        the promise was measured and lost: scripts/capacity.py's mean concurrency fell from 4.18
+        to 3.48 on tests/test_capacity_script.py's workload, a promise holding pages a later
+        step frees; there a request that gets no pages simply waits.)"""
         alloc = self.allocator
         match = alloc.match(token_ids)
         n = min(len(token_ids) + self.config.admission_headroom_tokens, max_context)
         need = alloc.pages_for_prompt(max(n, len(token_ids)), match, chunk=self.chunk_bound)
-        if not alloc.can_add(match) or any(need[g] > pool.num_available for g, pool in alloc.pools.items()):
+        promised = self._promised() if self.has_host else dict.fromkeys(alloc.pools, 0)
+        if not alloc.can_add(match) or any(need[g] + promised[g] > pool.num_available
+                                           for g, pool in alloc.pools.items()):
             return None
-        return alloc.add(seq_id, match)
+        cached = alloc.add(seq_id, match)
+        if self.has_host:
+            self._targets[seq_id] = max(n, len(token_ids))
+        return cached
+
+    def _promised(self) -> dict[str, int]:
+        """Group -> pages the resident admitted sequences will still take to reach their
+        admission target (prompt plus headroom)."""
+        alloc = self.allocator
+        out = dict.fromkeys(alloc.pools, 0)
+        for seq_id, target in self._targets.items():
+            seq = alloc.sequence(seq_id)
+            left = target - seq.length
+            if left > 0 and seq.resident:  # (a sliding group's share: at most its window and a chunk)
+                for g, k in alloc.pages_needed(seq_id, left).items():
+                    live = alloc.layout.max_live_pages(g, target, self.chunk_bound)
+                    out[g] += max(0, min(k, live))
+        return out
 
     def fit(self, plan: StepPlan, seq_ids: Mapping[int, Hashable], fence: int | None) -> StepPlan | None:
         """A decode row gets its next position, a prefill chunk as many of its positions as fit
@@ -318,13 +333,77 @@ class PagedMemory:
         self.allocator.commit(seq_id, token_ids)
 
     def release(self, seq_id: Hashable, fence: int | None, *, preempted: bool = False) -> None:
-        self.allocator.free(seq_id, fence)
+        if self._waiting.pop(seq_id, None) is None:  # (one admitted waiting holds nothing)
+            self.allocator.free(seq_id, fence)
         self._targets.pop(seq_id, None)
         if preempted:
             self._num_preemptions += 1
 
     def retire(self, step_id: int) -> None:
         self.allocator.retire(step_id)
+
+    # -- host backing (workbench/state/host.py) ---------------------------------------------
+
+    @property
+    def has_host(self) -> bool:
+        return bool(self.host_pages)
+
+    def can_swap_out(self, seq_id: Hashable) -> bool:
+        return self.has_host and self.allocator.can_swap_out(seq_id)
+
+    def swap_out(self, seq_id: Hashable, fence: int | None) -> None:
+        """Page the sequence out: its private pages to the host store (the moves queue for the
+        step), its device pages released under `fence`."""
+        moves = self.allocator.swap_out(seq_id, fence)
+        self._moves += moves
+        self._swaps[0] += 1
+        self._bytes[0] += sum(self.allocator.layout.page_bytes(m.group) for m in moves)
+
+    def admit_waiting(self, seq_id: Hashable, token_ids: Sequence[int], max_context: int) -> None:
+        """Host backing: a request takes a slot before the pages for its prompt are free. It
+        holds nothing while it waits (not even a prefix hit: waiting requests holding pages
+        could hold the whole pool between them), and joins the allocator at `swap_in`."""
+        n = min(len(token_ids) + self.config.admission_headroom_tokens, max_context)
+        self._waiting[seq_id] = (tuple(token_ids), max(n, len(token_ids)))
+
+    def swap_in_fits(self, seq_id: Hashable, spare: bool = True) -> bool:
+        """Whether its pages can come back, with (`spare`) a page to grow by in every group left
+        over, so that its first step after the page-in can run beside the resident ones. One
+        admitted waiting (`admit_waiting`) asks for the pages admission would have: its
+        prompt's plus the headroom."""
+        need = self.page_in_need(seq_id)
+        return all(need[g] + spare <= pool.num_available for g, pool in self.allocator.pools.items())
+
+    def page_in_need(self, seq_id: Hashable) -> dict[str, int]:
+        """Group -> the available pages paging the sequence in takes (see swap_in_fits)."""
+        alloc = self.allocator
+        if seq_id in self._waiting:
+            tokens, n = self._waiting[seq_id]
+            return alloc.pages_for_prompt(n, alloc.match(tokens), chunk=self.chunk_bound)
+        return alloc.pages_to_swap_in(seq_id)
+
+    def swap_in(self, seq_id: Hashable) -> int | None:
+        """Page the sequence in; for one admitted waiting, add it (with its prefix hit now) and
+        return the tokens its prefill skips (None for a sequence paged in)."""
+        if seq_id in self._waiting:
+            tokens, target = self._waiting.pop(seq_id)
+            self._targets[seq_id] = target
+            return self.allocator.add(seq_id, self.allocator.match(tokens))
+        moves = self.allocator.swap_in(seq_id)
+        self._moves += moves
+        self._swaps[1] += 1
+        self._bytes[1] += sum(self.allocator.layout.page_bytes(m.group) for m in moves)
+        return None
+
+    @property
+    def num_paged_out(self) -> int:
+        """Sequences paged out, and admitted ones waiting for their first pages."""
+        return self.allocator.num_paged_out + len(self._waiting)
+
+    def take_moves(self) -> tuple[PageMove, ...]:
+        """The page moves queued since the previous call, in the order they must run."""
+        out, self._moves = tuple(self._moves), []
+        return out
 
     def step_stats(self) -> dict[str, Any]:
         """The pool's pages (used, free, cached, allocated and freed since the previous read, per
@@ -334,4 +413,11 @@ class PagedMemory:
         for key in ("used", "free", "cached", "allocated", "freed"):
             out[f"pages_{key}"] = sum(getattr(g, f"num_{key}") for g in st.groups)
         out["num_preemptions"], self._num_preemptions = self._num_preemptions, 0
+        if not self.has_host:
+            out.update(dict.fromkeys(RESIDENCY_STAT_KEYS))
+            return out
+        out["swaps_out"], out["swaps_in"] = self._swaps
+        out["bytes_out"], out["bytes_in"] = self._bytes
+        self._swaps, self._bytes = [0, 0], [0, 0]
+        out["paged_out_seqs"] = self.num_paged_out
         return out

@@ -207,6 +207,41 @@ class Model:
         x = dequantize_rows(self.embed_raw, self.embed_qtype, ids, self.config.n_embd)
         return x * self.config.embed_scale if self.config.embed_scale != 1.0 else x
 
+    def layer_qkv(self, li: int, x: torch.Tensor, ropes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer li's queries [R, H, D], keys and values [R, Hkv, D] of the residual rows x, as
+        attention sees them (norms and rope applied); ropes: rope_tables by rope base. One
+        copy of the ops, shared with the compression scorer (compression.py), so the two stay
+        bitwise equal."""
+        c, layer = self.config, self.layers[li]
+        rows, h_q, h_kv, d = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
+        h = rms_norm(x, layer.attn_norm, c.rms_eps)
+        qkv = linear(h, layer.wqkv)
+        q = qkv[:, : c.q_dim].reshape(rows, h_q, d)
+        k = qkv[:, c.q_dim : c.q_dim + c.kv_dim].reshape(rows, h_kv, d)
+        v = qkv[:, c.q_dim + c.kv_dim :].reshape(rows, h_kv, d)
+        if c.qk_norm:
+            q = rms_norm(q, layer.q_norm, c.rms_eps)
+            k = rms_norm(k, layer.k_norm, c.rms_eps)
+        tables = ropes[c.layer_rope_base(li)]
+        return rope(q, tables, c.rope_neox), rope(k, tables, c.rope_neox), v
+
+    def layer_out(self, li: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual rows after layer li, from its attention output attn [R, H, D]: output
+        projection, FFN, their post-norms where the family has them."""
+        c, layer = self.config, self.layers[li]
+        o = linear(attn.view(x.shape[0], c.n_heads * c.head_dim), layer.wo)
+        if c.post_norms:
+            o = rms_norm(o, layer.post_attn_norm, c.rms_eps)
+        x = x + o
+        h = rms_norm(x, layer.ffn_norm, c.rms_eps)
+        gu = linear(h, layer.w_gate_up)
+        gate, up = gu[:, : c.n_ff], gu[:, c.n_ff :]
+        act = F.gelu(gate, approximate="tanh") if c.activation == "gelu_tanh" else F.silu(gate)
+        dn = linear(act * up, layer.w_down)
+        if c.post_norms:
+            dn = rms_norm(dn, layer.post_ffw_norm, c.rms_eps)
+        return x + dn
+
     @torch.inference_mode()
     def forward(self, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
         """Run all segments as one step; returns each segment's requested float32 logits."""
@@ -227,7 +262,7 @@ class Model:
         rows = len(ids)
         positions = torch.cat(pos_parts)
         x = self.embed(torch.tensor(ids, dtype=torch.int64))
-        h_q, h_kv, d = c.n_heads, c.n_kv_heads, c.head_dim
+        h_q, d = c.n_heads, c.head_dim
         # Everything that depends only on positions is computed once per forward, not per layer.
         ropes = {b: rope_tables(positions, b, d) for b in {c.layer_rope_base(i) for i in range(c.n_layers)}}
         tiles = {
@@ -240,18 +275,8 @@ class Model:
             if any(bool((page < 0).any()) for page, _ in at.values()):
                 raise WorkbenchError(f"positions {start}..{start + n - 1} fall in a dropped page: "
                                      f"a block table must hold every position a forward writes")
-        for li, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, c.rms_eps)
-            qkv = linear(h, layer.wqkv)
-            q = qkv[:, : c.q_dim].reshape(rows, h_q, d)
-            k = qkv[:, c.q_dim : c.q_dim + c.kv_dim].reshape(rows, h_kv, d)
-            v = qkv[:, c.q_dim + c.kv_dim :].reshape(rows, h_kv, d)
-            if c.qk_norm:
-                q = rms_norm(q, layer.q_norm, c.rms_eps)
-                k = rms_norm(k, layer.k_norm, c.rms_eps)
-            tables = ropes[c.layer_rope_base(li)]
-            q = rope(q, tables, c.rope_neox)
-            k = rope(k, tables, c.rope_neox)
+        for li in range(len(self.layers)):
+            q, k, v = self.layer_qkv(li, x, ropes)
             attn = torch.empty(rows, h_q, d)
             window = c.layer_window(li)
             for si, (seg, (r0, n, start)) in enumerate(zip(segments, spans)):
@@ -262,18 +287,7 @@ class Model:
                     q[r0 : r0 + n], kc, vc, positions[r0 : r0 + n], window, c.attn_scale, tiles[window][si],
                     seg.state.tables[group],
                 )
-            o = linear(attn.view(rows, h_q * d), layer.wo)
-            if c.post_norms:
-                o = rms_norm(o, layer.post_attn_norm, c.rms_eps)
-            x = x + o
-            h = rms_norm(x, layer.ffn_norm, c.rms_eps)
-            gu = linear(h, layer.w_gate_up)
-            gate, up = gu[:, : c.n_ff], gu[:, c.n_ff :]
-            act = F.gelu(gate, approximate="tanh") if c.activation == "gelu_tanh" else F.silu(gate)
-            dn = linear(act * up, layer.w_down)
-            if c.post_norms:
-                dn = rms_norm(dn, layer.post_ffw_norm, c.rms_eps)
-            x = x + dn
+            x = self.layer_out(li, x, attn)
         for seg, (r0, n, start) in zip(segments, spans):
             seg.state.length = start + n
         # the output head only for rows whose logits were asked for

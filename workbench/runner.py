@@ -9,6 +9,7 @@ each segment names its pages by block table; which page holds what is the schedu
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -44,6 +45,8 @@ class TorchRunner:
         # the prefix cache's hashes start from the weights' identity and the KV dtype
         self.kv_cache_key = cache_key(model.source.index.sha256, "float32")
         self.pages = None
+        self.host = None  # host backing: a KVPages of host pages (the same layout)
+        self._transfer_s = 0.0
 
     # -- RunnerInfo ----------------------------------------------------------------------
     def cache_bytes(self, num_tokens: int) -> int:
@@ -59,6 +62,25 @@ class TorchRunner:
     def init_kv_pool(self, num_pages: dict[str, int]) -> None:
         """Allocate the pages: `num_pages` per KV group (the scheduler's `kv_pool_pages`)."""
         self.pages = self.model.new_pages(num_pages)
+
+    def init_host_store(self, num_pages: dict[str, int]) -> None:
+        """Allocate the host store (`kv_host_pages`); on the CPU it is a second pool in memory."""
+        self.host = self.model.new_pages(num_pages)
+
+    def move_pages(self, moves) -> None:
+        """Run a step's `PageMove`s in order: whole pages (every layer, K and V), bit copies."""
+        t0 = time.perf_counter()
+        for m in moves:
+            src, dst = (self.pages, self.host) if m.to_host else (self.host, self.pages)
+            i, j = (m.device, m.host) if m.to_host else (m.host, m.device)
+            dst.k[m.group][j] = src.k[m.group][i]
+            dst.v[m.group][j] = src.v[m.group][i]
+        self._transfer_s += time.perf_counter() - t0
+
+    def read_transfer_s(self) -> float:
+        """Seconds spent moving pages since the previous read."""
+        out, self._transfer_s = self._transfer_s, 0.0
+        return out
 
     def reset(self, slot: int) -> None:
         """Nothing per slot to drop: a finished sequence's pages go back to the allocator."""

@@ -19,6 +19,20 @@ re-prefilled with its prompt and the tokens it had generated. The last of those 
 rows samples its next token, so no committed token is drawn twice (a seeded generator is
 advanced once per committed token, preempted or not), and chunk invariance makes the recomputed
 KV, hence every later token and logit, bitwise what it would have been.
+
+Host backing (paged, `EngineConfig.kv_host_tokens`): a preempted request is paged out instead,
+when `preemption="swap"` and the host store has room: its private pages are bit-copied to the
+host store, it keeps its slot, and it waits in the paged-out queue (FIFO). Each step, before
+anything is planned, the head of that queue is paged back in when its pages (and one more in
+every group) are available; when they are not, resident requests that have run at least
+`residency_quantum` steps since their own page-in are paged out for it, the one paged in
+longest ago first (`eviction="lru"`), but only when that makes it fit (decoding ones only: each turn then gains every request at least a
+token, even recomputed). So the resident set turns over every quantum and every admitted
+request makes progress, waiting about a quantum per turn: the wait is bounded
+(tests/test_residency.py asserts it). Only resident requests are
+planned; while any request is paged out no new one is admitted (they would take the pages it
+waits for). A step's page moves (`page_moves`) run before its forwards, in order; the copies
+are whole pages, so a request paged out and in computes bitwise what it would have resident.
 """
 
 from __future__ import annotations
@@ -110,6 +124,8 @@ class RequestEvent:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
     recomputed_tokens: int = 0  # tokens re-prefilled after preemptions (less cache hits)
+    num_swaps: int = 0  # times paged out to the host store (host backing)
+    max_wait_steps: int = 0  # the most steps in a row it was admitted and not run (after its first)
 
 
 @dataclass
@@ -125,6 +141,10 @@ class _Sequence:
     cached_tokens: int = 0
     num_preemptions: int = 0
     recomputed_tokens: int = 0
+    num_swaps: int = 0
+    paged_in_at: int = 0  # the step it was admitted or last paged in at
+    last_run: int | None = None  # the last step it ran in
+    max_wait_steps: int = 0
 
     def __post_init__(self):
         self.prefill_ids = self.prefill_ids or self.request.prompt_ids
@@ -181,11 +201,18 @@ class Scheduler:
         self._admissions = itertools.count()
         self._preempted: dict[Hashable, _Sequence] = {}  # waiting again after a preemption
         self._step_id: int | None = None  # the newest step handed out (its fence), None before any
+        self._paged_out: deque[int] = deque()  # slots of paged-out requests, in page-out order
+        self._arriving: set[int] = set()  # slots paged in by this schedule(): they run from the next step
+        self._moves = ()  # the pending plan's page moves
         self.paged = bool(getattr(runner_info, "paged", False))
         self.memory: CacheMemory = (
             PagedMemory(config, runner_info, self.budget_bytes, self.capacity) if self.paged
             else ReservedMemory(runner_info, self.budget_bytes)
         )
+        # host backing on (kv_host_tokens): a request is admitted into a free slot before its pages
+        # are, and the resident set turns over (whether an evicted request is paged out or
+        # recomputed is `preemption`'s)
+        self._residency = self.paged and config.kv_host_tokens is not None
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -217,6 +244,11 @@ class Scheduler:
         return self.memory.pool_pages if isinstance(self.memory, PagedMemory) else {}
 
     @property
+    def kv_host_pages(self) -> dict[str, int]:
+        """Paged with host backing: host pages per KV group, what the runner allocates; {} without."""
+        return self.memory.host_pages if isinstance(self.memory, PagedMemory) else {}
+
+    @property
     def kv_pool_bytes(self) -> int:
         return self.memory.pool_bytes if isinstance(self.memory, PagedMemory) else 0
 
@@ -235,10 +267,20 @@ class Scheduler:
         """Slot id -> request id of every admitted request."""
         return {slot: s.request.request_id for slot, s in sorted(self._running.items())}
 
+    @property
+    def num_paged_out(self) -> int:
+        return len(self._paged_out)
+
     def views(self) -> list[SlotView]:
-        """One view per slot in use, ascending slot id, with the runner's batch verdict."""
+        """One view per resident slot in use (paged-out ones wait), ascending slot id, with the
+        runner's batch verdict."""
         out = []
+        # a request paged in this step runs from the next one, while others can run now: its
+        # page-ins then overlap this step's forward (the runner orders them; see page_moves)
+        wait = self._arriving if len(self._running) - len(self._paged_out) > len(self._arriving) else ()
         for slot, s in sorted(self._running.items()):
+            if self._paged_out and slot in self._paged_out or slot in wait:
+                continue
             fields = dict(
                 slot_id=slot,
                 request_id=s.request.request_id,
@@ -304,6 +346,8 @@ class Scheduler:
         else:
             seq = self._running[slot]
             self._release(slot, self._step_id)
+            if slot in self._paged_out:
+                self._paged_out.remove(slot)
         self._known.discard(request_id)
         self._done[request_id] = "cancelled"
         if seq is None:
@@ -319,9 +363,16 @@ class Scheduler:
         its pages when this returns (preempting the newest requests where a decode row cannot
         get one)."""
         self._pending = None
-        self._admit()
+        if step_id is None:
+            step_id = 0 if self._step_id is None else self._step_id + 1
+        self._arriving = set()
+        if self._paged_out:
+            self._page_in(step_id)
+        if not self._paged_out or self._residency:
+            self._admit(step_id)
         while True:
-            if not self._running:
+            if not self._running or len(self._paged_out) == len(self._running):
+                self._moves = ()
                 return None
             plan = self._plan()
             order = self._by_admission()
@@ -333,11 +384,83 @@ class Scheduler:
                 plan = fitted
                 break
             self._preempt(next(reversed(order)))  # the newest
-        if step_id is None:
-            step_id = 0 if self._step_id is None else self._step_id + 1
+        for slot in plan.slot_ids():
+            s = self._running[slot]
+            if s.last_run is not None:
+                s.max_wait_steps = max(s.max_wait_steps, step_id - s.last_run - 1)
+            s.last_run = step_id
         self._step_id = step_id
         self._pending = plan
+        self._moves = self.memory.take_moves() if self.paged else ()
         return plan
+
+    def page_moves(self, plan: StepPlan) -> tuple:
+        """The plan's page moves (host backing: page-outs and page-ins, `PageMove`s), to run in
+        order before its forwards; () for none. The plan's own segments may read or write pages
+        that these moves touch (a page a page-out freed, taken by a segment's growth; a request
+        paged in with nothing else to run): a runner whose moves run asynchronously must order
+        such a forward after them (TritonRunner does; the torch runner's moves are synchronous)."""
+        self._check_pending(plan)
+        return self._moves
+
+    def _page_in(self, step_id: int) -> None:
+        """Page the paged-out requests back in, oldest page-out first, while they fit; for the
+        head, page out resident requests whose quantum has run, paged in longest ago first,
+        when that makes it fit (see the module docstring)."""
+        mem = self.memory
+        while self._paged_out:
+            head = self._running[self._paged_out[0]]
+            rid = head.request.request_id
+            alone = len(self._paged_out) == len(self._running)
+            if not mem.swap_in_fits(rid, spare=not alone):
+                quantum = self.config.residency_quantum
+                # (decoding ones only: one evicted mid-prefill may not have gained a token this
+                # turn, and under recompute it would lose the turn's work again and again)
+                old = sorted((s for slot, s in self._running.items() if slot not in self._paged_out
+                              and s.num_prefilled == s.prefill_len and step_id - s.paged_in_at >= quantum),
+                             key=lambda s: (s.paged_in_at, s.admitted))
+                if not self._would_fit(rid, old):
+                    return
+                for s in old:
+                    self._evict(s.slot_id)
+                    if mem.swap_in_fits(rid, spare=True):
+                        break
+                if not mem.swap_in_fits(rid, spare=True):
+                    return
+            cached = mem.swap_in(rid)
+            if cached is not None:  # admitted waiting: its prefill starts after its prefix hit
+                head.num_prefilled = cached
+                if head.num_preemptions:
+                    head.recomputed_tokens -= cached
+                else:
+                    head.cached_tokens = cached
+            self._paged_out.popleft()
+            self._arriving.add(head.slot_id)
+            head.paged_in_at = step_id
+
+    def _would_fit(self, rid: Hashable, victims: Sequence[_Sequence]) -> bool:
+        """Whether paging out (or, without host room, recomputing) every one of `victims` would
+        leave the pages `rid` needs to page in (the device pages only they hold come free)."""
+        alloc = self.allocator
+        need = self.memory.page_in_need(rid)
+        free = {g: pool.num_available - 1 for g, pool in alloc.pools.items()}
+        if any(pool.quarantine.is_pending(self._step_id) for pool in alloc.pools.values()):
+            return False  # (what they free stays fenced until the step in flight retires)
+        for s in victims:
+            for g, k in alloc.pages_to_swap_out(s.request.request_id).items():
+                free[g] += k
+        return all(need[g] <= free[g] for g in need)
+
+    def _evict(self, slot: int) -> None:
+        """Make room: page the request out (host room, preemption="swap"), else recompute it."""
+        s = self._running[slot]
+        rid = s.request.request_id
+        if self.config.preemption == "swap" and self.memory.can_swap_out(rid):
+            self.memory.swap_out(rid, self._step_id)
+            s.num_swaps += 1
+            self._paged_out.append(slot)
+        else:
+            self._recompute(slot)
 
     def retire(self, step_id: int) -> None:
         """The device is done with step `step_id` (and every earlier one): pages it could still
@@ -404,11 +527,11 @@ class Scheduler:
         return min(len(request.prompt_ids) + request.max_tokens, self.capacity)
 
     def _by_admission(self) -> dict[int, Hashable]:
-        """Slot id -> request id of every running request, oldest admission first."""
-        seqs = sorted(self._running.values(), key=lambda s: s.admitted)
+        """Slot id -> request id of every resident running request, oldest admission first."""
+        seqs = sorted((s for s in self._running.values() if s.slot_id not in self._paged_out), key=lambda s: s.admitted)
         return {s.slot_id: s.request.request_id for s in seqs}
 
-    def _admit(self) -> None:
+    def _admit(self, step_id: int) -> None:
         """Admit from the head of the queue (FIFO, no overtaking) while a slot is free and the
         memory takes it. A preempted request prefills its prompt and the tokens it had generated."""
         while self._waiting and self.slots.can_allocate():
@@ -416,11 +539,18 @@ class Scheduler:
             rid = request.request_id
             prev = self._preempted.get(rid)
             tokens = request.prompt_ids + tuple(prev.output_ids) if prev else request.prompt_ids
-            cached = self.memory.admit(rid, tokens, self._max_context(request))
+            # (while requests wait paged out, a new one waits behind them: it would take their pages)
+            cached = None if self._paged_out else self.memory.admit(rid, tokens, self._max_context(request))
+            waits = cached is None and self._residency
+            if waits:  # host backing: it takes a slot now and waits for its pages paged out
+                self.memory.admit_waiting(rid, tokens, self._max_context(request))
+                cached = 0  # (its prefix hit is taken when it is paged in: _page_in)
             if cached is None:
                 return
             self._waiting.popleft()
             slot = self.slots.allocate(rid)
+            if waits:
+                self._paged_out.append(slot)
             if prev is None:
                 s = _Sequence(request, slot, self._max_context(request), cached_tokens=cached)
             else:
@@ -428,6 +558,7 @@ class Scheduler:
                 s.slot_id = slot
                 s.recomputed_tokens += len(tokens) - cached
             s.prefill_ids, s.num_prefilled, s.admitted = tokens, cached, next(self._admissions)
+            s.paged_in_at, s.last_run = step_id, step_id - 1
             self._running[slot] = s
 
     def _append(self, slot: int, token: int) -> list[RequestEvent]:
@@ -465,6 +596,11 @@ class Scheduler:
                        *self.memory.segment_fields(s.request.request_id))
 
     def _preempt(self, slot: int) -> None:
+        """A decode row could not get a page: page this request out where the host store has
+        room and preemption is "swap", else recompute it."""
+        self._evict(slot)
+
+    def _recompute(self, slot: int) -> None:
         """Preemption by recompute: free the pages, back to the front of the queue."""
         s = self._running[slot]
         self._release(slot, self._step_id, preempted=True)
@@ -483,7 +619,7 @@ class Scheduler:
 
 def _event(kind: str, s: _Sequence, slot: int | None, reason: str) -> RequestEvent:
     return RequestEvent(kind, s.request.request_id, slot, reason, tuple(s.output_ids), s.cached_tokens,
-                        s.num_preemptions, s.recomputed_tokens)
+                        s.num_preemptions, s.recomputed_tokens, s.num_swaps, s.max_wait_steps)
 
 
 def _need(sampled: Mapping[int, int], slot: int) -> int:

@@ -8,6 +8,10 @@ kernels read.
   ``[pages + 1, PAGE, Hkv, D]``, the layout kernels/kv_pages.py addresses through a block table.
   Which page holds what is the scheduler's `PageAllocator`'s business; pages are never zeroed
   (the kernels never read a position a row does not own: tests poison them with NaN).
+* `HostPages`: the host store of host backing (workbench/state/host.py), per group K and V
+  ``[host pages, layers in the group, PAGE, Hkv, D]`` (page-major: a page is one contiguous
+  block), pinned on CUDA so that copies to and from it are asynchronous; `move` runs a step's
+  `PageMove`s on a transfer stream of its own (see there for the ordering).
 * `forward_rows` / `forward_tables`: a forward's rows (eager forwards and chunk graphs alike);
   an eager forward's row tables (token, position, table row) and block tables
   (one row per segment, per group), packed in one int32 host tensor, so one copy moves them.
@@ -59,6 +63,96 @@ class DevicePages:
         for d in (self.k, self.v):
             for t in d.values():
                 t.fill_(float("nan"))
+
+
+class HostPages:
+    def __init__(self, pages: DevicePages, num_pages: dict[str, int]):
+        self.pages = pages
+        dev = pages.device
+        pin = dev.type == "cuda"
+        self.k = {g: torch.empty((int(num_pages[g]), *t[:, 0].shape), dtype=t.dtype, pin_memory=pin)
+                  for g, t in pages.k.items()}
+        self.v = {g: torch.empty_like(t, pin_memory=pin) for g, t in self.k.items()}
+        self.stream = torch.cuda.Stream(dev) if pin else None
+        self._timed: list[tuple] = []  # (start, end) events of moves not yet read
+        # group -> device pages of moves the compute stream has not waited for (CUDA)
+        self._pending: dict[str, set[int]] = {}
+        self.num_waits = 0  # forwards that waited for the transfers (the rest overlapped them)
+        self._cpu_s = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())
+
+    def move(self, moves) -> None:
+        """Run the moves in order. On CUDA they run on the transfer stream, which first waits for
+        every step launched so far (a page-out reads what they wrote, a page-in may take a page
+        they were the last to read). The compute stream does not wait here: `order_before`
+        makes a forward wait for the transfers only when its block tables hold a page they
+        touch (a page-in's page, or a page a page-out freed and the forward's growth took), so
+        the other forwards overlap them. The pages of one direction and group go as one gather
+        (page-outs) or scatter (page-ins) on the device and a contiguous copy per page."""
+        import time
+
+        dev = self.pages
+        runs: list[tuple[str, bool, list]] = []  # consecutive moves of one group and direction
+        for m in moves:
+            if runs and runs[-1][0] == m.group and runs[-1][1] == m.to_host:
+                runs[-1][2].append(m)
+            else:
+                runs.append((m.group, m.to_host, [m]))
+        if self.stream is None:
+            t0 = time.perf_counter()
+            self._run(dev, runs)
+            self._cpu_s += time.perf_counter() - t0
+            return
+        compute = torch.cuda.current_stream(dev.device)
+        self.stream.wait_stream(compute)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record()
+            self._run(dev, runs)
+            end.record()
+        self._timed.append((start, end))
+        for m in moves:
+            self._pending.setdefault(m.group, set()).add(m.device)
+
+    def order_before(self, segments) -> bool:
+        """Make the compute stream wait for the transfers issued so far if any of `segments`'
+        block tables holds a page they touch (then none is pending any more). Returns whether
+        it waited."""
+        if not self._pending:
+            return False
+        for s in segments:
+            for g, pages in self._pending.items():
+                if not pages.isdisjoint(s.block_tables[g]):
+                    torch.cuda.current_stream(self.pages.device).wait_stream(self.stream)
+                    self._pending = {}
+                    self.num_waits += 1
+                    return True
+        return False
+
+    def _run(self, dev: DevicePages, runs) -> None:
+        for group, to_host, ms in runs:
+            idx = torch.tensor([m.device for m in ms], dtype=torch.int64).to(dev.device, non_blocking=True)
+            for pool, store in ((dev.k[group], self.k[group]), (dev.v[group], self.v[group])):
+                if to_host:
+                    staged = pool.index_select(1, idx).transpose(0, 1).contiguous()  # [n, layers, ...]
+                    for i, m in enumerate(ms):
+                        store[m.host].copy_(staged[i], non_blocking=True)
+                else:
+                    staged = torch.empty((len(ms), *store.shape[1:]), dtype=store.dtype, device=dev.device)
+                    for i, m in enumerate(ms):
+                        staged[i].copy_(store[m.host], non_blocking=True)
+                    pool[:, idx] = staged.transpose(0, 1)
+
+    def read_transfer_s(self) -> float:
+        """Seconds the moves took (device time on CUDA, of those finished) since the previous read."""
+        out, self._cpu_s = self._cpu_s, 0.0
+        while self._timed and self._timed[0][1].query():
+            start, end = self._timed.pop(0)
+            out += start.elapsed_time(end) / 1e3
+        return out
 
 
 def table_width(segments: Sequence, groups: Sequence[str]) -> int:

@@ -37,7 +37,7 @@ from ..model import Model
 from ..planner import SlotView
 from ..scheduler import Segment, check_paged_forward
 from ..state import StateLayout, cache_key
-from .triton_kv import DevicePages, forward_tables
+from .triton_kv import DevicePages, HostPages, forward_tables
 from .triton_options import TritonOptions
 
 MAX_EMBD = 8192  # the fused norms hold a whole row in one tile
@@ -102,6 +102,7 @@ class TritonRunner:
         # kernels fix every bit of a page's KV given the tokens: batch-invariant products)
         self.kv_cache_key = cache_key(model.source.index.sha256, f"triton-{options.products}-{kv_dtype}")
         self.kv: DevicePages | None = None
+        self.host: HostPages | None = None  # host backing's store (init_host_store)
         self.bytes_per_prefill_row = self._bytes_per_prefill_row()
         self.loop = LayerLoop(weights, c, self.device, mma_prec=self.mma_prec, attn_prec=self.attn_prec,
                               use_dot=self.use_dot, head_x_dtype=self.head_x_dtype, segment=self.attn_segment,
@@ -159,6 +160,21 @@ class TritonRunner:
                                  history=self.options.graph_history, width=self.table_width,
                                  chunk_rows=self.options.chunk_graph_rows) if self._use_graphs else None
 
+    def init_host_store(self, num_pages: dict[str, int]) -> None:
+        """Allocate the host store (`kv_host_pages`): pinned host memory on CUDA (triton_kv.HostPages)."""
+        self.host = HostPages(self.kv, num_pages)
+
+    def move_pages(self, moves) -> None:
+        """A step's page-outs and page-ins, before its forwards (HostPages.move says how they
+        are ordered against the steps on the device: a forward waits for them only when it
+        touches a page they move). A step launched ahead is finished first: it was launched
+        with block tables that these moves change."""
+        self.drain()
+        self.host.move(moves)
+
+    def read_transfer_s(self) -> float:
+        return self.host.read_transfer_s() if self.host is not None else 0.0
+
     def reset(self, slot: int) -> None:
         """Nothing per slot to drop (a finished sequence's pages go back to the allocator); a
         step launched ahead for this slot will not be used."""
@@ -206,6 +222,8 @@ class TritonRunner:
             launched = None
             if self.graphs is not None:
                 launched, self.graphs.ahead = self.graphs.ahead, None
+            if self.host is not None:
+                self.host.order_before(forward)
             copies = [c for s in forward for c in s.copies]
             if copies:
                 self.kv.copy(copies)

@@ -5,6 +5,7 @@
     pages.py         PagePool: one group's page ids, refcounts, free list; PageCopy, GroupStats
     block_table.py   BlockTable: a sequence's logical pages in one group (holes for dropped ones)
     prefix_cache.py  chained page hashes, the hash index and LRU of one pool; PrefixMatch
+    host.py          HostPool: one group's host page ids (host backing); PageMove
     fences.py        Quarantine: what a launched step may still touch, until it retires
     state_slots.py   StateSlots: per-sequence recurrent/conv state slots, versions for speculation
     sequence.py      SequenceState: one sequence's length, floor, tokens, hashes, tables
@@ -14,6 +15,7 @@
 from .allocator import AllocatorStats, PageAllocator
 from .block_table import BlockTable
 from .fences import Quarantine
+from .host import HostPool, PageMove
 from .layout import (
     DEFAULT_KEY_BLOCKS,
     DEFAULT_PAGE_SIZE,
@@ -37,8 +39,8 @@ from .sequence import SequenceState
 from .state_slots import SlotCopy, StateSlots
 
 __all__ = [
-    "AllocatorStats", "BlockTable", "DEFAULT_KEY_BLOCKS", "DEFAULT_PAGE_SIZE", "GroupStats", "KVGroup",
-    "PageAllocator", "PageCopy", "PagePayloadSpec", "PagePool", "PrefixCache", "PrefixMatch", "Quarantine",
+    "AllocatorStats", "BlockTable", "DEFAULT_KEY_BLOCKS", "DEFAULT_PAGE_SIZE", "GroupStats", "HostPool", "KVGroup",
+    "PageAllocator", "PageCopy", "PageMove", "PagePayloadSpec", "PagePool", "PrefixCache", "PrefixMatch", "Quarantine",
     "SeqStateSpec", "SequenceState", "SlotCopy", "StateLayout", "StateSlots", "cache_key", "chain_hashes",
     "check_prefix", "find_prefix", "page_hash", "root_hash",
 ]

@@ -8,7 +8,8 @@ before it changes anything, so a refusal never leaves half an operation behind.
 * `commit(seq, token_ids)`: those tokens' KV is written; full pages join the prefix cache;
 * `truncate(seq, new_len)`: drop positions past new_len (speculation's rollback);
 * `fork(parent, child, n)`: the child shares the parent's first n positions;
-* `free(seq)`: the sequence is finished, cancelled or preempted.
+* `free(seq)`: the sequence is finished, cancelled or preempted;
+* `swap_out(seq)` / `swap_in(seq)`: its private pages to the host store and back (host.py).
 
 Writes never touch a read-only page (shared, or hashed into the prefix cache): appending into
 one first copies it to a private page and returns a `PageCopy` the runner must run before
@@ -45,6 +46,13 @@ Pending-write protection. Every call that can release pages takes `fence`: the n
 launched step that may still touch this sequence's pages (None when none is in flight).
 Pages whose refcount falls to 0 under a pending fence are quarantined until `retire(step)`.
 
+Host backing (`num_host_pages`). `swap_out` moves each page only this sequence holds to a host
+page (a `PageMove`; the device page is released under the fence like a freed one, and a hashed
+one stays cached), and leaves shared pages on the device, held by reference. A paged-out
+sequence cannot grow, shrink, fork or commit until `swap_in` gives it fresh device pages
+(consecutive where they can be) and the moves back. `free` of a paged-out sequence hands back
+its host pages too.
+
 Allocation is deterministic, so the same calls give the same page ids, and keeps each table's
 pages consecutive where it can (pages.py: a sequence's next page is the one after its last,
 a first page goes where the sequence has room to grow, then LRU eviction). Plain Python: no torch.
@@ -57,6 +65,7 @@ from dataclasses import dataclass
 
 from ..errors import WorkbenchError
 from .block_table import BlockTable
+from .host import HostPool, PageMove
 from .layout import StateLayout
 from .pages import GroupStats, PageCopy, PagePool
 from .prefix_cache import PrefixMatch, check_prefix, find_prefix, page_hash, root_hash
@@ -72,6 +81,9 @@ class AllocatorStats:
     num_state_used: int = 0
     num_state_free: int = 0
     num_state_quarantined: int = 0
+    pages_out: int = 0  # pages moved to the host store since the previous read
+    pages_in: int = 0  # pages moved back to the device since the previous read
+    host_used: int = 0  # host pages held now, all groups
 
     def record(self) -> dict[str, int]:
         """Flat columns for a telemetry step record, e.g. pages_used_global."""
@@ -80,7 +92,8 @@ class AllocatorStats:
             for key in ("used", "free", "cached", "quarantined", "allocated", "freed", "evicted"):
                 out[f"pages_{key}_{g.group}"] = getattr(g, f"num_{key}")
         out.update(state_used=self.num_state_used, state_free=self.num_state_free,
-                   state_quarantined=self.num_state_quarantined)
+                   state_quarantined=self.num_state_quarantined, pages_out=self.pages_out,
+                   pages_in=self.pages_in, host_pages_used=self.host_used)
         return out
 
 
@@ -103,10 +116,12 @@ class PageAllocator:
         max_rollback: int = 0,
         num_state_slots: int = 0,
         state_versions: int = 1,
+        num_host_pages: Mapping[str, int] | None = None,
     ):
         """`num_pages`: pages per KV group. `cache_key`: model identity + KV dtype
         (prefix_cache.cache_key). `num_state_slots`: sequences that can hold per-sequence state
-        (needed when the layout has `seq_state`)."""
+        (needed when the layout has `seq_state`). `num_host_pages`: host pages per KV group
+        (host backing; None: no host store, `swap_out` is refused)."""
         names = set(layout.group_names)
         if set(num_pages) != names:
             raise WorkbenchError(f"num_pages names groups {sorted(num_pages)}: allowed exactly {sorted(names)}")
@@ -123,6 +138,12 @@ class PageAllocator:
         self.state = StateSlots(num_state_slots, state_versions) if layout.seq_state else None
         self._seqs: dict[Hashable, SequenceState] = {}
         self._hit_tokens = 0
+        self.host: dict[str, HostPool] = {}
+        if num_host_pages is not None:
+            if set(num_host_pages) != names:
+                raise WorkbenchError(f"num_host_pages names groups {sorted(num_host_pages)}: allowed exactly {sorted(names)}")
+            self.host = {name: HostPool(name, num_host_pages[name]) for name in layout.group_names}
+        self._moved = [0, 0]  # pages out, pages in since the previous read_stats()
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -132,6 +153,10 @@ class PageAllocator:
     @property
     def num_sequences(self) -> int:
         return len(self._seqs)
+
+    @property
+    def num_paged_out(self) -> int:
+        return sum(1 for s in self._seqs.values() if not s.resident)
 
     def sequence(self, seq_id: Hashable) -> SequenceState:
         if seq_id not in self._seqs:
@@ -245,6 +270,7 @@ class PageAllocator:
         return copies
 
     def _plan_append(self, seq: SequenceState, n: int, fence: int | None) -> _GrowPlan:
+        self._check_resident(seq, "grow")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise WorkbenchError(f"n={n!r} positions is out of range: allowed an integer >= 1")
         P, L = self.page_size, seq.length
@@ -267,6 +293,7 @@ class PageAllocator:
         """Tokens whose KV is now written, in order after the committed ones. Each page they
         fill is hashed and, if no page holds that hash yet, joins the prefix cache."""
         seq = self.sequence(seq_id)
+        self._check_resident(seq, "commit")
         token_ids = list(token_ids)
         if seq.num_committed + len(token_ids) > seq.length:
             raise WorkbenchError(
@@ -298,6 +325,7 @@ class PageAllocator:
     def truncate(self, seq_id: Hashable, new_len: int, fence: int | None = None) -> None:
         """Drop positions new_len.. (their pages, and their committed tokens)."""
         seq = self.sequence(seq_id)
+        self._check_resident(seq, "truncate")
         low = self.min_length(seq_id)
         if isinstance(new_len, bool) or not isinstance(new_len, int) or not low <= new_len <= seq.length:
             raise WorkbenchError(f"truncate to new_len={new_len!r} is out of range: allowed {low}..{seq.length}")
@@ -320,6 +348,7 @@ class PageAllocator:
         """A new sequence `child_id` whose first `num_tokens` positions are the parent's: full
         pages shared by refcount, a partial last page copied. Returns the copies to run."""
         parent = self.sequence(parent_id)
+        self._check_resident(parent, "fork")
         if child_id is None or child_id in self._seqs:
             raise WorkbenchError(f"sequence {child_id!r} already exists or is not a valid id")
         low = self.min_length(parent_id)
@@ -357,9 +386,93 @@ class PageAllocator:
         for name, pool in self.pools.items():
             for page in seq.tables[name].truncate(0):
                 pool.decref(page, fence)
+        for name, pages in seq.host.items():
+            for h in pages.values():
+                self.host[name].free(h)
+        seq.host = {}
         if seq.has_state:
             self.state.free(seq_id, fence)
         del self._seqs[seq_id]
+
+    # -- host backing ----------------------------------------------------------------------
+
+    def _check_resident(self, seq: SequenceState, what: str) -> None:
+        if not seq.resident:
+            raise WorkbenchError(f"sequence {seq.seq_id!r} is paged out: it cannot {what} until swap_in")
+
+    def pages_to_swap_out(self, seq_id: Hashable) -> dict[str, int]:
+        """Group -> host pages `swap_out` takes (the pages only this sequence holds)."""
+        seq = self.sequence(seq_id)
+        return {name: sum(1 for p in seq.tables[name].pages() if pool.refcount[p] == 1)
+                for name, pool in self.pools.items()}
+
+    def can_swap_out(self, seq_id: Hashable) -> bool:
+        seq = self.sequence(seq_id)
+        if not self.host or not seq.resident or seq.has_state:
+            return False
+        return all(k <= self.host[g].num_free for g, k in self.pages_to_swap_out(seq_id).items())
+
+    def swap_out(self, seq_id: Hashable, fence: int | None = None) -> list[PageMove]:
+        """Move the sequence's private pages to the host store: returns the page-outs to run
+        (before anything reuses the device pages, which are released under `fence`)."""
+        seq = self.sequence(seq_id)
+        if not self.host:
+            raise WorkbenchError("swap_out needs a host store: allowed with num_host_pages set")
+        self._check_resident(seq, "be paged out again")
+        if seq.has_state:  # (a hybrid model's recurrent state has no host slots yet: recompute)
+            raise WorkbenchError(f"sequence {seq_id!r} holds per-sequence state: allowed to page out KV pages only")
+        if not self.can_swap_out(seq_id):
+            need = self.pages_to_swap_out(seq_id)
+            raise WorkbenchError(f"sequence {seq_id!r} needs host pages {need}, free "
+                                 f"{ {g: h.num_free for g, h in self.host.items()} }")
+        moves = []
+        for name, pool in self.pools.items():
+            table, host = seq.tables[name], {}
+            for i in range(len(table)):
+                page = table[i]
+                if page is not None and pool.refcount[page] == 1:
+                    host[i] = self.host[name].allocate()
+                    moves.append(PageMove(name, page, host[i], True))
+                    table.clear(i)
+                    pool.decref(page, fence)
+            if host:
+                seq.host[name] = host
+        if not seq.host:  # (every page shared: nothing moved, but it must still swap in to run)
+            seq.host = {name: {} for name in self.pools}
+        self._moved[0] += len(moves)
+        return moves
+
+    def pages_to_swap_in(self, seq_id: Hashable) -> dict[str, int]:
+        """Group -> device pages `swap_in` takes (0 for a resident sequence)."""
+        seq = self.sequence(seq_id)
+        return {name: len(seq.host.get(name, ())) for name in self.pools}
+
+    def can_swap_in(self, seq_id: Hashable) -> bool:
+        return all(k <= self.pools[g].num_available for g, k in self.pages_to_swap_in(seq_id).items())
+
+    def swap_in(self, seq_id: Hashable) -> list[PageMove]:
+        """Give a paged-out sequence fresh device pages for its host pages: returns the
+        page-ins to run before its next forward."""
+        seq = self.sequence(seq_id)
+        if seq.resident:
+            raise WorkbenchError(f"sequence {seq_id!r} is resident: nothing to swap in")
+        if not self.can_swap_in(seq_id):
+            raise WorkbenchError(f"sequence {seq_id!r} needs device pages {self.pages_to_swap_in(seq_id)}, "
+                                 f"available { {g: p.num_available for g, p in self.pools.items()} }")
+        moves = []
+        for name, host in seq.host.items():
+            table, pool = seq.tables[name], self.pools[name]
+            left = len(host)
+            for i in sorted(host):
+                prev = table[i - 1] if i else None
+                page = pool.allocate(after=prev, want=left)
+                left -= 1
+                table.replace(i, page)
+                moves.append(PageMove(name, page, host[i], False))
+                self.host[name].free(host[i])
+        seq.host = {}
+        self._moved[1] += len(moves)
+        return moves
 
     def retire(self, step_id: int) -> None:
         """Step `step_id` (and every earlier one) has finished on the device: release what was
@@ -389,10 +502,12 @@ class PageAllocator:
     def read_stats(self) -> AllocatorStats:
         """A snapshot per group; counters of what changed restart at zero with each read."""
         hits, self._hit_tokens = self._hit_tokens, 0
+        (out, into), self._moved = self._moved, [0, 0]
         st = self.state
         return AllocatorStats(
             tuple(pool.read_stats() for pool in self.pools.values()), len(self._seqs), hits,
-            st.num_used if st else 0, st.num_free if st else 0, st.num_quarantined if st else 0)
+            st.num_used if st else 0, st.num_free if st else 0, st.num_quarantined if st else 0,
+            out, into, sum(h.num_used for h in self.host.values()))
 
     def check(self) -> None:
         """Assert every invariant (tests call this after each operation)."""
@@ -401,13 +516,18 @@ class PageAllocator:
             pool.check()
             holders: dict[int, set[int]] = {}  # page -> logical indices it is held at
             refs = [0] * pool.num_pages
+            host_held = []
             for seq in self._seqs.values():
                 t = seq.tables[name]
+                on_host = seq.host.get(name, {})
+                host_held += on_host.values()
+                assert all(t[i] is None for i in on_host), f"{seq.seq_id!r}: a page both on the host and the device"
+                present = [t[i] is not None or i in on_host for i in range(len(t))]
                 assert len(t) == self.layout.num_pages(seq.length), f"{seq.seq_id!r}: table length"
                 lo = self.layout.first_live_page(name, seq.floor)
-                first = next((i for i in range(len(t)) if t[i] is not None), len(t))
+                first = next((i for i in range(len(t)) if present[i]), len(t))
                 assert first <= lo, f"{seq.seq_id!r}: a page a query >= its floor sees is missing"
-                assert all(t[i] is not None for i in range(first, len(t))), f"{seq.seq_id!r}: a hole after a page"
+                assert all(present[first:]), f"{seq.seq_id!r}: a hole after a page"
                 assert len(set(t.pages())) == len(t.pages()), f"{seq.seq_id!r}: a page held twice"
                 for i, page in enumerate(t.entries):
                     if page is not None:
@@ -416,6 +536,9 @@ class PageAllocator:
                         if i < len(seq.hashes) and pool.cache.hash_of(page) is not None:
                             assert pool.cache.hash_of(page) == seq.hashes[i], "a page's hash is not its prefix's"
             assert refs == pool.refcount, f"group {name!r}: refcounts differ from the block tables"
+            if self.host:
+                assert len(set(host_held)) == len(host_held), f"group {name!r}: a host page held twice"
+                assert len(host_held) == self.host[name].num_used, f"group {name!r}: host pages leaked"
             assert all(len(ix) == 1 for ix in holders.values()), "a page is held at two logical positions"
         for seq in self._seqs.values():
             assert 0 <= seq.floor <= seq.length and seq.num_committed <= seq.length

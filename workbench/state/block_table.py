@@ -53,6 +53,11 @@ class BlockTable:
         old, self._entries[i] = self._entries[i], page
         return old
 
+    def clear(self, i: int) -> int | None:
+        """Entry i becomes None (its page moved to the host store, allocator.swap_out)."""
+        old, self._entries[i] = self._entries[i], None
+        return old
+
     def truncate(self, num_entries: int) -> list[int]:
         """Keep the first `num_entries`; returns the pages cut off, last first."""
         cut = [p for p in reversed(self._entries[num_entries:]) if p is not None]
