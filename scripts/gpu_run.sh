@@ -55,6 +55,11 @@ if [ "${PREFIX_S:-0}" -gt 0 ]; then  # prefix-cache hits: a shared 2,048-token s
   timeout $PREFIX_S python3 -m workbench.cli bench --backend triton --model "$MODEL" --concurrency ${PREFIX_C:-1,4,16} \
       --prompt-len 2112 --gen 16 --shared-prefix-len 2048 --repeats 3 --data-dir /tmp/wbruns 2>&1 | tail -8
 fi
+if [ "${CLIFF_S:-0}" -gt 0 ]; then  # the paging-cliff ablation (scripts/paging_cliff_run.py: the notebook's cells), into the run store
+  stamp paging_cliff
+  timeout $CLIFF_S python3 scripts/paging_cliff_run.py --data-dir /tmp/wbruns -p backend=triton -p model="$MODEL" \
+      ${CLIFF_ARGS:-} 2>&1 | tee "$OUT/paging_cliff.log" | tail -${CLIFF_TAIL:-40}
+fi
 if [ -n "${EXTRA_CMD:-}" ]; then  # one more command (e.g. scripts/capacity.py on the engine), its log in extra/
   stamp extra_cmd
   mkdir -p "$OUT/extra"; timeout ${EXTRA_S:-120} bash -c "$EXTRA_CMD" > "$OUT/extra/extra_cmd.log" 2>&1; echo "rc $?"

@@ -57,7 +57,9 @@ class Param:
     """One notebook parameter: its kind, default and allowed values.
 
     kind: "int" (an integer lo..hi), "int_list" (a non-empty list of distinct such integers,
-    each item may also be one of `words`), or "path" (an existing file, or None if optional).
+    each item may also be one of `words`), "word" (one of `words`), "word_list" (a non-empty
+    list of distinct `words`), or "path" (an existing file). Any kind may also be None where
+    `optional`.
     """
 
     name: str
@@ -71,14 +73,19 @@ class Param:
 
     @property
     def is_list(self) -> bool:
-        return self.kind == "int_list"
+        return self.kind in ("int_list", "word_list")
 
     def allowed(self) -> str:
+        none = " or None" if self.optional else ""
         if self.kind == "path":
-            return "a path to an existing file" + (" or None" if self.optional else "")
+            return "a path to an existing file" + none
+        if self.kind == "word":
+            return "one of " + ", ".join(map(repr, self.words)) + none
+        if self.kind == "word_list":
+            return "a non-empty list of distinct values from " + ", ".join(map(repr, self.words))
         span = f"{self.lo}..{self.hi}" if self.hi is not None else f">= {self.lo}"
         if self.kind == "int":
-            return f"an integer {span}"
+            return f"an integer {span}{none}"
         extra = "".join(f" or {w!r}" for w in self.words)
         return f"a non-empty list of distinct integers {span}{extra}"
 
@@ -99,9 +106,15 @@ class Param:
         if self.kind == "int":
             self._check_int(value, value)
             return value
+        if self.kind == "word":
+            if not isinstance(value, str) or value not in self.words:
+                raise self._refuse(value, "is not allowed")
+            return value
         if not isinstance(value, (list, tuple)) or not value:
             raise self._refuse(value, "is not a non-empty list")
         for item in value:
+            if self.kind == "word_list" and (not isinstance(item, str) or item not in self.words):
+                raise self._refuse(value, f"has an item {item!r} not allowed")
             if item not in self.words:
                 self._check_int(item, value)
         if len(set(map(str, value))) != len(value):
@@ -237,9 +250,52 @@ def _chunk_sizing() -> Ablation:
     )
 
 
+def _paging_cliff() -> Ablation:
+    from workbench.engine_config import BACKENDS, MAX_CONCURRENCY, PREEMPTIONS, EngineConfig
+    from workbench.paging_cliff import PFLASH
+
+    return Ablation(
+        name="paging-cliff",
+        notebook="paging_cliff.ipynb",
+        description="decode throughput against concurrency as the live KV outgrows the resident pool, paged to "
+        "a host store (swap) or recomputed; checks tokens and logits against the all-resident run's, bitwise",
+        params=(
+            Param("model", "path", None, "GGUF file (None: the embedded Gemma 3 270M)", optional=True),
+            Param("concurrencies", "int_list", [1, 4, 8, 16, 32],
+                  "numbers of requests submitted together (the x axis; a row's concurrency)", lo=1, hi=MAX_CONCURRENCY),
+            Param("resident_pools", "int_list", [8192], "device pool sizes, in positions per global KV group "
+                  "(kv_resident_tokens; a row's resident_tokens; seed 002's was 8,192)", lo=1),
+            Param("prompt_lens", "int_list", [2048],
+                  "prompt tokens of every request (2,048: seed 002's ~2K effective prompts, ~32K live at C16)", lo=1),
+            Param("gen_tokens", "int", 64, "tokens each request generates (seed 002: 64)", lo=1, hi=65536),
+            Param("pflash_modes", "word_list", ["off"],
+                  "prompt compression (a row's pflash): 'on' is prompt_compression='auto', which leaves prompts under "
+                  "8,192 tokens whole (such a row is flagged), so give it long prompts in a run of its own "
+                  "(-p pflash_modes=on -p prompt_lens=30720: ~2K kept, seed 002's other arm); crossing 'off' with "
+                  "30K-token prompts would prefill and page C x 30K tokens through an 8K pool, most of the run",
+                  words=tuple(PFLASH)),
+            Param("preemptions", "word_list", list(PREEMPTIONS), "what a request preempted for pages does "
+                  "(EngineConfig.preemption; a row's preemption)", words=PREEMPTIONS),
+            Param("host_tokens", "int", None, "host store positions per global KV group (None: enough for every "
+                  "request, so a swap never falls back to recompute)", lo=1, optional=True),
+            Param("quantum", "int", EngineConfig().residency_quantum,
+                  "steps a paged-in request runs before it may be paged out (residency_quantum)", lo=1),
+            Param("backend", "word", "torch", "the engine's backend ('torch': the CPU path, 'triton': the GPU's)",
+                  words=BACKENDS),
+            Param("seed", "int", 0, "seeds the prompts' text", lo=0, hi=2**63 - 1),
+        ),
+        # Parameters are plural where a row column holds one of their values (the run store tags
+        # every row with every parameter). Quick: the embedded model on a CPU; a 1,024-token pool
+        # holds two requests of 256 + 8 tokens (two pages each), so the cliff is at C4 (8 pages
+        # wanted, 4 held)
+        quick={"concurrencies": [1, 2, 4], "resident_pools": [1024], "prompt_lens": [256], "gen_tokens": 8,
+               "pflash_modes": ["off"], "preemptions": ["swap", "recompute"], "quantum": 4},
+    )
+
+
 def registry() -> dict[str, Ablation]:
     """Every ablation, by name."""
-    return {a.name: a for a in (_chunk_sizing(),)}
+    return {a.name: a for a in (_chunk_sizing(), _paging_cliff())}
 
 
 def get(name: str) -> Ablation:

@@ -173,3 +173,73 @@ def reference_page(ctx: BuildContext, seeds_path: Path, llama_path: Path) -> Pag
     return Page("reference.html", "Reference figures: the seeds and this project's baselines", "Reference figures",
                 "Every published figure of the seeds and every reference measurement (llama.cpp, transformers) "
                 "with its source.", tuple(sections))
+
+
+# Seed 002's KVFlash screen: DDTree + PFlash auto + KVFlash auto on an 8,192-token resident pool,
+# ~2K effective prompt tokens a request; throughput scaled to C8 and fell at C16 (its paging cliff).
+SEED_CLIFF_SOURCE = "002_e2128ad86e2e4259.txt"
+SEED_CLIFF_CONFIGURATION = "screenshot: "
+
+
+def seed_cliff_points(refs: pl.DataFrame) -> pl.DataFrame:
+    """Seed 002's paging-cliff screen, one row per concurrency: decode tok/s, pages in and out."""
+    if refs.is_empty():
+        return pl.DataFrame()
+    screen = refs.filter((pl.col("source") == SEED_CLIFF_SOURCE)
+                         & pl.col("configuration").str.starts_with(SEED_CLIFF_CONFIGURATION)
+                         & pl.col("metric").is_in(["decode_tok_s_aggregate", "page_in", "page_out"])
+                         & pl.col("concurrency").is_not_null())
+    if screen.is_empty():
+        return pl.DataFrame()
+    wide = screen.pivot(on="metric", index=["concurrency", "configuration", "hardware", "model"], values="value")
+    return wide.sort("concurrency")
+
+
+def cliff_chart(rows: pl.DataFrame, refs: pl.DataFrame) -> alt.LayerChart:
+    """Throughput against concurrency relative to each series' own smallest concurrency: one
+    line per arm of `rows` (the paging-cliff summary) and one for seed 002's screen, so that
+    the shapes of the cliffs compare across machines and models (absolute figures do not)."""
+    ours = rows.filter(pl.col("decode_tok_s_aggregate").is_not_null()).with_columns(
+        pl.format("this project: {}", "arm").alias("series"),
+        pl.lit("measured here").alias("source"),
+    )
+    keys = ["run_id", "series"] if "run_id" in ours.columns else ["series"]
+    ours = ours.with_columns(
+        (pl.col("decode_tok_s_aggregate") / pl.col("decode_tok_s_aggregate").sort_by("concurrency").first()
+         .over(keys)).alias("relative"),
+        pl.col("pages_in").cast(pl.Float64).alias("page_in"), pl.col("pages_out").cast(pl.Float64).alias("page_out"),
+    ).select(*keys[:-1], "series", "source", "concurrency", "decode_tok_s_aggregate", "relative", "page_in",
+             "page_out", "oversubscription")
+    seed = seed_cliff_points(refs)
+    if seed.height:
+        seed = seed.with_columns(
+            pl.format("seed 002: {} ({}, {})", pl.col("configuration").str.strip_prefix(SEED_CLIFF_CONFIGURATION),
+                      "model", "hardware").alias("series"),
+            pl.lit(SEED_CLIFF_SOURCE).alias("source"),
+            (pl.col("decode_tok_s_aggregate") / pl.col("decode_tok_s_aggregate").first()).alias("relative"),
+        ).select("series", "source", "concurrency", "decode_tok_s_aggregate", "relative", "page_in", "page_out")
+    points = pl.concat([ours, seed], how="diagonal_relaxed") if seed.height else ours
+    x_values = sorted(set(points["concurrency"].to_list()))
+    base = alt.Chart(chart_data(points)).encode(
+        x=alt.X("concurrency:Q", title="Concurrent sequences", scale=alt.Scale(type="log", base=2),
+                axis=alt.Axis(values=x_values)),
+        y=alt.Y("relative:Q", title="Decode throughput relative to the smallest concurrency (x)"),
+        color=alt.Color("series:N", title=None, legend=alt.Legend(orient="bottom", direction="vertical",
+                                                                  labelLimit=640)),
+    )
+    fmt = ",.4~g"
+    tooltip = ["series:N", "source:N", alt.Tooltip("concurrency:Q", title="concurrent sequences"),
+               alt.Tooltip("decode_tok_s_aggregate:Q", title="decode tok/s, aggregate", format=fmt),
+               alt.Tooltip("relative:Q", title="relative to the smallest concurrency", format=fmt),
+               alt.Tooltip("page_in:Q", title="pages in", format=fmt),
+               alt.Tooltip("page_out:Q", title="pages out", format=fmt),
+               alt.Tooltip("oversubscription:Q", title="live KV / pool", format=fmt)]
+    detail = "run_id:N" if "run_id" in points.columns else "series:N"
+    return alt.layer(
+        base.mark_line(strokeWidth=2).encode(detail=detail),
+        base.mark_point(filled=True, size=55).encode(tooltip=tooltip),
+    ).properties(width=WIDTH + 180, height=HEIGHT, title=alt.TitleParams(
+        "The paging cliff beside seed 002's", anchor="start",
+        subtitle=["each line relative to its own smallest concurrency; seed 002: Qwen3.6-27B on AMD gfx1151, "
+                  "8,192-token resident pool, ~2K effective prompt tokens a request (the cliff at C16, ~32K live)",
+                  "seed 002's page in/out are its own page counts (pages of its engine, not ours)"]))
