@@ -263,12 +263,14 @@ class PagedMemory:
             self._targets[seq_id] = max(n, len(token_ids))
         return cached
 
-    def _promised(self) -> dict[str, int]:
-        """Group -> pages the resident admitted sequences will still take to reach their
-        admission target (prompt plus headroom)."""
+    def _promised(self, exclude: set = frozenset()) -> dict[str, int]:
+        """Group -> pages the resident admitted sequences (but `exclude`) will still take to
+        reach their admission target (prompt plus headroom)."""
         alloc = self.allocator
         out = dict.fromkeys(alloc.pools, 0)
         for seq_id, target in self._targets.items():
+            if seq_id in exclude:
+                continue
             seq = alloc.sequence(seq_id)
             left = target - seq.length
             if left > 0 and seq.resident:  # (a sliding group's share: at most its window and a chunk)
@@ -371,8 +373,19 @@ class PagedMemory:
         over, so that its first step after the page-in can run beside the resident ones. One
         admitted waiting (`admit_waiting`) asks for the pages admission would have: its
         prompt's plus the headroom."""
-        need = self.page_in_need(seq_id)
-        return all(need[g] + spare <= pool.num_available for g, pool in self.allocator.pools.items())
+        return self.page_in_fits(seq_id, spare=spare)
+
+    def page_in_fits(self, seq_id: Hashable, victims: Sequence[Hashable] = (), spare: bool = True) -> bool:
+        """Whether the sequence's pages (`page_in_need`) plus what the resident sequences are
+        still promised (as at admission) fit the available pages, once `victims` are paged out
+        (their private pages back, their promises void)."""
+        alloc = self.allocator
+        need, promised = self.page_in_need(seq_id), self._promised(exclude=set(victims))
+        free = {g: pool.num_available for g, pool in alloc.pools.items()}
+        for v in victims:
+            for g, k in alloc.pages_to_swap_out(v).items():
+                free[g] += k
+        return all(need[g] + promised[g] + spare <= free[g] for g in free)
 
     def page_in_need(self, seq_id: Hashable) -> dict[str, int]:
         """Group -> the available pages paging the sequence in takes (see swap_in_fits)."""

@@ -441,15 +441,9 @@ class Scheduler:
     def _would_fit(self, rid: Hashable, victims: Sequence[_Sequence]) -> bool:
         """Whether paging out (or, without host room, recomputing) every one of `victims` would
         leave the pages `rid` needs to page in (the device pages only they hold come free)."""
-        alloc = self.allocator
-        need = self.memory.page_in_need(rid)
-        free = {g: pool.num_available - 1 for g, pool in alloc.pools.items()}
-        if any(pool.quarantine.is_pending(self._step_id) for pool in alloc.pools.values()):
+        if any(pool.quarantine.is_pending(self._step_id) for pool in self.allocator.pools.values()):
             return False  # (what they free stays fenced until the step in flight retires)
-        for s in victims:
-            for g, k in alloc.pages_to_swap_out(s.request.request_id).items():
-                free[g] += k
-        return all(need[g] <= free[g] for g in need)
+        return self.memory.page_in_fits(rid, [s.request.request_id for s in victims])
 
     def _evict(self, slot: int) -> None:
         """Make room: page the request out (host room, preemption="swap"), else recompute it."""
