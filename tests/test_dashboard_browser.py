@@ -269,7 +269,7 @@ def test_reference_figures_beside_ours(built):
     assert '"issue-3"' in bench and "llamacpp_cpu.parquet" in bench  # same-machine baselines, GPU and CPU
     overview = json.dumps(specs_of(pages["overview.html"]))
     assert "The seeds' published figures" in overview and "000_f88e6dcca7da7c79.txt" in overview
-    assert "Reference figures, same machine" in overview
+    assert "Reference figures (source and machine in the tooltip)" in overview
 
 
 def test_notebook_charts_of_one_run(built):

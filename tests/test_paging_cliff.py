@@ -211,3 +211,21 @@ def test_paging_cliff_notebook_headless(tiny_gguf, tmp_path, capsys):
     assert len(shown) == 1 + len(metrics) + 1, [o.data.get("text/plain", "")[:80] for o in shown]
     assert "The paging cliff beside seed 002" in shown[-1].data["text/html"]
     assert "Throughput over the all-resident run" in shown[2].data["text/html"]
+
+
+def test_the_dashboard_page_draws_seed_002s_screen_beside_ours_whatever_the_machine():
+    """pages.toml's paging-cliff page asks for seed 002's screenshot rows (another machine) by
+    configuration, and for its page_in/page_out under our pages_in/pages_out."""
+    import polars as pl
+
+    from workbench.dashboard.pages import load_pages
+    from workbench.dashboard.views import refs_for
+
+    page = load_pages().ablation("paging-cliff")
+    seeds = pl.read_parquet("data/reference/seeds.parquet")
+    got = {m: refs_for(seeds, page.reference_names.get(m, m), ["no-such-machine"], page.reference_configurations)
+           for m in page.reference}
+    assert sorted(got["decode_tok_s_aggregate"]["value"].to_list()) == [12.39, 18.73, 31.61, 52.6]
+    assert sorted(got["pages_out"]["value"].to_list()) == [0, 18, 792, 1880]
+    assert sorted(got["pages_in"]["value"].to_list()) == [0, 1, 245, 293]
+    assert refs_for(seeds, "page_out", ["no-such-machine"]) is None  # (without the prefix: same machine only)

@@ -55,6 +55,12 @@ class AblationPage:
     # had: a missing one is taken as this, so adding an option does not split old runs off
     param_defaults: Mapping[str, Any] = field(default_factory=dict)
     reference: tuple[str, ...] = ()
+    # reference configurations (data/reference's `configuration`, by prefix) drawn beside the
+    # `reference` metrics whatever machine they ran on: a published screen this page rebuilds
+    # (seed 002's paging cliff); the other reference figures are the same machines' only
+    reference_configurations: tuple[str, ...] = ()
+    # a metric's name in the reference tables where it differs from ours (pages_out = "page_out")
+    reference_names: Mapping[str, str] = field(default_factory=dict)
     history: str | None = None
     tooltip: tuple[str, ...] = ()
     x_words: str | None = None
@@ -168,7 +174,11 @@ def _build(cls, spec: Any, where: str):
         if name not in spec:
             continue
         value, kind = spec[name], str(f.type)
-        if name == "param_defaults":
+        if name == "reference_names":
+            if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+                raise WorkbenchError(f"{where}: {name} must be a table of column = reference metric name")
+            value = dict(value)
+        elif name == "param_defaults":
             if not isinstance(value, dict) or not all(isinstance(v, (str, int, float, bool)) for v in value.values()):
                 raise WorkbenchError(f"{where}: {name} must be a table of parameter = text, number or boolean")
             value = dict(value)

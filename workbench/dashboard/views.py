@@ -114,7 +114,7 @@ def _reference_layers(refs: pl.DataFrame, x_enc: alt.X, y_scale: alt.Scale, axes
     reference tables are by concurrency: drawn only where x is the concurrency."""
     base = alt.Chart(chart_data(refs)).encode(
         x=x_enc, y=alt.Y("value:Q", scale=y_scale, title=axes.y_label.title),
-        shape=alt.Shape("series:N", title="Reference figures, same machine (source in the tooltip)",
+        shape=alt.Shape("series:N", title="Reference figures (source and machine in the tooltip)",
                         legend=alt.Legend(orient="bottom", direction="vertical", labelLimit=520, titleLimit=520)),
     )
     tooltip = [alt.Tooltip("source:N", title="source"), alt.Tooltip("system:N"), alt.Tooltip("hardware:N"),
@@ -185,8 +185,8 @@ def metric_cells(group: Group, rows: pl.DataFrame, page: AblationPage, spec: Pag
     """One metric of a group: a panel, or one per value of the page's panel column."""
     axes = Axes(page.x, metric, spec.label(page.x, page), spec.label(metric, page), colors, page.tooltip,
                 page.x_words)
-    cell_refs = refs_for(refs, metric, group.hardware) if metric in page.reference and page.x == "concurrency" \
-        else None
+    cell_refs = refs_for(refs, page.reference_names.get(metric, metric), group.hardware,
+                         page.reference_configurations) if metric in page.reference and page.x == "concurrency" else None
     if page.panel not in rows.columns:
         return [metric_chart(rows, axes, axes.y_label.title, cell_refs)]
     panel_label = spec.label(page.panel, page)
@@ -214,11 +214,16 @@ def _band_line(rows: pl.DataFrame) -> list[str]:
     return ["one measurement per point (no repeats)"]
 
 
-def refs_for(refs: pl.DataFrame | None, metric: str, hardware: list[str]) -> pl.DataFrame | None:
+def refs_for(refs: pl.DataFrame | None, metric: str, hardware: list[str],
+             configurations: tuple[str, ...] = ()) -> pl.DataFrame | None:
+    """The reference figures of `metric` by concurrency: the same machines' (`hardware`), and
+    those of `configurations` (prefixes of the configuration column) from any machine."""
     if refs is None or not refs.height:
         return None
-    found = refs.filter((pl.col("metric") == metric) & pl.col("hardware").is_in(hardware)
-                        & pl.col("concurrency").is_not_null())
+    where = pl.col("hardware").is_in(hardware)
+    for prefix in configurations:
+        where = where | pl.col("configuration").str.starts_with(prefix)
+    found = refs.filter((pl.col("metric") == metric) & where & pl.col("concurrency").is_not_null())
     return found if found.height else None
 
 
