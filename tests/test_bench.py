@@ -179,6 +179,32 @@ def test_bench_shared_prefix_out_of_range_is_one_line(tiny_gguf, tmp_path, capsy
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
+def test_bench_host_store_too_small_for_one_request_is_one_line(tiny_gguf, tmp_path, capsys):
+    from workbench.cli import main
+
+    rc = main(["bench", "--model", str(tiny_gguf("gemma3")), "--concurrency", "1", "--prompt-len", "300", "--gen", "2",
+               "--kv-host-tokens", "16", "--data-dir", str(tmp_path), "--no-progress"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--kv-host-tokens 16 cannot hold one request" in err[0] and "allowed >= 512" in err[0]
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_bench_rows_prove_host_backing_ran_or_flag_it(tiny_gguf, tmp_path):
+    """--kv-host-tokens: four 300-token requests on a two-page pool page out and in (the row's
+    counters), and one request alone on the same pool shows none of it and is flagged."""
+    from workbench.bench import run_bench
+    from workbench.model import load_model
+
+    m = load_model(tiny_gguf("llama"), dtype="bfloat16")
+    _, rows = run_bench(m, concurrency=[1, 4], prompt_len=300, gen=40, chunk=64, repeats=1, data_dir=str(tmp_path),
+                        kv_resident_tokens=1024, kv_host_tokens=4096, residency_quantum=4, progress=lambda line: None)
+    alone, four = rows
+    assert alone["pages_out"] == 0 and "host backing asked, but no page was paged out" in alone["flag"]
+    assert four["pages_out"] > 0 and four["pages_out"] == four["pages_in"] and four["num_swaps"] > 0
+    assert four["bytes_out"] > 0 and four["flag"] is None and four["matches_solo"]
+
+
 def test_prefill_rate_counts_the_admitted_tokens_with_compression(tiny_gguf):
     """--prompt-compression: prefill tok/s counts the effective (admitted) prompt tokens, and the
     row carries raw and effective sums, how many requests compressed and the scorer's time; off,

@@ -14,9 +14,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from fake_runner import FakePagedRunner, drive, solo_reference
+from test_paged_engine import _engine, _ids, _reference, _same
 from test_scheduler import make, req
 from workbench import EngineConfig
 from workbench.errors import ConfigError, WorkbenchError
@@ -139,8 +139,8 @@ def test_recompute_policy_recomputes_and_swap_policy_swaps():
 
 
 def test_a_small_host_store_falls_back_to_recompute():
-    # 2 host pages per group: a request holding more is recomputed instead
-    sched, runner = _sched(64, 32, max_concurrency=4, chunk_size=8, residency_quantum=2)
+    # 5 host pages per global group, each request up to 5: once one is paged out, others are recomputed
+    sched, runner = _sched(64, 80, max_concurrency=4, chunk_size=8, residency_quantum=2)
     reqs = [req(f"r{i}", 12 + 5 * i, max_tokens=30, seed=i) for i in range(4)]
     result = drive(sched, runner, arrivals={0: reqs}, check=_check)
     events = [result.events[r.request_id] for r in reqs]
@@ -151,7 +151,7 @@ def test_a_small_host_store_falls_back_to_recompute():
 @pytest.mark.parametrize("seed", range(12))
 def test_random_arrivals_and_cancels_with_paging_stay_solo(seed):
     rnd = random.Random(seed)
-    sched, runner = _sched(16 * rnd.randint(6, 10), 16 * rnd.choice([4, 64]), max_concurrency=rnd.randint(2, 8),
+    sched, runner = _sched(16 * rnd.randint(6, 10), 16 * rnd.choice([6, 64]), max_concurrency=rnd.randint(2, 8),
                            chunk_size=rnd.choice([4, 8, 16]), residency_quantum=rnd.randint(1, 8),
                            prefix_cache=rnd.random() < 0.5, preemption=rnd.choice(["swap", "recompute"]))
     arrivals: dict[int, list] = {}
@@ -178,18 +178,7 @@ def test_random_arrivals_and_cancels_with_paging_stay_solo(seed):
     assert all(h.num_used == 0 for h in sched.allocator.host.values())
 
 
-# -- the engine: torch runner ----------------------------------------------------------------------
-
-def _ids(n, seed, vocab=390):
-    rnd = random.Random(seed)
-    return [rnd.randrange(4, vocab) for _ in range(n)]
-
-
-def _engine(m, n, **kw):
-    import workbench
-
-    kw.setdefault("admission_headroom_tokens", 0)
-    return workbench.Engine(m, workbench.EngineConfig(max_concurrency=n, dtype=m.dtype_name, **kw), keep_logits=True)
+# -- the engine: torch runner (tests/test_paged_engine.py's engine, prompts and reference) ---------
 
 
 @pytest.mark.parametrize("preemption", ["swap", "recompute"])
@@ -197,8 +186,6 @@ def _engine(m, n, **kw):
 def test_engine_paging_out_and_in_is_bitwise_the_all_resident_run(tiny_model, preemption, temperature):
     """Four requests of 300-420 positions (two pages of 256 each) on a four-page pool: half the
     live KV fits. Against the same requests on a pool that holds them all, tokens and logits."""
-    from test_paged_engine import _reference, _same
-
     m = tiny_model("llama", "bfloat16")
     prompts = [_ids(100 + 40 * i, seed=i) for i in range(4)]
     kw = dict(max_tokens=200, temperature=temperature, top_k=40 if temperature else None,
@@ -241,6 +228,14 @@ def test_engine_cancel_while_paged_out_frees_its_host_pages(tiny_model):
 
 
 # -- config ---------------------------------------------------------------------------------------
+
+def test_a_request_the_host_store_cannot_hold_alone_is_refused_in_one_line():
+    sched, _ = _sched(256, 32, max_concurrency=2, chunk_size=8)  # 2 host pages of 16
+    with pytest.raises(WorkbenchError, match=r"^request 'r0' needs 3 host pages \(48 positions\) of KV group "
+                                             r"'global' for 40 tokens but the host store holds 2: allowed "
+                                             r"kv_host_tokens >= 48, or lower max_tokens$"):
+        sched.add(req("r0", 20, max_tokens=20))
+
 
 @pytest.mark.parametrize("kw, msg", [
     (dict(eviction="fifo"), "eviction='fifo' is not allowed: allowed lru"),

@@ -187,6 +187,12 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
         raise WorkbenchError(f"--shared-prefix-len {shared_prefix_len} is out of range: allowed 0..{prompt_len - 1} "
                              f"(below --prompt-len {prompt_len})")
 
+    if kv_host_tokens is not None:  # (the engine refuses such a request at add; here, before any work)
+        P = config.triton.page_size if backend == "triton" else model.state_layout.page_size
+        need = -(-(prompt_len + gen) // P) * P
+        if -(-kv_host_tokens // P) * P < need:
+            raise WorkbenchError(f"--kv-host-tokens {kv_host_tokens} cannot hold one request of --prompt-len "
+                                 f"{prompt_len} + --gen {gen} ({need} positions in pages of {P}): allowed >= {need}")
     if prompt_len + gen > model.config.context_length:
         raise WorkbenchError(
             f"prompt-len {prompt_len} + gen {gen} exceeds the model context of {model.config.context_length}"

@@ -239,6 +239,15 @@ class PagedMemory:
                     f"request {seq_id!r} needs {need} pages ({need * P} positions) of KV group "
                     f"{group!r} for {n} tokens but the KV pool holds {have} pages ({have * P} tokens): "
                     f"raise kv_resident_tokens or lower max_tokens")
+        # host backing: it must be able to page out alone (a sliding group's store holds every
+        # slot's window, so only a global group's can be short)
+        for group, have in self.host_pages.items():
+            need = self.allocator.layout.max_live_pages(group, n)
+            if need > have:
+                raise WorkbenchError(
+                    f"request {seq_id!r} needs {need} host pages ({need * P} positions) of KV group {group!r} "
+                    f"for {n} tokens but the host store holds {have}: allowed kv_host_tokens >= {need * P}, "
+                    f"or lower max_tokens")
 
     def admit(self, seq_id: Hashable, token_ids: Sequence[int], max_context: int) -> int | None:
         """Admitted when the pages for `token_ids` (what it has to prefill, less its cached
