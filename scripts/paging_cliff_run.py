@@ -28,11 +28,7 @@ def main(argv=None) -> int:
 
         m = workbench.load_model(config["model"])
         with ablations.recording(config, "paging-cliff") as run:
-            summary = paging_cliff.measure_paging_cliff(
-                m, concurrency=config["concurrencies"], resident_tokens=config["resident_pools"],
-                prompt_lens=config["prompt_lens"], gen_tokens=config["gen_tokens"], pflash=config["pflash_modes"],
-                preemption=config["preemptions"], host_tokens=config["host_tokens"], quantum=config["quantum"],
-                backend=config["backend"], seed=config["seed"], progress=False)
+            summary = paging_cliff.measure_from_config(m, config)
             run.write_rows(ablations.SUMMARY_TABLE, summary)
     except WorkbenchError as e:
         print(f"paging_cliff_run: {e}", file=sys.stderr)

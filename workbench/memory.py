@@ -207,7 +207,6 @@ class PagedMemory:
             h = -(-config.kv_host_tokens // P)
             self.host_pages = {g.name: config.max_concurrency * layout.max_live_pages(g.name, capacity)
                                if g.sliding else h for g in layout.groups}
-        self.host_bytes = sum(k * layout.page_bytes(g) for g, k in self.host_pages.items())
         self._moves: list[PageMove] = []  # this step's page-outs and page-ins, in order
         self._targets: dict[Hashable, int] = {}  # host backing: admitted sequence -> its admission target
         # admitted before their pages were free (admit_waiting): sequence -> (tokens, admission target)
@@ -261,16 +260,21 @@ class PagedMemory:
         step frees; there a request that gets no pages simply waits.)"""
         alloc = self.allocator
         match = alloc.match(token_ids)
-        n = min(len(token_ids) + self.config.admission_headroom_tokens, max_context)
-        need = alloc.pages_for_prompt(max(n, len(token_ids)), match, chunk=self.chunk_bound)
+        target = self._target(token_ids, max_context)
+        need = alloc.pages_for_prompt(target, match, chunk=self.chunk_bound)
         promised = self._promised() if self.has_host else dict.fromkeys(alloc.pools, 0)
         if not alloc.can_add(match) or any(need[g] + promised[g] > pool.num_available
                                            for g, pool in alloc.pools.items()):
             return None
         cached = alloc.add(seq_id, match)
         if self.has_host:
-            self._targets[seq_id] = max(n, len(token_ids))
+            self._targets[seq_id] = target
         return cached
+
+    def _target(self, token_ids: Sequence[int], max_context: int) -> int:
+        """The positions admission counts for a sequence: its prefill plus the headroom, at most
+        its context (never less than the prefill)."""
+        return max(min(len(token_ids) + self.config.admission_headroom_tokens, max_context), len(token_ids))
 
     def _promised(self, exclude: set = frozenset()) -> dict[str, int]:
         """Group -> pages the resident admitted sequences (but `exclude`) will still take to
@@ -365,29 +369,20 @@ class PagedMemory:
     def swap_out(self, seq_id: Hashable, fence: int | None) -> None:
         """Page the sequence out: its private pages to the host store (the moves queue for the
         step), its device pages released under `fence`."""
-        moves = self.allocator.swap_out(seq_id, fence)
-        self._moves += moves
-        self._swaps[0] += 1
-        self._bytes[0] += sum(self.allocator.layout.page_bytes(m.group) for m in moves)
+        self._queue(self.allocator.swap_out(seq_id, fence), 0)
 
     def admit_waiting(self, seq_id: Hashable, token_ids: Sequence[int], max_context: int) -> None:
         """Host backing: a request takes a slot before the pages for its prompt are free. It
         holds nothing while it waits (not even a prefix hit: waiting requests holding pages
         could hold the whole pool between them), and joins the allocator at `swap_in`."""
-        n = min(len(token_ids) + self.config.admission_headroom_tokens, max_context)
-        self._waiting[seq_id] = (tuple(token_ids), max(n, len(token_ids)))
-
-    def swap_in_fits(self, seq_id: Hashable, spare: bool = True) -> bool:
-        """Whether its pages can come back, with (`spare`) a page to grow by in every group left
-        over, so that its first step after the page-in can run beside the resident ones. One
-        admitted waiting (`admit_waiting`) asks for the pages admission would have: its
-        prompt's plus the headroom."""
-        return self.page_in_fits(seq_id, spare=spare)
+        self._waiting[seq_id] = (tuple(token_ids), self._target(token_ids, max_context))
 
     def page_in_fits(self, seq_id: Hashable, victims: Sequence[Hashable] = (), spare: bool = True) -> bool:
         """Whether the sequence's pages (`page_in_need`) plus what the resident sequences are
         still promised (as at admission) fit the available pages, once `victims` are paged out
-        (their private pages back, their promises void)."""
+        (their private pages back, their promises void), with (`spare`) a page to grow by in
+        every group left over, so that its first step after the page-in can run beside the
+        resident ones."""
         alloc = self.allocator
         need, promised = self.page_in_need(seq_id), self._promised(exclude=set(victims))
         free = {g: pool.num_available for g, pool in alloc.pools.items()}
@@ -397,7 +392,9 @@ class PagedMemory:
         return all(need[g] + promised[g] + spare <= free[g] for g in free)
 
     def page_in_need(self, seq_id: Hashable) -> dict[str, int]:
-        """Group -> the available pages paging the sequence in takes (see swap_in_fits)."""
+        """Group -> the available pages paging the sequence in takes: its host pages, or for one
+        admitted waiting (`admit_waiting`) what admission would have taken, its prompt's plus
+        the headroom."""
         alloc = self.allocator
         if seq_id in self._waiting:
             tokens, n = self._waiting[seq_id]
@@ -411,11 +408,14 @@ class PagedMemory:
             tokens, target = self._waiting.pop(seq_id)
             self._targets[seq_id] = target
             return self.allocator.add(seq_id, self.allocator.match(tokens))
-        moves = self.allocator.swap_in(seq_id)
-        self._moves += moves
-        self._swaps[1] += 1
-        self._bytes[1] += sum(self.allocator.layout.page_bytes(m.group) for m in moves)
+        self._queue(self.allocator.swap_in(seq_id), 1)
         return None
+
+    def _queue(self, moves: list[PageMove], way: int) -> None:
+        """Queue a sequence's moves for the step and count them (way 0: out, 1: in)."""
+        self._moves += moves
+        self._swaps[way] += 1
+        self._bytes[way] += sum(self.allocator.layout.page_bytes(m.group) for m in moves)
 
     @property
     def num_paged_out(self) -> int:

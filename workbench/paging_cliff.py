@@ -115,6 +115,16 @@ def measure_paging_cliff(
     return pl.DataFrame(rows, infer_schema_length=None)
 
 
+def measure_from_config(model, config: dict):
+    """`measure_paging_cliff` with a validated config (`ablations.validate("paging-cliff", ...)`):
+    what the notebook and scripts/paging_cliff_run.py both run."""
+    return measure_paging_cliff(
+        model, concurrency=config["concurrencies"], resident_tokens=config["resident_pools"],
+        prompt_lens=config["prompt_lens"], gen_tokens=config["gen_tokens"], pflash=config["pflash_modes"],
+        preemption=config["preemptions"], host_tokens=config["host_tokens"], quantum=config["quantum"],
+        backend=config["backend"], seed=config["seed"], progress=config["progress"])
+
+
 def _warm_up(model, config, concurrency: Sequence[int], prompt_len: int, pool_per_request: int) -> None:
     """A short generation at each concurrency, its prompts as long as the measured ones (up to
     WARM_UP_PROMPT_CAP), as ablations._warm_up does at one: so that no measurement pays the

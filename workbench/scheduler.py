@@ -412,7 +412,7 @@ class Scheduler:
             head = self._running[self._paged_out[0]]
             rid = head.request.request_id
             alone = len(self._paged_out) == len(self._running)
-            if not mem.swap_in_fits(rid, spare=not alone):
+            if not mem.page_in_fits(rid, spare=not alone):
                 quantum = self.config.residency_quantum
                 # (decoding ones only: one evicted mid-prefill may not have gained a token this
                 # turn, and under recompute it would lose the turn's work again and again)
@@ -422,10 +422,10 @@ class Scheduler:
                 if not self._would_fit(rid, old):
                     return
                 for s in old:
-                    self._evict(s.slot_id)
-                    if mem.swap_in_fits(rid, spare=True):
+                    self._preempt(s.slot_id)
+                    if mem.page_in_fits(rid):
                         break
-                if not mem.swap_in_fits(rid, spare=True):
+                if not mem.page_in_fits(rid):
                     return
             cached = mem.swap_in(rid)
             if cached is not None:  # admitted waiting: its prefill starts after its prefix hit
@@ -445,8 +445,9 @@ class Scheduler:
             return False  # (what they free stays fenced until the step in flight retires)
         return self.memory.page_in_fits(rid, [s.request.request_id for s in victims])
 
-    def _evict(self, slot: int) -> None:
-        """Make room: page the request out (host room, preemption="swap"), else recompute it."""
+    def _preempt(self, slot: int) -> None:
+        """Make room (a decode row could not get a page, or a paged-out request waits): page the
+        request out where the host store has room and preemption is "swap", else recompute it."""
         s = self._running[slot]
         rid = s.request.request_id
         if self.config.preemption == "swap" and self.memory.can_swap_out(rid):
@@ -588,11 +589,6 @@ class Scheduler:
         tokens = s.prefill_ids[chunk.start : end]
         return Segment(chunk.slot_id, s.request.request_id, tokens, chunk.start, end == s.prefill_len,
                        *self.memory.segment_fields(s.request.request_id))
-
-    def _preempt(self, slot: int) -> None:
-        """A decode row could not get a page: page this request out where the host store has
-        room and preemption is "swap", else recompute it."""
-        self._evict(slot)
 
     def _recompute(self, slot: int) -> None:
         """Preemption by recompute: free the pages, back to the front of the queue."""

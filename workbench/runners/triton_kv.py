@@ -19,6 +19,8 @@ kernels read.
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Sequence
 
 import torch
@@ -77,12 +79,7 @@ class HostPages:
         self._timed: list[tuple] = []  # (start, end) events of moves not yet read
         # group -> device pages of moves the compute stream has not waited for (CUDA)
         self._pending: dict[str, set[int]] = {}
-        self.num_waits = 0  # forwards that waited for the transfers (the rest overlapped them)
         self._cpu_s = 0.0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())
 
     def move(self, moves) -> None:
         """Run the moves in order. On CUDA they run on the transfer stream, which first waits for
@@ -92,15 +89,9 @@ class HostPages:
         touch (a page-in's page, or a page a page-out freed and the forward's growth took), so
         the other forwards overlap them. The pages of one direction and group go as one gather
         (page-outs) or scatter (page-ins) on the device and a contiguous copy per page."""
-        import time
-
         dev = self.pages
-        runs: list[tuple[str, bool, list]] = []  # consecutive moves of one group and direction
-        for m in moves:
-            if runs and runs[-1][0] == m.group and runs[-1][1] == m.to_host:
-                runs[-1][2].append(m)
-            else:
-                runs.append((m.group, m.to_host, [m]))
+        # consecutive moves of one group and direction, in order
+        runs = [(g, out, list(ms)) for (g, out), ms in itertools.groupby(moves, key=lambda m: (m.group, m.to_host))]
         if self.stream is None:
             t0 = time.perf_counter()
             self._run(dev, runs)
@@ -117,20 +108,12 @@ class HostPages:
         for m in moves:
             self._pending.setdefault(m.group, set()).add(m.device)
 
-    def order_before(self, segments) -> bool:
+    def order_before(self, segments) -> None:
         """Make the compute stream wait for the transfers issued so far if any of `segments`'
-        block tables holds a page they touch (then none is pending any more). Returns whether
-        it waited."""
-        if not self._pending:
-            return False
-        for s in segments:
-            for g, pages in self._pending.items():
-                if not pages.isdisjoint(s.block_tables[g]):
-                    torch.cuda.current_stream(self.pages.device).wait_stream(self.stream)
-                    self._pending = {}
-                    self.num_waits += 1
-                    return True
-        return False
+        block tables holds a page they touch (then none is pending any more)."""
+        if any(not pages.isdisjoint(s.block_tables[g]) for s in segments for g, pages in self._pending.items()):
+            torch.cuda.current_stream(self.pages.device).wait_stream(self.stream)
+            self._pending = {}
 
     def _run(self, dev: DevicePages, runs) -> None:
         for group, to_host, ms in runs:

@@ -17,6 +17,7 @@ runner. Plain Python: no torch.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from ..errors import WorkbenchError
@@ -43,7 +44,7 @@ class HostPool:
             raise WorkbenchError(f"host num_pages={num_pages!r} for group {name!r} is out of range: allowed >= 0")
         self.name = name
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest id
+        self._free = list(range(num_pages))  # a heap: the lowest free id first
 
     @property
     def num_free(self) -> int:
@@ -56,10 +57,8 @@ class HostPool:
     def allocate(self) -> int:
         if not self._free:
             raise WorkbenchError(f"the host store of group {self.name!r} is full ({self.num_pages} pages)")
-        return self._free.pop()
+        return heapq.heappop(self._free)
 
     def free(self, page: int) -> None:
         """A page-in moved it back (or its sequence ended while paged out)."""
-        self._free.append(page)
-        if len(self._free) > 1 and self._free[-1] > self._free[-2]:
-            self._free.sort(reverse=True)  # (keep lowest-id-first; the stack is short)
+        heapq.heappush(self._free, page)
