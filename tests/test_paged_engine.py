@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import workbench
 from workbench.errors import WorkbenchError
 from workbench.model import Segment
-from workbench.sampling import SamplingParams, make_generator, sample
+from workbench.sampling import SamplingParams, sample, token_generator
 
 from engine_drive import serve_arrivals
 
@@ -38,12 +38,11 @@ def _reference(m, prompt, max_tokens, temperature=0.0, seed=None, index=0):
     key = (id(m), tuple(prompt), max_tokens, temperature, seed, index)
     if key not in _REFS:
         params = SamplingParams(temperature=temperature, top_k=40 if temperature else None, seed=seed)
-        gen = make_generator(seed, index)
         state = m.new_state(len(prompt) + max_tokens)
         row = m.forward([Segment(state, list(prompt), "last")])[0][0]
         toks, rows = [], []
         while True:
-            toks.append(sample(row.float(), params, gen))
+            toks.append(sample(row.float(), params, token_generator(seed, index, len(toks))))
             rows.append(row)
             if len(toks) == max_tokens:
                 break

@@ -35,8 +35,11 @@ from .engine_config import EngineConfig
 from .errors import WorkbenchError
 from .model import Model
 from .runner import TorchRunner
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import SamplingParams, probabilities, sample, token_generator
 from .scheduler import Request, Scheduler
+from .spec.proposers import Proposer
+from .spec.speculator import SpecStats, Speculator
+from .spec.verify import accept_exact, accept_rejection, num_accepted
 from .telemetry import Telemetry, percentile
 
 __all__ = ["Engine", "EngineConfig", "GenerationResult", "RequestHandle"]
@@ -63,6 +66,7 @@ class GenerationResult:
     # the prompt the scheduler admitted: prompt_ids after compression (None: prompt_ids itself)
     effective_prompt_ids: list[int] | None = field(repr=False, default=None)
     compression: CompressedPrompt | None = field(repr=False, default=None)  # None: compression off
+    spec: SpecStats | None = field(repr=False, default=None)  # speculation's counters; None: off
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -121,7 +125,7 @@ class _Live:
         self.compression = compression
         self.effective_ids = list(compression.kept_ids) if compression is not None else self.prompt_ids
         self.params = params
-        self.generator = make_generator(params.seed, index)
+        self.index = index  # a seeded token at position t draws from token_generator(seed, index, t)
         self.submitted_at = submitted_at
         self.prefill_started_at: float | None = None
         self.token_ids: list[int] = []
@@ -172,9 +176,11 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, model: Model, config: EngineConfig | None = None, *, keep_logits: bool = False):
+    def __init__(self, model: Model, config: EngineConfig | None = None, *, keep_logits: bool = False,
+                 proposer: Proposer | None = None):
         """keep_logits: keep every sampled row's float32 logits on the result (for exactness
-        checks and analysis; costs vocab*4 bytes per token)."""
+        checks and analysis; costs vocab*4 bytes per token). proposer: with speculation on, a
+        draft proposer (workbench.spec.Proposer) instead of the config's named one."""
         self.model = model
         self.keep_logits = keep_logits
         self.config = config = config or EngineConfig()
@@ -200,6 +206,10 @@ class Engine:
         # whatever the backend (a device scorer is future work: workbench/compression.py)
         self.compressor = (None if config.prompt_compression == "off"
                            else PromptCompressor(model, config.prompt_compression, config.compression))
+        if proposer is not None and config.speculation is None:
+            raise WorkbenchError("a proposer was given but speculation is off: allowed with "
+                                 "EngineConfig(speculation=SpecConfig(...)) only")
+        self.speculator = None if config.speculation is None else Speculator(config.speculation, proposer)
         self.telemetry = Telemetry()
         self._live: dict[Hashable, _Live] = {}
         self._ids = itertools.count()
@@ -248,6 +258,8 @@ class Engine:
         req = Request(rid, admitted, max_tokens, params, () if ignore_eos else self.stop_ids)
         self.scheduler.add(req)
         self._live[rid] = _Live(rid, ids, params, index, submitted_at, compressed)
+        if self.speculator is not None:
+            self.speculator.start(rid, admitted)
         return RequestHandle(self, rid)
 
     def cancel(self, request_id: Hashable) -> None:
@@ -282,13 +294,14 @@ class Engine:
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list:
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule(self._step_index)  # plan
+        drafts = self._drafts()
+        plan = self.scheduler.schedule(self._step_index, drafts)  # plan
         if plan is None and self.scheduler.has_work() and getattr(self.runner, "ahead_in_flight", False):
             # nothing could be admitted, perhaps for pages still fenced by a step launched ahead
             # for requests that have since finished: wait for it, release them, plan again
             self.runner.drain()
             self.scheduler.retire(self._step_index - 1)
-            plan = self.scheduler.schedule(self._step_index)
+            plan = self.scheduler.schedule(self._step_index, drafts)
         if plan is None:
             return []
         moves = self.scheduler.page_moves(plan)
@@ -303,6 +316,7 @@ class Engine:
         argmax = frozenset() if self.keep_logits else frozenset(
             slot for slot, rid in running.items() if self._live[rid].params.greedy)
         sampled = {}
+        verified = {}  # slot -> its verify rows' logits [1 + k, vocab], or their greedy tokens
         # a greedy steady state: the runner may start the next step before returning this one's
         ahead = bool(argmax) and self.scheduler.repeats_after(plan) and set(plan.slot_ids()) <= argmax
         for fwd in forwards:  # run
@@ -311,7 +325,9 @@ class Engine:
                 if live.prefill_started_at is None:
                     live.prefill_started_at = t0
             for slot, out in self.runner.run(fwd, max_ctx, argmax=argmax, ahead=ahead).items():
-                if isinstance(out, int):
+                if slot in plan.drafts:
+                    verified[slot] = out
+                elif isinstance(out, int):
                     sampled[slot] = out
                 else:
                     logits[slot] = out
@@ -324,14 +340,33 @@ class Engine:
         for slot, row in logits.items():
             live = self._live[running[slot]]
             if slot not in sampled:
-                sampled[slot] = sample(row.float().cpu(), live.params, live.generator)
+                t = len(live.token_ids)
+                sampled[slot] = sample(row.float().cpu(), live.params, token_generator(live.params.seed, live.index, t))
             if self.keep_logits:
                 live.logits.append(row.detach().to("cpu", torch.float32, copy=True))
+        num_kept = 0
+        bursts = {}
+        for slot, out in verified.items():  # speculation: each verify's burst
+            live = self._live[running[slot]]
+            draft = plan.drafts[slot]
+            burst, rows = self._verify(live, draft, out)
+            kept = num_accepted(draft, burst)
+            burst = burst[: self.scheduler.num_taken(slot, burst)]  # (a stop token mid-burst ends it)
+            self.speculator.observe(live.rid, len(draft), kept, len(burst))
+            num_kept += kept
+            bursts[slot] = burst
+            if self.keep_logits:
+                live.logits += list(rows[: len(burst)].clone())
         now = time.perf_counter()
         for slot, tok in sampled.items():
             live = self._live[running[slot]]
             live.token_ids.append(tok)
             live.token_times.append(now)
+        for slot, burst in bursts.items():
+            live = self._live[running[slot]]
+            live.token_ids += burst
+            live.token_times += [now] * len(burst)
+        sampled.update(bursts)
         events = self.scheduler.commit(plan, sampled)  # commit
         # the device is done with this step, unless the runner launched the next one ahead: that
         # launch may still write pages released by this commit, so they stay fenced a step more
@@ -342,15 +377,45 @@ class Engine:
             self._finish(ev)
         # the step's wall time ends after its bookkeeping (with run-ahead the device keeps
         # working meanwhile); bench's decode time takes each step to the next one's start_s
-        self._record_step(plan, len(forwards), t0, time.perf_counter())
+        self._record_step(plan, len(forwards), t0, time.perf_counter(), num_kept)
         self._step_index += 1
         return events
+
+    def _drafts(self) -> dict:
+        """Speculation: each decoding request's draft for the next step (the scheduler cuts each
+        to what its request may still emit, and to the pages there are); {} when off."""
+        if self.speculator is None:
+            return {}
+        contexts = {}
+        for rid in self.scheduler.running_ids().values():
+            live = self._live[rid]
+            if live.token_ids:  # (a request re-prefilling after a preemption gets it ignored)
+                contexts[rid] = live.effective_ids + live.token_ids
+        return self.speculator.drafts(contexts) if contexts else {}
+
+    def _verify(self, live: _Live, draft: tuple[int, ...], out) -> tuple[list[int], torch.Tensor | None]:
+        """The tokens a verify emits (spec/verify.py's rule) and its rows' logits (None when the
+        runner answered with greedy tokens)."""
+        if isinstance(out, tuple):  # greedy tokens picked where the logits are
+            return accept_exact(draft, out.__getitem__), None
+        rows = out.float().cpu()
+        p, t = live.params, len(live.token_ids)
+        if p.greedy:
+            picks = rows.argmax(-1).tolist()
+            return accept_exact(draft, picks.__getitem__), rows
+        if self.config.speculation.verify == "exact":
+            # row i is position t + i: its sample is the one speculation-off would draw there
+            return accept_exact(draft, lambda i: sample(rows[i], p, token_generator(p.seed, live.index, t + i))), rows
+        return accept_rejection(draft, lambda i: probabilities(rows[i], p), token_generator(p.seed, live.index, t)), rows
 
     def _finish(self, ev) -> None:
         if ev.slot_id is not None:
             self.runner.reset(ev.slot_id)
         live = self._live[ev.request_id]
         now = time.perf_counter()
+        spec = None
+        if self.speculator is not None:
+            spec = self.speculator.finish(ev.request_id, live.effective_ids + live.token_ids, len(live.effective_ids))
         live.result = GenerationResult(
             request_id=ev.request_id,
             prompt_ids=live.prompt_ids,
@@ -370,6 +435,7 @@ class Engine:
             max_wait_steps=ev.max_wait_steps,
             effective_prompt_ids=live.effective_ids,
             compression=live.compression,
+            spec=spec,
         )
         r = live.result
         cp = r.compression
@@ -400,9 +466,21 @@ class Engine:
             "prompt_compression": "off" if cp is None else cp.asked,
             "compressed": cp is not None and cp.compressed,
             "compress_s": None if cp is None or cp.scores is None else cp.scores.scorer_s,
+            # speculation (None when off): verify steps, draft tokens verified and kept, the
+            # tokens those steps emitted, the guard's skips, the acceptance-length histogram
+            "spec_verify_steps": None if spec is None else spec.verify_steps,
+            "spec_drafted": None if spec is None else spec.drafted,
+            "spec_accepted": None if spec is None else spec.accepted,
+            "spec_emitted": None if spec is None else spec.emitted,
+            "spec_guard_skips": None if spec is None else spec.guard_skips,
+            "spec_empty": None if spec is None else spec.empty,
+            "draft_yield": None if spec is None else spec.draft_yield,
+            "spec_hist": None if spec is None else list(spec.hist),
+            "spec_position_accepted": None if spec is None else list(spec.position_accepted),
+            "spec_position_drafted": None if spec is None else list(spec.position_drafted),
         })
 
-    def _record_step(self, plan, num_forwards: int, t0: float, t1: float) -> None:
+    def _record_step(self, plan, num_forwards: int, t0: float, t1: float, num_kept: int = 0) -> None:
         solo = [g for g in plan.decode_groups if not g.batched]
         phase = "mixed" if plan.num_decode_rows and plan.num_prefill_rows else "decode" if plan.num_decode_rows else "prefill"
         self.telemetry.record_step({
@@ -430,7 +508,16 @@ class Engine:
             "deferred_seqs": self.scheduler.num_running - len(plan.slot_ids()),
             "transfer_ms": 1e3 * self.runner.read_transfer_s() if self.scheduler.kv_host_pages else None,
             **self.scheduler.step_stats(),
+            # speculation (None when off): slots that verified a draft, draft tokens verified
+            # and kept, and the guard's measured cost of a verify row (spec/guard.py)
+            "verify_slots": None if self.speculator is None else len(plan.drafts),
+            "draft_tokens": None if self.speculator is None else plan.num_draft_tokens,
+            "accepted_tokens": None if self.speculator is None else num_kept,
+            "row_cost": None if self.speculator is None else self.speculator.row_cost(
+                sum(len(g.slot_ids) for g in plan.decode_groups)),
         })
+        if self.speculator is not None and plan.num_decode_rows and not plan.num_prefill_rows:
+            self.speculator.record_step(plan.num_decode_rows, 1e3 * (t1 - t0))
 
     # -- results ---------------------------------------------------------------------------
     @property

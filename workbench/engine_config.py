@@ -14,8 +14,9 @@ from .compression import CompressionOptions, check_ratio
 from .errors import ConfigError
 from .planner import POLICIES
 from .runners.triton_options import HEAD_MATMULS, TritonOptions
+from .spec.config import SpecConfig
 
-__all__ = ["ConfigError", "EngineConfig", "HEAD_MATMULS", "TritonOptions"]
+__all__ = ["ConfigError", "EngineConfig", "HEAD_MATMULS", "SpecConfig", "TritonOptions"]
 
 
 MAX_CONCURRENCY = 64
@@ -69,6 +70,8 @@ class EngineConfig:
     prompt_compression: str | float = "off"
     # its options (scorer, query window, block size, sinks, auto threshold); with compression on only
     compression: CompressionOptions = CompressionOptions()
+    # speculative decoding (workbench/spec): None = off; a SpecConfig (proposer, k, verify, guard)
+    speculation: SpecConfig | None = None
 
     def __post_init__(self):
         _int_in_range("max_concurrency", self.max_concurrency, 1, MAX_CONCURRENCY)
@@ -110,6 +113,9 @@ class EngineConfig:
         if not isinstance(self.compression, CompressionOptions):
             raise ConfigError(f"compression={self.compression!r} is not allowed: allowed a CompressionOptions "
                               f"(workbench.compression)")
+        if self.speculation is not None and not isinstance(self.speculation, SpecConfig):
+            raise ConfigError(f"speculation={self.speculation!r} is not allowed: allowed None or a SpecConfig "
+                              f"(workbench.spec)")
         if self.prompt_compression == "off" and self.compression != CompressionOptions():
             raise ConfigError("compression options are prompt compression's: allowed with prompt_compression "
                               "'auto' or a ratio only (prompt_compression='off')")
@@ -128,12 +134,15 @@ class EngineConfig:
             d["triton"] = TritonOptions.from_dict(d["triton"])
         if isinstance(d.get("compression"), Mapping):
             d["compression"] = CompressionOptions.from_dict(d["compression"])
+        if isinstance(d.get("speculation"), Mapping):
+            d["speculation"] = SpecConfig.from_dict(d["speculation"])
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["triton"] = self.triton.to_dict()
         d["compression"] = self.compression.to_dict()
+        d["speculation"] = None if self.speculation is None else self.speculation.to_dict()
         return d
 
 

@@ -19,8 +19,9 @@ memory, and what a sequence hands back. The form is chosen by the runner (`Runne
   starts after it.
   Each step, before anything runs, every planned segment gets its pages (`append`), oldest
   admission first; a prefill chunk that cannot get them all shrinks (chunk invariance makes any
-  chunking exact) or waits a step; a decode row that cannot get a page fails the fit, and the
-  scheduler preempts. After each step the written tokens are committed (full pages join the
+  chunking exact) or waits a step; a verify's draft rows shrink to what fits (to none: then it
+  decodes); a decode row that cannot get a page fails the fit, and the scheduler preempts.
+  A verify's rejected rows are truncated at commit (`truncate`). After each step the written tokens are committed (full pages join the
   prefix cache). Step ids fence every release (`PageAllocator.free(fence=)`); the engine
   retires a step once the device is done with it (`retire`).
 
@@ -76,6 +77,10 @@ class CacheMemory(Protocol):
 
     def commit(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
         """The step wrote `token_ids` (the next positions of the sequence)."""
+
+    def truncate(self, seq_id: Hashable, new_len: int, fence: int | None) -> None:
+        """Drop the sequence's positions from `new_len` on (a verify's rejected draft rows),
+        whose pages steps up to `fence` may still touch."""
 
     def release(self, seq_id: Hashable, fence: int | None, *, preempted: bool = False) -> None:
         """The sequence finished, was cancelled or was preempted: hand back its memory, which
@@ -134,6 +139,9 @@ class ReservedMemory:
 
     def commit(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
         pass
+
+    def truncate(self, seq_id: Hashable, new_len: int, fence: int | None) -> None:
+        pass  # (positions past a slot's length are overwritten before anything reads them)
 
     def release(self, seq_id: Hashable, fence: int | None, *, preempted: bool = False) -> None:
         if preempted:
@@ -307,12 +315,21 @@ class PagedMemory:
             need = alloc.pages_needed(rid, n, fence)
             return need if all(need[g] <= avail[g] for g in avail) else None
 
+        drafts = dict(plan.drafts)
         for slot, rid in seq_ids.items():  # oldest admission first
             if slot in decode:
-                need = fits(rid, 1)
+                # a verify's rows where they fit; short of pages its draft shrinks, to none
+                n = 1 + len(drafts.get(slot, ()))
+                need = fits(rid, n)
+                while need is None and n > 1:
+                    n -= 1
+                    need = fits(rid, n)
                 if need is None:
                     return None
-                n = 1
+                if slot in drafts:
+                    drafts[slot] = drafts[slot][: n - 1]
+                    if n == 1:
+                        del drafts[slot]
             elif slot in chunks:
                 n, need = chunks[slot].length, fits(rid, chunks[slot].length)
                 if need is None:  # the longest prefix of the chunk that fits (pages grow with n)
@@ -336,9 +353,9 @@ class PagedMemory:
             if copies:
                 self._copies[seq_ids[slot]] = tuple(copies)
         kept = tuple(replace(c, length=grow[c.slot_id]) for c in plan.prefill_chunks if c.slot_id in grow)
-        if kept == plan.prefill_chunks:
+        if kept == plan.prefill_chunks and drafts == plan.drafts:
             return plan
-        return replace(plan, prefill_chunks=kept, fused=plan.fused and bool(kept))
+        return replace(plan, prefill_chunks=kept, fused=plan.fused and bool(kept), drafts=drafts)
 
     def segment_fields(self, seq_id: Hashable) -> tuple:
         tables = {g: tuple(self.allocator.block_table(seq_id, g).ids()) for g in self.allocator.layout.group_names}
@@ -346,6 +363,9 @@ class PagedMemory:
 
     def commit(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
         self.allocator.commit(seq_id, token_ids)
+
+    def truncate(self, seq_id: Hashable, new_len: int, fence: int | None) -> None:
+        self.allocator.truncate(seq_id, new_len, fence)
 
     def release(self, seq_id: Hashable, fence: int | None, *, preempted: bool = False) -> None:
         if self._waiting.pop(seq_id, None) is None:  # (one admitted waiting holds nothing)

@@ -11,8 +11,8 @@ together instead of one slot's prompt starving the others.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping, Sequence
 
 from .errors import WorkbenchError
 
@@ -72,6 +72,9 @@ class StepPlan:
     chunk_reason: str
     policy: str
     fused: bool  # prefill chunks ride in decode_groups[0]'s forward
+    # speculation: decoding slot -> the draft tokens it verifies after its next token (its
+    # segment then scores 1 + len(draft) rows); slots without a draft decode one row
+    drafts: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def num_prefill_rows(self) -> int:
@@ -79,7 +82,12 @@ class StepPlan:
 
     @property
     def num_decode_rows(self) -> int:
-        return sum(len(g.slot_ids) for g in self.decode_groups)
+        """Rows of the decoding slots: one each, plus their draft tokens."""
+        return sum(len(g.slot_ids) for g in self.decode_groups) + self.num_draft_tokens
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(d) for d in self.drafts.values())
 
     @property
     def num_solo_fallback(self) -> int:
@@ -179,6 +187,7 @@ class BatchPlanner:
         policy: str,
         chunk_reason: str = "",
         fuse: bool = True,
+        drafts: Mapping[int, tuple[int, ...]] | None = None,
     ) -> StepPlan:
         if policy not in POLICIES:
             raise WorkbenchError(f"policy={policy!r} is not allowed: allowed {', '.join(POLICIES)}")
@@ -199,7 +208,9 @@ class BatchPlanner:
         # Only a group of exactly-batchable slots may share its forward with prefill rows.
         batchable = {v.slot_id for v in decoding if v.exact_batchable}
         fused = bool(fuse and chunks and groups and set(groups[0].slot_ids) <= batchable)
-        return StepPlan(groups, chunks, chunk_size, chunk_reason, policy, fused)
+        planned = {s for g in groups for s in g.slot_ids}
+        drafts = {s: tuple(d) for s, d in (drafts or {}).items() if d and s in planned}
+        return StepPlan(groups, chunks, chunk_size, chunk_reason, policy, fused, drafts)
 
 
 def _group_decode(decoding: list[SlotView], max_batch_rows: int) -> list[DecodeGroup]:

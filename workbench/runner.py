@@ -92,7 +92,8 @@ class TorchRunner:
     # -- run -------------------------------------------------------------------------------
     def run(self, forward: Sequence[Segment], max_context: dict[int, int],
             argmax: frozenset[int] = frozenset(), ahead: bool = False) -> dict[int, torch.Tensor | int]:
-        """One forward call; returns slot id -> float32 logits of its last row (where sampled).
+        """One forward call; returns slot id -> float32 logits of its last row (where sampled),
+        or [scored, vocab] for a segment of more than one scored row (a speculative verify).
         ``argmax``: slots for which the runner MAY return the greedy token (an int) instead;
         on the CPU the logits are already where the engine samples, so this runner never does.
         ``ahead``: a hint that the next call will be these rows one position on (runners with
@@ -102,7 +103,9 @@ class TorchRunner:
         for s in forward:
             self.pages.copy(s.copies)
             tables = {g: torch.tensor(ids, dtype=torch.int64) for g, ids in s.block_tables.items()}
+            n = s.num_scored
             segs.append(ModelSegment(KVState(self.pages, tables, s.start_pos), s.token_ids,
-                                     "last" if s.samples else "none"))
+                                     "none" if n == 0 else "last" if n == 1 else "all"))
         logits = self.model.forward(segs)
-        return {s.slot_id: lg[0] for s, lg in zip(forward, logits) if lg is not None}
+        return {s.slot_id: lg[0] if s.num_scored == 1 else lg[-s.num_scored :]
+                for s, lg in zip(forward, logits) if lg is not None}

@@ -1,8 +1,12 @@
-"""Token sampling: greedy, temperature, top-k, top-p, each request with its own generator.
+"""Token sampling: greedy, temperature, top-k, top-p, each token with its own generator.
 
-A request's generator is seeded by (seed, request index), so a sampled output does not depend
-on what else runs beside it. Sampling is per row, on float32 logits that are themselves
-batch-invariant, so batched sampling equals solo sampling bitwise.
+A seeded request's token at position t (its t-th generated token) is drawn with the generator
+of (seed, request index, t), a counter-based scheme: the token is a function of that triple and
+of the target's logits at t alone. So a sampled output does not depend on what else runs beside
+it, on preemptions (a recomputed token draws the same sample), nor on how many positions one
+forward verifies (speculation, workbench/spec/verify.py: a draft token is accepted when it
+equals this sample). Sampling is per row, on float32 logits that are themselves batch-invariant,
+so batched sampling equals solo sampling bitwise.
 """
 
 from __future__ import annotations
@@ -36,19 +40,30 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def make_generator(seed: int | None, index: int) -> torch.Generator | None:
-    """The generator of request `index` under `seed`: a pure function of the pair."""
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit words that spreads every input bit."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+def token_generator(seed: int | None, index: int, position: int) -> torch.Generator | None:
+    """The generator of request `index`'s token at `position` under `seed`: a pure function of
+    the triple (None when unseeded: torch's global generator). The triple is hashed, not
+    offset into one stream, so neighbouring positions or requests never share draws."""
     if seed is None:
         return None
     g = torch.Generator()
-    g.manual_seed((seed * 1_000_003 + index) % (2**63))
+    g.manual_seed(_mix64(_mix64(_mix64(seed) ^ index) ^ position) >> 1)
     return g
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from a float32 logits row [vocab]."""
-    if params.greedy:
-        return int(torch.argmax(logits))
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request draws from: softmax of logits / temperature, cut to
+    top-k and top-p and renormalised (float32 [vocab]); not for greedy requests."""
     x = logits / params.temperature
     if params.top_k is not None and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
@@ -62,4 +77,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         mask[si[keep]] = True
         probs = probs.masked_fill(~mask, 0.0)
         probs = probs / probs.sum()
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return probs
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token id from a float32 logits row [vocab]."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))

@@ -97,11 +97,19 @@ class Segment:
     request_id: Hashable
     token_ids: tuple[int, ...]
     start_pos: int
-    samples: bool  # whether the engine samples this segment's last row
+    samples: bool  # whether the engine samples this segment's last row (rows, see `scored`)
     # paged runners: KV group -> the sequence's page ids by logical page (-1: a dropped page),
     # covering start_pos + len(token_ids) positions; None for a runner with slot state
     block_tables: Mapping[str, tuple[int, ...]] | None = None
     copies: tuple[PageCopy, ...] = ()  # page copies to run before this forward (copy-on-write)
+    # sampled segments: how many of the last rows are scored (1: the last; a speculative
+    # verify scores every row, 1 + its draft tokens). The runner answers a segment of more
+    # than one scored row with logits [scored, vocab], or a tuple of greedy tokens.
+    scored: int = 1
+
+    @property
+    def num_scored(self) -> int:
+        return self.scored if self.samples else 0
 
 
 def check_paged_forward(forward: Sequence[Segment], pool_allocated: bool) -> None:
@@ -204,6 +212,7 @@ class Scheduler:
         self._paged_out: deque[int] = deque()  # slots of paged-out requests, in page-out order
         self._arriving: set[int] = set()  # slots paged in by this schedule(): they run from the next step
         self._moves = ()  # the pending plan's page moves
+        self._drafts: Mapping[Hashable, Sequence[int]] = {}  # this schedule()'s drafts, by request id
         self.paged = bool(getattr(runner_info, "paged", False))
         self.memory: CacheMemory = (
             PagedMemory(config, runner_info, self.budget_bytes, self.capacity) if self.paged
@@ -301,7 +310,7 @@ class Scheduler:
         a sampled token stops a request: a one-forward decode-only plan of every running slot,
         nothing waiting, no slot at its token or context limit. (A runner may start that next
         step early; it is only a hint, the runner checks the next step's inputs.)"""
-        if self._waiting or plan.prefill_chunks or len(plan.forwards()) != 1:
+        if self._waiting or plan.prefill_chunks or plan.drafts or len(plan.forwards()) != 1:
             return False
         if plan.num_decode_rows != len(self._running):
             return False
@@ -356,13 +365,17 @@ class Scheduler:
 
     # -- the step --------------------------------------------------------------------------
 
-    def schedule(self, step_id: int | None = None) -> StepPlan | None:
+    def schedule(self, step_id: int | None = None,
+                 drafts: Mapping[Hashable, Sequence[int]] | None = None) -> StepPlan | None:
         """Admit what fits, then plan the next step; None when nothing is running. `step_id`:
         the engine's id of the step (increasing; default: one more than the previous one),
         the fence of whatever the step's commit releases. Paged: every planned segment has
         its pages when this returns (preempting the newest requests where a decode row cannot
-        get one)."""
+        get one). `drafts` (speculation): request id -> draft tokens to verify after its next
+        token; a decoding request's draft is cut to what it may still emit (`draft_room`) and,
+        where pages are short, to what fits (`plan.drafts` holds what is verified)."""
         self._pending = None
+        self._drafts = drafts or {}
         if step_id is None:
             step_id = 0 if self._step_id is None else self._step_id + 1
         self._arriving = set()
@@ -465,10 +478,17 @@ class Scheduler:
     def _plan(self, policy: str | None = None) -> StepPlan:
         policy = policy or self.config.policy
         views = self.views()
+        drafts = {}
+        if self._drafts:
+            for v in views:
+                d = self._drafts.get(v.request_id) if v.phase == "decode" else None
+                room = self.draft_room(v.slot_id) if d else 0
+                if room:
+                    drafts[v.slot_id] = tuple(int(t) for t in d[:room])
         prefilling = any(v.phase == "prefill" for v in views)
         decode_rows = 0
-        if prefilling and policy == "decode-first":
-            decode_rows = sum(1 for v in views if v.phase == "decode")
+        if prefilling and policy == "decode-first":  # (a verify's rows share the step too)
+            decode_rows = sum(1 for v in views if v.phase == "decode") + sum(map(len, drafts.values()))
         chunk, reason = self.sizer.size(
             budget_bytes=self.budget_bytes,
             reserved_cache_bytes=self.reserved_cache_bytes,
@@ -476,29 +496,47 @@ class Scheduler:
             bytes_per_prefill_row=self.runner.bytes_per_prefill_row,
             decode_rows=decode_rows,
         )
-        plan = self.planner.plan(
+        return self.planner.plan(
             views,
             chunk_size=chunk,
             max_batch_rows=self.config.max_batch_rows,
             policy=policy,
             chunk_reason=reason,
             fuse=self._fuse,
+            drafts=drafts,
         )
-        return plan
+
+    def draft_room(self, slot: int) -> int:
+        """The most draft tokens slot `slot` may verify in a step: a burst emits at most one
+        token more than its draft, and never past max_tokens or the context reserved."""
+        s = self._running[slot]
+        n = len(s.output_ids)
+        return max(0, min(s.request.max_tokens - n, s.max_context - s.prompt_len - n) - 1)
+
+    def num_taken(self, slot: int, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, emitted in order by slot `slot`'s next commit, it takes: up to
+        and including the first that finishes it (a stop token, max_tokens, the context)."""
+        s = self._running[slot]
+        n = len(s.output_ids)
+        for i, tok in enumerate(tokens):
+            if self._finish_reason(s, tok, n + i + 1) is not None:
+                return i + 1
+        return len(tokens)
 
     def forwards(self, plan: StepPlan) -> list[list[Segment]]:
         """The plan's forward calls as segments (decode rows first, then prefill chunks)."""
         self._check_pending(plan)
         out = []
         for fwd in plan.forwards():
-            segs = [self._decode_segment(slot) for slot in fwd.decode_slot_ids]
+            segs = [self._decode_segment(slot, plan.drafts.get(slot, ())) for slot in fwd.decode_slot_ids]
             segs += [self._prefill_segment(c) for c in fwd.prefill_chunks]
             out.append(segs)
         return out
 
     def commit(self, plan: StepPlan, sampled: Mapping[int, int]) -> list[RequestEvent]:
         """Advance the bookkeeping by the step's results: `sampled` maps slot id -> the token
-        sampled from that slot's last row (needed for decode rows and final prefill chunks)."""
+        sampled from that slot's last row (needed for decode rows and final prefill chunks),
+        or for a slot that verified a draft (`plan.drafts`) the tokens its burst emits."""
         self._check_pending(plan)
         self._pending = None
         events = []
@@ -506,14 +544,40 @@ class Scheduler:
             for slot in group.slot_ids:
                 token = _need(sampled, slot)
                 s = self._running[slot]
-                self.memory.commit(s.request.request_id, s.output_ids[-1:])  # the fed token's KV
-                events += self._append(slot, token)
+                draft = plan.drafts.get(slot, ())
+                if not draft:
+                    self.memory.commit(s.request.request_id, s.output_ids[-1:])  # the fed token's KV
+                    events += self._append(slot, token)
+                    continue
+                events += self._commit_burst(slot, draft, list(token))
         for chunk in plan.prefill_chunks:
             s = self._running[chunk.slot_id]
             self.memory.commit(s.request.request_id, s.prefill_ids[chunk.start : chunk.start + chunk.length])
             s.num_prefilled += chunk.length
             if s.num_prefilled == s.prefill_len:
                 events += self._append(chunk.slot_id, _need(sampled, chunk.slot_id))
+        return events
+
+    def _commit_burst(self, slot: int, draft: tuple[int, ...], tokens: list[int]) -> list[RequestEvent]:
+        """A verified draft: `tokens` are what the burst emits, each draft token kept followed by
+        the target's own token (so all but the last equal the draft's first ones). The KV of
+        the fed token and of the kept draft tokens is committed, the rejected positions'
+        pages truncated; the tokens are appended in order until one finishes the request."""
+        s = self._running[slot]
+        rid = s.request.request_id
+        kept = len(tokens) - 1
+        if not tokens or kept > len(draft) or tuple(tokens[:kept]) != draft[:kept]:
+            raise ValueError(f"slot {slot}: a burst of {tokens} does not follow its draft {list(draft)} "
+                             f"(allowed: the kept draft tokens, then one more)")
+        start = s.context_len
+        if kept < len(draft):
+            self.memory.truncate(rid, start + kept + 1, self._step_id)
+        self.memory.commit(rid, (s.output_ids[-1],) + draft[:kept])
+        events: list[RequestEvent] = []
+        for tok in tokens:
+            events += self._append(slot, tok)
+            if events:
+                break
         return events
 
     # -- internals -------------------------------------------------------------------------
@@ -556,16 +620,22 @@ class Scheduler:
             s.paged_in_at, s.last_run = step_id, step_id - 1
             self._running[slot] = s
 
+    @staticmethod
+    def _finish_reason(s: _Sequence, token: int, num_output: int) -> str | None:
+        """Why `token`, the request's `num_output`-th, finishes it; None when it does not."""
+        if token in s.request.stop_ids:
+            return "eos"
+        if num_output >= s.request.max_tokens:
+            return "max_tokens"
+        if s.prompt_len + num_output >= s.max_context:
+            return "max_context"
+        return None
+
     def _append(self, slot: int, token: int) -> list[RequestEvent]:
         s = self._running[slot]
         s.output_ids.append(int(token))
-        if token in s.request.stop_ids:
-            reason = "eos"
-        elif len(s.output_ids) >= s.request.max_tokens:
-            reason = "max_tokens"
-        elif s.prompt_len + len(s.output_ids) >= s.max_context:
-            reason = "max_context"
-        else:
+        reason = self._finish_reason(s, token, len(s.output_ids))
+        if reason is None:
             return []
         rid = s.request.request_id
         self._release(slot, self._step_id)
@@ -578,10 +648,10 @@ class Scheduler:
         self.slots.free(slot)
         self.memory.release(s.request.request_id, fence, preempted=preempted)
 
-    def _decode_segment(self, slot: int) -> Segment:
+    def _decode_segment(self, slot: int, draft: tuple[int, ...] = ()) -> Segment:
         s = self._running[slot]
-        return Segment(slot, s.request.request_id, (s.output_ids[-1],), s.context_len, True,
-                       *self.memory.segment_fields(s.request.request_id))
+        return Segment(slot, s.request.request_id, (s.output_ids[-1],) + draft, s.context_len, True,
+                       *self.memory.segment_fields(s.request.request_id), scored=1 + len(draft))
 
     def _prefill_segment(self, chunk: PrefillChunk) -> Segment:
         s = self._running[chunk.slot_id]

@@ -37,7 +37,7 @@ class DirectPages:
         self._held: dict[Hashable, int] = {}  # sequence -> positions it holds pages for
 
     def segment(self, slot: int, rid: Hashable, token_ids: Sequence[int], start_pos: int, samples: bool = True,
-                reserve: int | None = None) -> Segment:
+                reserve: int | None = None, scored: int = 1) -> Segment:
         """A segment of ``token_ids`` at ``start_pos`` for sequence ``rid`` (new at position 0),
         with pages for ``reserve`` positions from ``start_pos`` (default: its tokens; a decode
         loop of k steps reserves k)."""
@@ -54,7 +54,8 @@ class DirectPages:
         copies = alloc.append(rid, want - held) if want > held else []
         self._held[rid] = max(held, want)
         tables = {g: tuple(alloc.block_table(rid, g).ids()) for g in alloc.layout.group_names}
-        return Segment(slot, rid, tuple(int(t) for t in token_ids), start_pos, samples, tables, tuple(copies))
+        return Segment(slot, rid, tuple(int(t) for t in token_ids), start_pos, samples, tables, tuple(copies),
+                       scored=scored)
 
     def fork(self, parent: Hashable, child: Hashable, num_tokens: int) -> tuple:
         """A new sequence `child` sharing `parent`'s first `num_tokens` positions

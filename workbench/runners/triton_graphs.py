@@ -119,7 +119,9 @@ class StepGraphs:
     def takes_chunk(self, forward: Sequence[Segment]) -> bool:
         """Whether a chunk graph runs this forward (not a decode step: ``takes`` first)."""
         return (len(forward) <= BUCKETS[-1] and 0 < self.chunk_rows
-                and sum(len(s.token_ids) for s in forward) <= self.chunk_rows)
+                and sum(len(s.token_ids) for s in forward) <= self.chunk_rows
+                # (the logits buffer's rows: more scored rows, a wide verify, run eagerly)
+                and sum(s.num_scored for s in forward) <= BUCKETS[-1])
 
     @property
     def keys(self) -> list[tuple[int, int]]:
@@ -174,7 +176,7 @@ class StepGraphs:
         """Replay the chunk graph of this forward (``takes_chunk``); returns how many rows it
         sampled: their logits and greedy tokens are ``logits[:n]`` / ``tokens[:n]``, in order."""
         rows = sum(len(s.token_ids) for s in forward)
-        sampled = sum(1 for s in forward if s.samples)
+        sampled = sum(s.num_scored for s in forward)
         max_pos = max(s.start_pos + len(s.token_ids) - 1 for s in forward)
         g = self.chunk_graph_for(rows, sampled, max_pos)
         self.fill_chunk(forward, g.bucket)

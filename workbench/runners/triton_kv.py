@@ -145,15 +145,16 @@ def table_width(segments: Sequence, groups: Sequence[str]) -> int:
 
 def forward_rows(segments: Sequence) -> tuple[list[int], list[int], list[int], list[int]]:
     """The rows of a forward, segment after segment: (tokens, positions, table rows, sampled
-    rows), a row's table row the index of its segment, a sampled row each sampled segment's last."""
+    rows), a row's table row the index of its segment, the sampled rows each sampled segment's
+    last `scored` (one, or every row of a speculative verify)."""
     ids, pos, row, sel = [], [], [], []
     for i, s in enumerate(segments):
         n = len(s.token_ids)
         ids += s.token_ids
         pos += range(s.start_pos, s.start_pos + n)
         row += [i] * n
-        if s.samples:
-            sel.append(len(ids) - 1)
+        k = s.num_scored
+        sel += range(len(ids) - k, len(ids))
     return ids, pos, row, sel
 
 

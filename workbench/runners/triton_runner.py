@@ -240,7 +240,7 @@ class TritonRunner:
         if toks is not None:
             return {s.slot_id: t for s, t in zip(forward, toks)}
         # the graph computed every row's argmax into its tokens already
-        return self._rows_out([s.slot_id for s in forward], self.graphs.logits[:n], self.graphs.tokens[:n], argmax)
+        return self._rows_out(forward, self.graphs.logits[:n], self.graphs.tokens[:n], argmax)
 
     def _run_chunk_graph(self, forward, argmax) -> dict[int, torch.Tensor | int]:
         g = self.graphs
@@ -248,7 +248,7 @@ class TritonRunner:
         self.launches = g.launches
         if not n:
             return {}
-        return self._rows_out([s.slot_id for s in forward if s.samples], g.logits[:n], g.tokens[:n], argmax)
+        return self._rows_out(forward, g.logits[:n], g.tokens[:n], argmax)
 
     def _run_eager(self, forward: Sequence[Segment], argmax: frozenset[int] = frozenset()) -> dict[int, torch.Tensor | int]:
         groups = self.kv.groups
@@ -267,27 +267,38 @@ class TritonRunner:
         sel_t = None if len(sel) == R else torch.tensor(sel, dtype=torch.int64).to(self.device)
         logits = self.loop.forward(rows[0], rows[1], rows[2], R, max_pos, self.kv, tables, sel=sel_t)
         self.launches = self.loop.launches
-        return self._rows_out([s.slot_id for s in forward if s.samples], logits, None, argmax)
+        return self._rows_out(forward, logits, None, argmax)
 
-    def _rows_out(self, slots: list[int], logits: torch.Tensor, tokens: torch.Tensor | None,
-                  argmax: frozenset[int]) -> dict[int, torch.Tensor | int]:
-        """The answer for sampled rows ``slots`` (in ``logits`` order): tokens where allowed,
-        else logits as a host copy (the engine samples there, with CPU generators: torch.
-        multinomial cannot take a CPU generator for CUDA probabilities)."""
-        want_tok = [i for i, sl in enumerate(slots) if sl in argmax]
-        want_row = [i for i, sl in enumerate(slots) if sl not in argmax]
-        out: dict[int, torch.Tensor | int] = {}
+    def _rows_out(self, forward: Sequence[Segment], logits: torch.Tensor, tokens: torch.Tensor | None,
+                  argmax: frozenset[int]) -> dict[int, torch.Tensor | int | tuple[int, ...]]:
+        """The answer for the sampled rows of ``forward`` (``logits`` holds them in order, each
+        segment's `num_scored`): tokens where allowed, else logits as a host copy (the engine
+        samples there, with CPU generators: torch.multinomial cannot take a CPU generator for
+        CUDA probabilities). A segment of several scored rows gets a tuple of tokens or logits
+        [rows, vocab]."""
+        spans, r = [], 0
+        for s in forward:
+            if s.num_scored:
+                spans.append((s.slot_id, r, s.num_scored))
+                r += s.num_scored
+        want_tok = [sp for sp in spans if sp[0] in argmax]
+        want_row = [sp for sp in spans if sp[0] not in argmax]
+        out: dict[int, torch.Tensor | int | tuple[int, ...]] = {}
         if want_tok:
             if tokens is None:
                 from ..kernels.sampling import argmax as argmax_rows
 
                 tokens = argmax_rows(logits)
             toks = tokens.tolist()  # the one sync of the step when nothing else is copied
-            out.update((slots[i], int(toks[i])) for i in want_tok)
+            out.update((sl, int(toks[i]) if n == 1 else tuple(toks[i : i + n])) for sl, i, n in want_tok)
         if want_row:
-            sub = logits if len(want_row) == len(slots) else logits[torch.tensor(want_row, device=logits.device)]
+            idx = [i for _, r0, n in want_row for i in range(r0, r0 + n)]
+            sub = logits if len(idx) == r else logits[torch.tensor(idx, device=logits.device)]
             rows = _to_host(sub)
-            out.update((slots[i], rows[j]) for j, i in enumerate(want_row))
+            j = 0
+            for sl, _, n in want_row:
+                out[sl] = rows[j] if n == 1 else rows[j : j + n]
+                j += n
         return out
 
     # -- benchmark fast path ----------------------------------------------------------------------

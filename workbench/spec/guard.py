@@ -1,0 +1,115 @@
+"""The yield guard: each step, a draft length 0..k_max for each slot, from what it measured.
+
+Each slot's acceptance is a per-token rate alpha (a draft token is kept with probability alpha,
+given the one before it was): counts of kept and rejected draft tokens, decayed every step
+towards a prior of one each, so a slot whose drafts stopped paying comes back to probing
+after some steps. A draft of k then emits on average E(k) = (1 - alpha^(k+1)) / (1 - alpha)
+tokens for the step's cost of 1 + c k, where c is one verify row's cost beside the slot's share
+of a decode step. The guard picks the k with the most tokens per cost; k = 0 is plain decoding,
+at plain decoding's cost, and is chosen unless drafting gains `margin`.
+
+c is measured from the run's own steps (`StepCost`: wall time against rows of the steps that
+ran only decode and verify rows, least squares with forgetting): a step of n decode rows costs
+a + b n, so one more row costs b beside each slot's share (a + b n) / n. Until it has seen two
+different row counts it uses SpecConfig.row_cost. On a GPU a decode step is bound by reading
+the weights and a few more rows are nearly free (c near 0: draft long); on a CPU at 16 slots a
+row costs nearly what a slot's share does (c near 1: draft only what is very likely kept).
+
+Seed 002's rule, for comparison (the draft-yield ablation runs both): fewer than 6 tokens
+emitted per request on the first packed sample turns speculation off for the rest of the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+__all__ = ["StepCost", "YieldGuard"]
+
+
+class StepCost:
+    """wall_ms ~ a + b rows, fitted online over decode/verify steps (recursive least squares
+    with forgetting factor `forget`)."""
+
+    def __init__(self, forget: float = 0.98):
+        self.forget = forget
+        self._s = [0.0] * 5  # weighted sums: n, x, x^2, y, xy
+        self.num_steps = 0
+        self._rows: set[int] = set()
+
+    def observe(self, rows: int, wall_ms: float) -> None:
+        f = self.forget
+        n, x, xx, y, xy = self._s
+        self._s = [f * n + 1, f * x + rows, f * xx + rows * rows, f * y + wall_ms, f * xy + rows * wall_ms]
+        self.num_steps += 1
+        if len(self._rows) < 2:
+            self._rows.add(rows)
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) in ms, or None before two different row counts were seen."""
+        n, x, xx, y, xy = self._s
+        det = n * xx - x * x
+        if len(self._rows) < 2 or det <= 1e-9:
+            return None
+        b = (n * xy - x * y) / det
+        a = (y - b * x) / n
+        return max(a, 0.0), max(b, 0.0)
+
+    def row_cost(self, decode_rows: int, prior: float) -> float:
+        """One verify row's cost beside one slot's share of a step of `decode_rows` rows."""
+        ab = self.fit()
+        if ab is None:
+            return prior
+        a, b = ab
+        share = (a + b * decode_rows) / max(decode_rows, 1)
+        return min(b / share, 1.0) if share > 0 else prior
+
+
+@dataclass
+class _Slot:
+    kept: float = 1.0
+    rejected: float = 1.0
+
+    @property
+    def alpha(self) -> float:
+        return self.kept / (self.kept + self.rejected)
+
+
+class YieldGuard:
+    def __init__(self, k_max: int, *, enabled: bool = True, decay: float = 0.95, margin: float = 0.05):
+        self.k_max = k_max
+        self.enabled = enabled
+        self.decay = decay
+        self.margin = margin
+        self._slots: dict[Hashable, _Slot] = {}
+
+    def length(self, rid: Hashable, row_cost: float) -> int:
+        """The draft length for request `rid` this step (k_max with the guard off)."""
+        if not self.enabled:
+            return self.k_max
+        alpha = min(self._slots.setdefault(rid, _Slot()).alpha, 0.999)
+        best_k, best = 0, 1.0 + self.margin
+        for k in range(1, self.k_max + 1):
+            gain = (1 - alpha ** (k + 1)) / (1 - alpha) / (1 + row_cost * k)
+            if gain > best:
+                best_k, best = k, gain
+        return best_k
+
+    def observe(self, rid: Hashable, drafted: int, kept: int) -> None:
+        """A verify of `drafted` tokens kept `kept` of them."""
+        s = self._slots.setdefault(rid, _Slot())
+        s.kept += kept
+        s.rejected += int(kept < drafted)
+
+    def tick(self) -> None:
+        """One step passed: every slot's counts decay towards the prior."""
+        d = self.decay
+        for s in self._slots.values():
+            s.kept = 1.0 + d * (s.kept - 1.0)
+            s.rejected = 1.0 + d * (s.rejected - 1.0)
+
+    def alpha(self, rid: Hashable) -> float:
+        return self._slots.get(rid, _Slot()).alpha
+
+    def forget(self, rid: Hashable) -> None:
+        self._slots.pop(rid, None)

@@ -1,0 +1,154 @@
+"""Draft proposers: each keeps its own state per request, behind one small interface.
+
+    p = make_proposer(SpecConfig(proposer="ngram"))
+    p.start(rid, prompt_ids)
+    draft = p.propose(rid, context_ids, k)     # at most k tokens, maybe none
+    p.finish(rid, context_ids, num_prompt)     # the request is done (suffix: learn its output)
+
+A proposal is only a guess: verification (verify.py) keeps the output exact whatever comes
+back, so a proposer is judged by its yield alone. Plain Python, no torch: the model-based
+proposers of a later slice (the target's first layers, a draft GGUF, an MTP head) implement
+the same four methods, `propose` then running their forwards.
+
+* `NgramProposer` (prompt lookup, as vLLM's `ngram` and llama.cpp's lookup decoding): the
+  longest suffix of the context, ngram_max tokens down to ngram_min, that occurred earlier in
+  the context; the tokens that followed its latest earlier occurrence are the draft. Written
+  here, not taken from a library: it is a hash map per suffix length, kept incrementally so a
+  step costs O(ngram_max) lookups whatever the context length.
+* `SuffixProposer` (after SuffixDecoding, Oliaro et al. 2024): counts of what followed each
+  context of up to `suffix_depth` tokens, in the request's own prompt and output and across
+  the outputs of the requests that finished before it; the draft follows the most frequent
+  continuation of the longest matched suffix, token by token. (A count table per context
+  length rather than a suffix tree: the same proposals for contexts up to the depth, and a
+  dict lookup a step.)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Hashable, Protocol, Sequence
+
+from .config import SpecConfig
+
+__all__ = ["NgramProposer", "Proposer", "SuffixProposer", "make_proposer"]
+
+
+class Proposer(Protocol):
+    name: str
+
+    def start(self, rid: Hashable, prompt_ids: Sequence[int]) -> None: ...
+
+    def propose(self, rid: Hashable, context: Sequence[int], k: int) -> tuple[int, ...]: ...
+
+    def finish(self, rid: Hashable, context: Sequence[int], num_prompt: int) -> None: ...
+
+
+def make_proposer(config: SpecConfig) -> Proposer:
+    if config.proposer == "ngram":
+        return NgramProposer(config.ngram_max, config.ngram_min)
+    return SuffixProposer(config.suffix_depth, config.ngram_min)
+
+
+class _NgramIndex:
+    """n -> {the n tokens ending at j: j}, the latest j, for every end j registered so far."""
+
+    def __init__(self, n_max: int, n_min: int):
+        self.sizes = range(n_max, n_min - 1, -1)
+        self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self.upto = 0  # ends 1..upto are registered
+
+    def register(self, context: Sequence[int], upto: int) -> None:
+        for j in range(self.upto + 1, upto + 1):
+            for n in self.sizes:
+                if j >= n:
+                    self.ends[n][tuple(context[j - n : j])] = j
+        self.upto = max(self.upto, upto)
+
+
+class NgramProposer:
+    name = "ngram"
+
+    def __init__(self, n_max: int = 4, n_min: int = 2):
+        self.n_max, self.n_min = n_max, n_min
+        self._index: dict[Hashable, _NgramIndex] = {}
+
+    def start(self, rid: Hashable, prompt_ids: Sequence[int]) -> None:
+        self._index[rid] = _NgramIndex(self.n_max, self.n_min)
+
+    def propose(self, rid: Hashable, context: Sequence[int], k: int) -> tuple[int, ...]:
+        L = len(context)
+        index = self._index[rid]
+        index.register(context, L - 1)  # (not the end L itself: that is the suffix looked up)
+        for n in index.sizes:
+            if n > L:
+                continue
+            j = index.ends[n].get(tuple(context[L - n :]))
+            if j is not None:
+                return tuple(context[j : j + k])
+        return ()
+
+    def finish(self, rid: Hashable, context: Sequence[int], num_prompt: int) -> None:
+        self._index.pop(rid, None)
+
+
+class _Counts:
+    """n -> {context of n tokens: {next token: count}} over the token runs added."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.table: dict[int, dict[tuple[int, ...], dict[int, int]]] = {n: defaultdict(dict) for n in range(1, depth + 1)}
+
+    def add(self, tokens: Sequence[int], start: int, end: int) -> None:
+        """Count the tokens at positions start..end-1 after their contexts within `tokens`."""
+        for j in range(max(start, 1), end):
+            nxt = tokens[j]
+            for n in range(1, min(self.depth, j) + 1):
+                row = self.table[n][tuple(tokens[j - n : j])]
+                row[nxt] = row.get(nxt, 0) + 1
+
+    def get(self, suffix: tuple[int, ...]) -> dict[int, int] | None:
+        return self.table[len(suffix)].get(suffix)
+
+
+class SuffixProposer:
+    name = "suffix"
+
+    def __init__(self, depth: int = 8, min_match: int = 2):
+        self.depth, self.min_match = depth, min_match
+        self.corpus = _Counts(depth)  # the finished requests' outputs
+        self._local: dict[Hashable, tuple[_Counts, list[int]]] = {}  # rid -> (its counts, tokens added)
+
+    def start(self, rid: Hashable, prompt_ids: Sequence[int]) -> None:
+        self._local[rid] = (_Counts(self.depth), [0])
+
+    def propose(self, rid: Hashable, context: Sequence[int], k: int) -> tuple[int, ...]:
+        local, done = self._local[rid]
+        local.add(context, done[0], len(context))
+        done[0] = len(context)
+        tail = list(context[-self.depth :])
+        out: list[int] = []
+        while len(out) < k:
+            nxt = self._next(local, tail)
+            if nxt is None:
+                break
+            out.append(nxt)
+            tail = (tail + [nxt])[-self.depth :]
+        return tuple(out)
+
+    def _next(self, local: _Counts, tail: list[int]) -> int | None:
+        """The most frequent next token after the longest suffix of `tail` seen (local and
+        corpus counts together; ties to the lower token id, so a proposal is deterministic)."""
+        for n in range(min(self.depth, len(tail)), self.min_match - 1, -1):
+            suffix = tuple(tail[-n:])
+            rows = [r for r in (local.get(suffix), self.corpus.get(suffix)) if r]
+            if rows:
+                counts: dict[int, int] = {}
+                for r in rows:
+                    for t, c in r.items():
+                        counts[t] = counts.get(t, 0) + c
+                return min(counts, key=lambda t: (-counts[t], t))
+        return None
+
+    def finish(self, rid: Hashable, context: Sequence[int], num_prompt: int) -> None:
+        self._local.pop(rid, None)
+        self.corpus.add(context, num_prompt, len(context))  # its output, after its own context

@@ -1,0 +1,110 @@
+"""Speculator: the engine's speculative-decoding state (one proposer, one yield guard, the
+measured step cost) and each request's counters, the activation proof of its rows.
+
+Per step the engine asks `drafts(contexts)` for every decoding request's draft (the guard's
+length, then the proposer's tokens), schedules them, runs the verify rows, accepts with
+verify.py's rule, and reports back with `observe` (per verify) and `record_step` (the step's
+rows and wall time, which the guard's cost model learns from).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping, Sequence
+
+from .config import SpecConfig
+from .guard import StepCost, YieldGuard
+from .proposers import Proposer, make_proposer
+
+__all__ = ["SpecStats", "Speculator"]
+
+
+@dataclass
+class SpecStats:
+    """One request's speculation counters."""
+
+    verify_steps: int = 0  # steps it verified a draft in
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # of those, kept
+    emitted: int = 0  # tokens its verify steps emitted (kept + the target's own)
+    guard_skips: int = 0  # steps the guard chose no draft for it
+    empty: int = 0  # steps the guard allowed a draft and the proposer had none
+    hist: list[int] = field(default_factory=list)  # hist[a]: verify steps that kept a draft tokens
+    position_drafted: list[int] = field(default_factory=list)  # per draft position i: drafted
+    position_accepted: list[int] = field(default_factory=list)  # and kept
+
+    @property
+    def draft_yield(self) -> float | None:
+        """Tokens emitted per verify step (1.0: no draft token ever kept)."""
+        return self.emitted / self.verify_steps if self.verify_steps else None
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    def record(self, drafted: int, kept: int, emitted: int) -> None:
+        self.verify_steps += 1
+        self.drafted += drafted
+        self.accepted += kept
+        self.emitted += emitted
+        _bump(self.hist, kept)
+        for i in range(drafted):
+            _bump(self.position_drafted, i)
+            if i < kept:
+                _bump(self.position_accepted, i)
+
+
+def _bump(counts: list[int], i: int) -> None:
+    while len(counts) <= i:
+        counts.append(0)
+    counts[i] += 1
+
+
+class Speculator:
+    def __init__(self, config: SpecConfig, proposer: Proposer | None = None):
+        """`proposer`: one of the interface's implementations, instead of config.proposer's
+        (tests: an oracle, an adversary)."""
+        self.config = config
+        self.proposer = proposer if proposer is not None else make_proposer(config)
+        self.guard = YieldGuard(config.k, enabled=config.guard)
+        self.cost = StepCost()
+        self.stats: dict[Hashable, SpecStats] = {}
+
+    def start(self, rid: Hashable, prompt_ids: Sequence[int]) -> None:
+        self.proposer.start(rid, prompt_ids)
+        self.stats[rid] = SpecStats()
+
+    def row_cost(self, decode_rows: int) -> float:
+        return self.cost.row_cost(decode_rows, self.config.row_cost)
+
+    def drafts(self, contexts: Mapping[Hashable, Sequence[int]]) -> dict[Hashable, tuple[int, ...]]:
+        """Request id -> its draft for this step, for the decoding requests `contexts` (request
+        id -> prompt and output so far); requests without one decode plainly."""
+        cost = self.row_cost(len(contexts))
+        out = {}
+        for rid, ctx in contexts.items():
+            k = self.guard.length(rid, cost)
+            if k == 0:
+                self.stats[rid].guard_skips += 1
+                continue
+            d = self.proposer.propose(rid, ctx, k)
+            if d:
+                out[rid] = tuple(d[:k])
+            else:
+                self.stats[rid].empty += 1
+        self.guard.tick()
+        return out
+
+    def observe(self, rid: Hashable, drafted: int, kept: int, emitted: int) -> None:
+        """A verify of `drafted` tokens kept `kept` and emitted `emitted` tokens."""
+        self.guard.observe(rid, drafted, kept)
+        self.stats[rid].record(drafted, kept, emitted)
+
+    def record_step(self, rows: int, wall_ms: float) -> None:
+        """A step that ran only decode and verify rows (`rows` of them) took `wall_ms`."""
+        self.cost.observe(rows, wall_ms)
+
+    def finish(self, rid: Hashable, context: Sequence[int], num_prompt: int) -> SpecStats:
+        self.proposer.finish(rid, context, num_prompt)
+        self.guard.forget(rid)
+        return self.stats.pop(rid)
