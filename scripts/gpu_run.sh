@@ -60,6 +60,11 @@ if [ "${CLIFF_S:-0}" -gt 0 ]; then  # the paging-cliff ablation (scripts/paging_
   timeout $CLIFF_S python3 scripts/paging_cliff_run.py --data-dir /tmp/wbruns -p backend=triton -p model="$MODEL" \
       ${CLIFF_ARGS:-} 2>&1 | tee "$OUT/paging_cliff.log" | tail -${CLIFF_TAIL:-40}
 fi
+if [ "${DY_S:-0}" -gt 0 ]; then  # the draft-yield ablation (scripts/draft_yield_run.py: the notebook's cells), into the run store
+  stamp draft_yield
+  timeout $DY_S python3 scripts/draft_yield_run.py --data-dir /tmp/wbruns -p backend=triton -p model="$MODEL" \
+      ${DY_ARGS:-} 2>&1 | tee "$OUT/draft_yield.log" | tail -${DY_TAIL:-40}
+fi
 if [ -n "${EXTRA_CMD:-}" ]; then  # one more command (e.g. scripts/capacity.py on the engine), its log in extra/
   stamp extra_cmd
   mkdir -p "$OUT/extra"; timeout ${EXTRA_S:-120} bash -c "$EXTRA_CMD" > "$OUT/extra/extra_cmd.log" 2>&1; echo "rc $?"

@@ -293,9 +293,45 @@ def _paging_cliff() -> Ablation:
     )
 
 
+def _draft_yield() -> Ablation:
+    from workbench.draft_yield import GUARDS
+    from workbench.engine_config import BACKENDS
+    from workbench.spec import MAX_K, PROPOSERS
+    from workbench.workloads import WORKLOADS
+
+    return Ablation(
+        name="draft-yield",
+        notebook="draft_yield.ipynb",
+        description="goodput of speculative decoding against plain decoding on the same prompts, per workload, "
+        "proposer, draft length and concurrency; checks every request's tokens against the plain run's",
+        params=(
+            Param("model", "path", None, "GGUF file (None: the embedded Gemma 3 270M)", optional=True),
+            Param("workloads", "word_list", list(WORKLOADS), "prompt sets (data/workloads/, workbench/workloads.py; "
+                  "a row's workload)", words=WORKLOADS),
+            Param("proposers", "word_list", ["ngram", "suffix"], "draft proposers (SpecConfig.proposer; a row's "
+                  "proposer)", words=PROPOSERS),
+            Param("ks", "int_list", [4], "most draft tokens a slot verifies per step (SpecConfig.k; a row's k)",
+                  lo=1, hi=MAX_K),
+            Param("concurrencies", "int_list", [1, 4, 16], "requests submitted together (a row's concurrency; "
+                  "at most 16: the shipped sets hold 32 prompts, half for each arm's untimed pass)", lo=1, hi=16),
+            Param("guards", "word_list", ["on"], "the yield guard (SpecConfig.guard; a row's guard)", words=GUARDS),
+            Param("temperatures_pct", "int_list", [0], "sampling temperatures in hundredths (0: greedy; 80: "
+                  "temperature 0.8, top-p 0.95, seeded; a row's temperature)", lo=0, hi=200),
+            Param("max_tokens", "int", None, "a cap on each prompt's own max_tokens (None: the prompt's)", lo=1,
+                  optional=True),
+            Param("backend", "word", "torch", "the engine's backend ('torch': the CPU path, 'triton': the GPU's)",
+                  words=BACKENDS),
+            Param("seed", "int", 0, "0: the shipped prompt sets; else generated with this seed", lo=0, hi=2**63 - 1),
+        ),
+        # Quick: the embedded model on a CPU, two workloads at two concurrencies, short outputs
+        quick={"workloads": ["code-edit", "essay"], "proposers": ["ngram"], "ks": [4], "concurrencies": [1, 2],
+               "guards": ["on"], "max_tokens": 24},
+    )
+
+
 def registry() -> dict[str, Ablation]:
     """Every ablation, by name."""
-    return {a.name: a for a in (_chunk_sizing(), _paging_cliff())}
+    return {a.name: a for a in (_chunk_sizing(), _paging_cliff(), _draft_yield())}
 
 
 def get(name: str) -> Ablation:

@@ -10,7 +10,8 @@ For each concurrency C and repeat, C distinct prompts of `prompt_len` tokens run
   with `--prompt-compression`; `num_compressed` counts the requests that were compressed);
 - decode tok/s aggregate: tokens produced by pure decode steps over those steps' time, each
   from its start to the next step's start (all the host spends on it), and per stream
-  (aggregate / C);
+  (aggregate / C); with `--spec` a verify step's tokens are its bursts (kept drafts and the
+  target's own), and the row carries the verify steps, draft tokens and those kept;
 - TTFT (mean, max), peak RSS, the engine's memory reservation;
 - bandwidth floor: C * copy-bandwidth / weight-bytes-per-step, the decode rate no version can
   beat when every step streams the weights once; `fraction_of_floor` = measured / floor;
@@ -58,8 +59,9 @@ def bench_prompts(model, num: int, prompt_len: int, shared_prefix_len: int = 0) 
 def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | None, policy: str = "decode-first",
             backend: str = "torch", head_matmul: str | None = None, triton=None, kv_resident_tokens: int | None = None,
             prefix_cache: bool = True, shared_prefix_len: int = 0, prompt_compression: str | float = "off",
-            kv_host_tokens: int | None = None, preemption: str = "swap", residency_quantum: int = 32):
-    """One measurement. ``triton``: the triton backend's ``TritonOptions`` (None: the defaults).
+            kv_host_tokens: int | None = None, preemption: str = "swap", residency_quantum: int = 32,
+            speculation=None):
+    """One measurement. ``speculation``: EngineConfig's (a SpecConfig, None: off). ``triton``: the triton backend's ``TritonOptions`` (None: the defaults).
     ``kv_resident_tokens`` / ``prefix_cache``: the paged runners' pool and prefix cache (EngineConfig);
     ``shared_prefix_len``: every prompt starts with the same that many tokens;
     ``prompt_compression``: EngineConfig's ("off", "auto" or a kept ratio); ``kv_host_tokens``,
@@ -71,7 +73,7 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
                        backend=backend, head_matmul=head_matmul, triton=triton or TritonOptions(),
                        kv_resident_tokens=kv_resident_tokens, prefix_cache=prefix_cache,
                        prompt_compression=prompt_compression, kv_host_tokens=kv_host_tokens,
-                       preemption=preemption, residency_quantum=residency_quantum)
+                       preemption=preemption, residency_quantum=residency_quantum, speculation=speculation)
     engine = Engine(model, cfg)
     prompts = bench_prompts(model, concurrency + 1, prompt_len, shared_prefix_len)
     prime, prompts = prompts[-1], prompts[:-1]
@@ -97,7 +99,7 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
     until = steps["start_s"].shift(-1).fill_null(steps["start_s"] + steps["wall_ms"] / 1e3)
     steps = steps.with_columns((until - steps["start_s"]).alias("span_s"))
     dec = steps.filter(steps["phase"] == "decode")
-    dec_tokens = int(dec["decode_rows"].sum()) if dec.height else 0
+    dec_tokens = int(dec["tokens_out"].sum()) if dec.height else 0
     dec_s = float(dec["span_s"].sum()) if dec.height else 0.0
     last_first = max(r.first_token_at for r in results)
     # Prefill tok/s counts the tokens the run prefilled: each effective prompt's tokens (the
@@ -153,6 +155,12 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
         "num_swaps": total("swaps_out") if kv_host_tokens else None,
         "transfer_ms": float(steps["transfer_ms"].fill_null(0).sum()) if kv_host_tokens else None,
         "max_wait_steps": max(r.max_wait_steps for r in results),
+        # speculation (None when off): verify steps, draft tokens verified and kept, tokens per verify
+        "spec_verify_steps": sum(r.spec.verify_steps for r in results) if speculation else None,
+        "spec_drafted": sum(r.spec.drafted for r in results) if speculation else None,
+        "spec_accepted": sum(r.spec.accepted for r in results) if speculation else None,
+        "draft_yield": (sum(r.spec.emitted for r in results) / max(1, sum(r.spec.verify_steps for r in results))
+                        if speculation else None),
         "weight_bytes": engine.runner.step_weight_bytes,  # read per decode step: the floor's bytes
         "resident_weight_bytes": engine.runner.fixed_bytes,
     }, [r.token_ids for r in results]
@@ -163,7 +171,7 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
               triton=None, kv_resident_tokens: int | None = None, prefix_cache: bool = True,
               shared_prefix_len: int = 0, prompt_compression: str | float = "off",
               kv_host_tokens: int | None = None, preemption: str = "swap", residency_quantum: int = 32,
-              progress=print) -> tuple[object, list[dict]]:
+              speculation=None, progress=print) -> tuple[object, list[dict]]:
     """``triton``: the triton backend's ``TritonOptions`` for every engine of the run (None: the
     defaults); the run's params record the options that differ from them (``triton_options``).
     ``prompt_compression``: EngineConfig's, for every engine of the run."""
@@ -175,11 +183,11 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
     config = EngineConfig(backend=backend, head_matmul=head_matmul, triton=triton or TritonOptions(),
                           kv_resident_tokens=kv_resident_tokens, prefix_cache=prefix_cache,
                           prompt_compression=prompt_compression, kv_host_tokens=kv_host_tokens,
-                          preemption=preemption, residency_quantum=residency_quantum)
+                          preemption=preemption, residency_quantum=residency_quantum, speculation=speculation)
     # (head_matmul included in triton: EngineConfig keeps the two in step; the ratio as a float)
     opts = dict(triton=config.triton, kv_resident_tokens=kv_resident_tokens, prefix_cache=prefix_cache,
                 prompt_compression=config.prompt_compression, kv_host_tokens=kv_host_tokens,
-                preemption=preemption, residency_quantum=residency_quantum)
+                preemption=preemption, residency_quantum=residency_quantum, speculation=speculation)
     compression = compression_text(config.prompt_compression)
     # the one check of the shared prefix's range (bench_prompts relies on it): here, before the
     # bandwidth probe, the warm-up and the run store, for the CLI and callers alike
@@ -215,6 +223,7 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
         "kv_host_tokens": kv_host_tokens if kv_host_tokens is not None else "none",
         "preemption": preemption,
         "residency_quantum": residency_quantum,
+        "speculation": spec_text(speculation),
     }
     from .cli import format_duration
 
@@ -255,7 +264,8 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
                 }
                 row["flag"] = activation_flag(row, prefix_cache=prefix_cache, shared_prefix_len=shared_prefix_len,
                                               prompt_compression=config.prompt_compression,
-                                              host_backing=kv_host_tokens is not None)
+                                              host_backing=kv_host_tokens is not None,
+                                              speculation=speculation is not None)
                 rows.append(row)
                 if row["flag"]:
                     progress(f"bench: FLAGGED: {row['flag']}")
@@ -275,12 +285,14 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
 
 
 def activation_flag(row: dict, *, prefix_cache: bool, shared_prefix_len: int,
-                    prompt_compression: str | float = "off", host_backing: bool = False) -> str | None:
+                    prompt_compression: str | float = "off", host_backing: bool = False,
+                    speculation: bool = False) -> str | None:
     """Why a measurement that asked for a feature shows none of it (None when each asked-for
     feature ran; each feature's reason, joined by "; ", when several did not): a shared prefix
     with the cache on must show prefix-hit tokens, on a paged runner; prompt compression must
     have compressed at least one request ("auto" leaves prompts below its threshold whole); host
-    backing must have paged a page out or recomputed a request (else the pool held everything)."""
+    backing must have paged a page out or recomputed a request (else the pool held everything);
+    speculation must have verified a draft."""
     why = []
     if shared_prefix_len and prefix_cache:
         if not row.get("paged"):
@@ -295,7 +307,17 @@ def activation_flag(row: dict, *, prefix_cache: bool, shared_prefix_len: int,
     if host_backing and not (row.get("pages_out") or row.get("num_preemptions")):
         why.append("host backing asked, but no page was paged out and no request recomputed (the resident "
                    "pool held every request's KV: lower --kv-resident-tokens or raise the concurrency)")
+    if speculation and not row.get("spec_verify_steps"):
+        why.append("speculation asked, but no draft was verified (the proposer found nothing, or the guard kept "
+                   "every slot at k=0)")
     return "; ".join(why) or None
+
+
+def spec_text(spec) -> str:
+    """'off', or the speculation's proposer and k ("ngram:k4", "+noguard" with the guard off)."""
+    if spec is None:
+        return "off"
+    return f"{spec.proposer}:k{spec.k}" + ("" if spec.guard else "+noguard")
 
 
 def compression_text(mode: str | float) -> str:
@@ -345,6 +367,13 @@ def _cmd_bench(args) -> int:
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    args.speculation = None
+    if args.spec is not None or args.spec_tree is not None:
+        from .spec import SpecConfig
+
+        # (a bad combination: one line, before the model loads; --spec-tree without --spec too)
+        args.speculation = SpecConfig(proposer=args.spec or SpecConfig.proposer, k=args.spec_k, tree=args.spec_tree,
+                                      guard=args.spec_guard)
     model = load_model(args.model, dtype=args.dtype)
     run, rows = run_bench(model, concurrency=args.concurrency, prompt_len=args.prompt_len, gen=args.gen,
                           chunk=args.chunk, repeats=args.repeats, data_dir=args.data_dir, backend=args.backend,
@@ -352,7 +381,7 @@ def _cmd_bench(args) -> int:
                           kv_resident_tokens=args.kv_resident_tokens, prefix_cache=args.prefix_cache,
                           shared_prefix_len=args.shared_prefix_len, prompt_compression=args.prompt_compression,
                           kv_host_tokens=args.kv_host_tokens, preemption=args.preemption,
-                          residency_quantum=args.residency_quantum,
+                          residency_quantum=args.residency_quantum, speculation=args.speculation,
                           progress=progress if args.progress else lambda line: None)
     print(format_table(rows))
     if args.shared_prefix_len:
@@ -372,6 +401,11 @@ def _cmd_bench(args) -> int:
                   f"({(r['bytes_out'] + r['bytes_in']) / 2**20:.1f} MiB, {r['transfer_ms']:.1f} ms), requests paged out "
                   f"{r['num_swaps']} times, recomputed {r['num_preemptions']}, longest wait {r['max_wait_steps']} steps"
                   + (f" -- FLAGGED: {r['flag']}" if r["flag"] else ""))
+    if args.speculation is not None:
+        for r in rows:
+            print(f"speculation {spec_text(args.speculation)}, concurrency {r['concurrency']}: {r['spec_verify_steps']} "
+                  f"verify steps, {r['spec_accepted']} of {r['spec_drafted']} draft tokens kept, "
+                  f"{r['draft_yield']:.2f} tokens per verify" + (f" -- FLAGGED: {r['flag']}" if r["flag"] else ""))
     print(f"results: {run.path}")
     return 0
 
@@ -412,6 +446,8 @@ def register_cli(sub) -> None:
     from .cli import add_model_args, int_list, int_range
     from .compression import CompressionOptions
     from .engine_config import HEAD_MATMULS, PREEMPTIONS, EngineConfig, TritonOptions
+
+    from .spec import MAX_K, PROPOSERS, SpecConfig
 
     auto = CompressionOptions()  # (--prompt-compression's help: the auto threshold and target)
 
@@ -462,5 +498,13 @@ def register_cli(sub) -> None:
                    help="compress each prompt before admission (PFlash, workbench/compression.py): auto (prompts "
                         f"of {auto.auto_min_tokens}+ tokens keep about {auto.auto_kept_tokens}) or the fraction "
                         "kept, in (0, 1]; prefill tok/s then counts the admitted tokens")
+    p.add_argument("--spec", default=None, choices=list(PROPOSERS), metavar="|".join(PROPOSERS),
+                   help="speculative decoding with this draft proposer (workbench/spec; default: off)")
+    p.add_argument("--spec-k", type=int_range(1, MAX_K), default=SpecConfig.k, metavar="K",
+                   help=f"--spec: the most draft tokens a slot verifies per step, 1..{MAX_K}")
+    p.add_argument("--spec-tree", type=int_range(1), default=None, metavar="N",
+                   help="--spec: a token-tree node budget per step (not built yet: refused)")
+    p.add_argument("--no-spec-guard", dest="spec_guard", action="store_false",
+                   help="--spec: every slot drafts what its proposer offers, up to K (default: the yield guard)")
     add_model_args(p)
     p.set_defaults(func=_cmd_bench)

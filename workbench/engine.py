@@ -377,7 +377,8 @@ class Engine:
             self._finish(ev)
         # the step's wall time ends after its bookkeeping (with run-ahead the device keeps
         # working meanwhile); bench's decode time takes each step to the next one's start_s
-        self._record_step(plan, len(forwards), t0, time.perf_counter(), num_kept)
+        num_out = sum(len(t) if isinstance(t, list) else 1 for t in sampled.values())
+        self._record_step(plan, len(forwards), t0, time.perf_counter(), num_kept, num_out)
         self._step_index += 1
         return events
 
@@ -480,7 +481,8 @@ class Engine:
             "spec_position_drafted": None if spec is None else list(spec.position_drafted),
         })
 
-    def _record_step(self, plan, num_forwards: int, t0: float, t1: float, num_kept: int = 0) -> None:
+    def _record_step(self, plan, num_forwards: int, t0: float, t1: float, num_kept: int = 0,
+                     num_out: int = 0) -> None:
         solo = [g for g in plan.decode_groups if not g.batched]
         phase = "mixed" if plan.num_decode_rows and plan.num_prefill_rows else "decode" if plan.num_decode_rows else "prefill"
         self.telemetry.record_step({
@@ -510,6 +512,7 @@ class Engine:
             **self.scheduler.step_stats(),
             # speculation (None when off): slots that verified a draft, draft tokens verified
             # and kept, and the guard's measured cost of a verify row (spec/guard.py)
+            "tokens_out": num_out,  # tokens the step's requests took (a verify: its burst)
             "verify_slots": None if self.speculator is None else len(plan.drafts),
             "draft_tokens": None if self.speculator is None else plan.num_draft_tokens,
             "accepted_tokens": None if self.speculator is None else num_kept,

@@ -41,9 +41,11 @@ class SpecConfig:
     # the yield guard: per slot, a draft length 0..k from its acceptance and the verify rows'
     # cost (guard.py); off: every slot drafts what its proposer offers, up to k
     guard: bool = True
-    # the cost of one verify row beside a decode step, as a fraction of that step, when the
-    # guard has not measured it yet (guard.py measures it from the run's own steps)
+    # the cost of one verify row beside a slot's share of a decode step, as a fraction of it:
+    # the guard's value until it has measured one from the run's own steps (guard.py), or
+    # always with measure_cost off (decisions then do not depend on timing: reproducible)
     row_cost: float = 0.1
+    measure_cost: bool = True
     # n-gram (prompt lookup): the longest and the shortest suffix of the context matched
     ngram_max: int = 4
     ngram_min: int = 2
@@ -61,6 +63,8 @@ class SpecConfig:
             raise ConfigError(f"speculation verify={self.verify!r} is not allowed: allowed {', '.join(VERIFIES)}")
         if not isinstance(self.guard, bool):
             raise ConfigError(f"speculation guard={self.guard!r} is not allowed: allowed True or False")
+        if not isinstance(self.measure_cost, bool):
+            raise ConfigError(f"speculation measure_cost={self.measure_cost!r} is not allowed: allowed True or False")
         if isinstance(self.row_cost, bool) or not isinstance(self.row_cost, (int, float)) or not 0 <= self.row_cost <= 1:
             raise ConfigError(f"speculation row_cost={self.row_cost!r} is out of range: allowed 0..1")
         _int("ngram_max", self.ngram_max, 1, 64)

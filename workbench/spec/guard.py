@@ -2,8 +2,10 @@
 
 Each slot's acceptance is a per-token rate alpha (a draft token is kept with probability alpha,
 given the one before it was): counts of kept and rejected draft tokens, decayed every step
-towards a prior of one each, so a slot whose drafts stopped paying comes back to probing
-after some steps. A draft of k then emits on average E(k) = (1 - alpha^(k+1)) / (1 - alpha)
+towards a prior of 2 kept to 1 rejected. A slot the guard kept at k = 0 for `probe_every`
+steps in a row drafts one token once (a probe, one verify row), so a proposer that starts to
+pay, or a cost estimate that was too high, is found again (without it a slot whose first
+drafts missed, or that began where rows were dear, would never draft again). A draft of k then emits on average E(k) = (1 - alpha^(k+1)) / (1 - alpha)
 tokens for the step's cost of 1 + c k, where c is one verify row's cost beside the slot's share
 of a decode step. The guard picks the k with the most tokens per cost; k = 0 is plain decoding,
 at plain decoding's cost, and is chosen unless drafting gains `margin`.
@@ -65,10 +67,14 @@ class StepCost:
         return min(b / share, 1.0) if share > 0 else prior
 
 
+PRIOR_KEPT, PRIOR_REJECTED = 2.0, 1.0
+
+
 @dataclass
 class _Slot:
-    kept: float = 1.0
-    rejected: float = 1.0
+    kept: float = PRIOR_KEPT
+    rejected: float = PRIOR_REJECTED
+    skipped: int = 0  # steps in a row the guard chose k = 0
 
     @property
     def alpha(self) -> float:
@@ -76,23 +82,33 @@ class _Slot:
 
 
 class YieldGuard:
-    def __init__(self, k_max: int, *, enabled: bool = True, decay: float = 0.95, margin: float = 0.05):
+    def __init__(self, k_max: int, *, enabled: bool = True, decay: float = 0.95, margin: float = 0.05,
+                 probe_every: int = 16):
         self.k_max = k_max
         self.enabled = enabled
         self.decay = decay
         self.margin = margin
+        self.probe_every = probe_every
         self._slots: dict[Hashable, _Slot] = {}
 
     def length(self, rid: Hashable, row_cost: float) -> int:
         """The draft length for request `rid` this step (k_max with the guard off)."""
         if not self.enabled:
             return self.k_max
-        alpha = min(self._slots.setdefault(rid, _Slot()).alpha, 0.999)
+        slot = self._slots.setdefault(rid, _Slot())
+        alpha = min(slot.alpha, 0.999)
         best_k, best = 0, 1.0 + self.margin
         for k in range(1, self.k_max + 1):
             gain = (1 - alpha ** (k + 1)) / (1 - alpha) / (1 + row_cost * k)
             if gain > best:
                 best_k, best = k, gain
+        if best_k == 0:
+            slot.skipped += 1
+            if slot.skipped >= self.probe_every:
+                slot.skipped = 0
+                return 1  # the probe
+        else:
+            slot.skipped = 0
         return best_k
 
     def observe(self, rid: Hashable, drafted: int, kept: int) -> None:
@@ -105,8 +121,8 @@ class YieldGuard:
         """One step passed: every slot's counts decay towards the prior."""
         d = self.decay
         for s in self._slots.values():
-            s.kept = 1.0 + d * (s.kept - 1.0)
-            s.rejected = 1.0 + d * (s.rejected - 1.0)
+            s.kept = PRIOR_KEPT + d * (s.kept - PRIOR_KEPT)
+            s.rejected = PRIOR_REJECTED + d * (s.rejected - PRIOR_REJECTED)
 
     def alpha(self, rid: Hashable) -> float:
         return self._slots.get(rid, _Slot()).alpha

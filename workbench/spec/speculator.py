@@ -75,6 +75,8 @@ class Speculator:
         self.stats[rid] = SpecStats()
 
     def row_cost(self, decode_rows: int) -> float:
+        if not self.config.measure_cost:
+            return self.config.row_cost
         return self.cost.row_cost(decode_rows, self.config.row_cost)
 
     def drafts(self, contexts: Mapping[Hashable, Sequence[int]]) -> dict[Hashable, tuple[int, ...]]:

@@ -1,0 +1,226 @@
+"""The draft-yield ablation (issue 21, item 7): goodput of speculative decoding against plain
+(autoregressive, AR) decoding, on the same prompts in the same run, with bitwise-identical
+outputs.
+
+For every workload and concurrency C, C prompts of the workload (workbench/workloads.py) are
+submitted together on a plain engine: the reference. Then, for every proposer, k and guard
+setting, the same prompts on an engine with that speculation. A row says what the proposer
+drafted and the target kept (verify steps, draft tokens, acceptance, the acceptance-length
+histogram, draft yield: tokens emitted per verify step), the goodput (tokens generated over
+the run's wall, from the first submit to the last token) against the reference's, and
+whether every request's tokens equal the reference's.
+
+Greedy (temperature 0) or seeded sampling (top-p 0.95, each request its own seed index: the
+exact verify keeps sampled outputs bitwise too), EOS honoured (both arms stop alike). The
+default model is a base checkpoint, which under greedy decoding falls into loops that any
+proposer predicts; sampling (`temperatures`) is what keeps an essay from repeating. The engines keep no logits (on the GPU a verify
+then answers with its rows' argmax and plain steps run ahead, as they serve); the logits'
+bitwise equality is tests/test_speculation.py's claim, on both runners.
+
+A row that asked for speculation and verified nothing is flagged (`activation_ok` False),
+never reported as a measurement of speculation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+
+from workbench.errors import WorkbenchError
+
+GUARDS = ("on", "off")
+
+
+def measure_draft_yield(
+    model,
+    *,
+    workloads: Sequence[str],
+    proposers: Sequence[str],
+    ks: Sequence[int],
+    concurrency: Sequence[int],
+    guards: Sequence[str] = ("on",),
+    temperatures: Sequence[float] = (0.0,),
+    max_tokens: int | None = None,
+    backend: str = "torch",
+    seed: int = 0,
+    data_dir: str = "data",
+    progress: bool = True,
+):
+    """One row per (workload, concurrency, proposer, k, guard), each beside its AR reference.
+    `max_tokens`: a cap on each prompt's own suggestion (None: the suggestion)."""
+    import polars as pl
+
+    from workbench import workloads as wl
+    from workbench.ablations import measurement_bar, next_measurement
+    from workbench.engine_config import EngineConfig
+    from workbench.spec import SpecConfig
+
+    bad = [g for g in guards if g not in GUARDS]
+    if bad:
+        raise WorkbenchError(f"guard={bad[0]!r} is not allowed: allowed {', '.join(GUARDS)}")
+    specs = [(p, k, g) for p in proposers for k in ks for g in guards]
+    for p, k, g in specs:
+        SpecConfig(proposer=p, k=k, guard=g == "on")  # (a bad value: one line, before any work)
+    labels = [f"{w} T={t:g} C={c} " + (f"{p} k={k} guard {g}" if p else "AR")
+              for w in workloads for t in temperatures for c in concurrency for p, k, g in [(None, 0, None)] + specs]
+    rows = []
+    with measurement_bar(labels, enabled=progress) as bar:
+        for w in workloads:
+            prompts = _prompts(model, wl, w, 2 * max(concurrency), seed, data_dir, max_tokens)
+            for t in temperatures:
+                sampling = dict(temperature=t, top_p=0.95 if t else 1.0, seed=seed if t else None)
+                for c in concurrency:
+                    # the measured prompts, and as many others for the untimed pass of each arm
+                    timed, warm = prompts[:c], prompts[c : 2 * c]
+                    base = dict(max_concurrency=c, dtype=model.dtype_name, backend=backend)
+                    ref = _run(model, EngineConfig(**base), timed, warm, sampling)
+                    next_measurement(bar, labels)
+                    for p, k, g in specs:
+                        spec = SpecConfig(proposer=p, k=k, guard=g == "on")
+                        got = _run(model, EngineConfig(**base, speculation=spec), timed, warm, sampling)
+                        rows.append(_row(model, got, ref, workload=w, concurrency=c, proposer=p, k=k, guard=g,
+                                         backend=backend, temperature=t))
+                        next_measurement(bar, labels)
+    return pl.DataFrame(rows, infer_schema_length=None)
+
+
+def measure_from_config(model, config: dict):
+    """`measure_draft_yield` with a validated config (`ablations.validate("draft-yield", ...)`):
+    what the notebook and scripts/draft_yield_run.py both run."""
+    return measure_draft_yield(
+        model, workloads=config["workloads"], proposers=config["proposers"], ks=config["ks"],
+        concurrency=config["concurrencies"], guards=config["guards"], max_tokens=config["max_tokens"],
+        temperatures=[t / 100 for t in config["temperatures_pct"]],
+        backend=config["backend"], seed=config["seed"], data_dir=config["data_dir"], progress=config["progress"])
+
+
+def _prompts(model, wl, workload: str, num: int, seed: int, data_dir: str, cap: int | None):
+    """(token ids, max_tokens) of `num` prompts of the workload: the shipped set where it has
+    them (seed 0), else generated."""
+    try:
+        items = wl.load(workload, data_dir) if seed == 0 else []
+    except WorkbenchError:
+        items = []
+    if len(items) < num:
+        items = wl.generate(workload, num, seed)
+    out = []
+    for it in items[:num]:
+        # the completion form: the default model is a base checkpoint (workloads.render says why)
+        ids = model.tokenize(wl.render(it, "completion"))
+        out.append((ids, it.max_tokens if cap is None else min(cap, it.max_tokens)))
+    return out
+
+
+def _run(model, config, prompts, warm, sampling: dict) -> dict:
+    """The prompts submitted together on a fresh engine, run to the end: results and counters.
+    The engine first runs `warm` (other prompts of the workload) untimed: CUDA graphs are
+    captured per engine the first time a step shape needs one, and the guard's cost model
+    learns this machine's step costs."""
+    from workbench.engine import Engine
+
+    engine = Engine(model, config)
+    for i, (ids, n) in enumerate(warm):
+        engine.submit(ids, max_tokens=n, request_id=f"warm-{i}", index=len(prompts) + i, **sampling)
+    engine.run_until_done()
+    warm_steps = engine.telemetry.steps().height
+    start = time.perf_counter()
+    handles = [engine.submit(ids, max_tokens=n, request_id=f"yield-{i}", index=i, **sampling)
+               for i, (ids, n) in enumerate(prompts)]
+    engine.run_until_done()
+    wall = time.perf_counter() - start
+    results = [h.result() for h in handles]
+    steps = engine.telemetry.steps()
+    steps = steps.filter(steps["step"] >= warm_steps)
+    generated = sum(len(r.token_ids) for r in results)
+    spec = [r.spec for r in results if r.spec is not None]
+    hist: list[int] = []
+    pos_d: list[int] = []
+    pos_a: list[int] = []
+    for s in spec:
+        for acc, src in ((hist, s.hist), (pos_d, s.position_drafted), (pos_a, s.position_accepted)):
+            acc.extend([0] * (len(src) - len(acc)))
+            for i, v in enumerate(src):
+                acc[i] += v
+    verify = sum(s.verify_steps for s in spec)
+    drafted = sum(s.drafted for s in spec)
+    accepted = sum(s.accepted for s in spec)
+    emitted = sum(s.emitted for s in spec)
+    last = steps.tail(1)
+    return {
+        "results": results,
+        "wall_s": wall,
+        "generated_tokens": generated,
+        "goodput_tok_s": generated / wall,
+        "num_steps": steps.height,
+        "verify_steps": verify if spec else None,
+        "drafted": drafted if spec else None,
+        "accepted": accepted if spec else None,
+        "emitted_in_verify": emitted if spec else None,
+        "acceptance": accepted / drafted if drafted else None,
+        "draft_yield": emitted / verify if verify else None,
+        "guard_skips": sum(s.guard_skips for s in spec) if spec else None,
+        "empty_proposals": sum(s.empty for s in spec) if spec else None,
+        "acceptance_hist": hist if spec else None,
+        "position_acceptance": [a / d for a, d in zip(pos_a + [0] * (len(pos_d) - len(pos_a)), pos_d)] if spec else None,
+        "row_cost": float(last["row_cost"][0]) if spec and last.height and last["row_cost"][0] is not None else None,
+        "draft_rows": int(steps["draft_tokens"].fill_null(0).sum()) if spec else None,
+    }
+
+
+def _row(model, got: dict, ref: dict, *, workload, concurrency, proposer, k, guard, backend, temperature) -> dict:
+    same = [a.token_ids == b.token_ids for a, b in zip(got["results"], ref["results"])]
+    ok, flag = activation(got["verify_steps"] or 0)
+    keep = ("wall_s", "generated_tokens", "goodput_tok_s", "num_steps", "verify_steps", "drafted", "accepted",
+            "emitted_in_verify", "acceptance", "draft_yield", "guard_skips", "empty_proposals", "acceptance_hist",
+            "position_acceptance", "row_cost", "draft_rows")
+    return {
+        "workload": workload,
+        "concurrency": concurrency,
+        "proposer": proposer,
+        "k": k,
+        "guard": guard,
+        "temperature": temperature,
+        "backend": backend,
+        "arm": f"{proposer} k={k} guard {guard}",
+        **{key: got[key] for key in keep},
+        "ar_goodput_tok_s": ref["goodput_tok_s"],
+        "ar_wall_s": ref["wall_s"],
+        "ar_generated_tokens": ref["generated_tokens"],
+        "goodput_vs_ar": got["goodput_tok_s"] / ref["goodput_tok_s"],
+        "tokens_identical": all(same),
+        "activation_ok": ok,
+        "activation_flag": flag,
+        "tokens_sha256": hashlib.sha256(json.dumps([r.token_ids for r in got["results"]]).encode()).hexdigest(),
+        "model_name": str(model.source.get("general.name", model.path.stem)),
+        "model_sha256": model.source.index.sha256,
+    }
+
+
+def activation(verify_steps: int) -> tuple[bool, str | None]:
+    """Whether a speculation row verified anything (one line when not)."""
+    if verify_steps == 0:
+        return False, ("speculation asked but no draft was verified (the proposer found nothing, or the guard "
+                       "kept every slot at k=0)")
+    return True, None
+
+
+def differing(summary) -> str | None:
+    """One line naming the rows whose tokens differ from the AR run's; None when all agree."""
+    bad = summary.filter(~summary["tokens_identical"])
+    if not bad.height:
+        return None
+    cases = ", ".join(f"{r['workload']} T={r['temperature']:g} C={r['concurrency']} {r['arm']}"
+                      for r in bad.head(5).iter_rows(named=True))
+    return f"tokens differ from the AR run in {bad.height} measurement(s): {cases}"
+
+
+def require_identical(summary) -> None:
+    line = differing(summary)
+    if line:
+        raise WorkbenchError(line)
+
+
+def flagged(summary):
+    return summary.filter(~summary["activation_ok"])
