@@ -313,7 +313,7 @@ def _draft_yield() -> Ablation:
             Param("ks", "int_list", [4], "most draft tokens a slot verifies per step (SpecConfig.k; a row's k)",
                   lo=1, hi=MAX_K),
             Param("concurrencies", "int_list", [1, 4, 16], "requests submitted together (a row's concurrency; "
-                  "at most 16: the shipped sets hold 32 prompts, half for each arm's untimed pass)", lo=1, hi=16),
+                  "at most 32: the shipped sets hold 32 prompts)", lo=1, hi=32),
             Param("guards", "word_list", ["on"], "the yield guard (SpecConfig.guard; a row's guard)", words=GUARDS),
             Param("temperatures_pct", "int_list", [0], "sampling temperatures in hundredths (0: greedy; 80: "
                   "temperature 0.8, top-p 0.95, seeded; a row's temperature)", lo=0, hi=200),

@@ -48,7 +48,8 @@ def measure_draft_yield(
     data_dir: str = "data",
     progress: bool = True,
 ):
-    """One row per (workload, concurrency, proposer, k, guard), each beside its AR reference.
+    """One row per (workload, temperature, concurrency, proposer, k, guard), each beside its AR
+    reference.
     `max_tokens`: a cap on each prompt's own suggestion (None: the suggestion)."""
     import polars as pl
 
@@ -68,18 +69,18 @@ def measure_draft_yield(
     rows = []
     with measurement_bar(labels, enabled=progress) as bar:
         for w in workloads:
-            prompts = _prompts(model, wl, w, 2 * max(concurrency), seed, data_dir, max_tokens)
+            prompts = _prompts(model, wl, w, max(concurrency), seed, data_dir, max_tokens)
             for t in temperatures:
                 sampling = dict(temperature=t, top_p=0.95 if t else 1.0, seed=seed if t else None)
                 for c in concurrency:
-                    # the measured prompts, and as many others for the untimed pass of each arm
-                    timed, warm = prompts[:c], prompts[c : 2 * c]
-                    base = dict(max_concurrency=c, dtype=model.dtype_name, backend=backend)
-                    ref = _run(model, EngineConfig(**base), timed, warm, sampling)
+                    timed = prompts[:c]
+                    # (no prefix cache: each arm's untimed pass runs the same prompts first, ahead)
+                    base = dict(max_concurrency=c, dtype=model.dtype_name, backend=backend, prefix_cache=False)
+                    ref = _run(model, EngineConfig(**base), timed, sampling)
                     next_measurement(bar, labels)
                     for p, k, g in specs:
                         spec = SpecConfig(proposer=p, k=k, guard=g == "on")
-                        got = _run(model, EngineConfig(**base, speculation=spec), timed, warm, sampling)
+                        got = _run(model, EngineConfig(**base, speculation=spec), timed, sampling)
                         rows.append(_row(model, got, ref, workload=w, concurrency=c, proposer=p, k=k, guard=g,
                                          backend=backend, temperature=t))
                         next_measurement(bar, labels)
@@ -113,17 +114,21 @@ def _prompts(model, wl, workload: str, num: int, seed: int, data_dir: str, cap: 
     return out
 
 
-def _run(model, config, prompts, warm, sampling: dict) -> dict:
+def _run(model, config, prompts, sampling: dict) -> dict:
     """The prompts submitted together on a fresh engine, run to the end: results and counters.
-    The engine first runs `warm` (other prompts of the workload) untimed: CUDA graphs are
-    captured per engine the first time a step shape needs one, and the guard's cost model
-    learns this machine's step costs."""
+    The engine first runs the same prompts untimed: CUDA graphs are captured per engine the
+    first time a step shape needs one (H200 run 78 warmed up on other prompts of the workload,
+    and shapes first met in the timed pass cost AR extraction at C1 7x), and the guard's cost
+    model learns this machine's step costs; then the proposer forgets what it saw (a suffix
+    proposer would otherwise draft the timed pass from the warm pass's outputs)."""
     from workbench.engine import Engine
 
     engine = Engine(model, config)
-    for i, (ids, n) in enumerate(warm):
-        engine.submit(ids, max_tokens=n, request_id=f"warm-{i}", index=len(prompts) + i, **sampling)
+    for i, (ids, n) in enumerate(prompts):
+        engine.submit(ids, max_tokens=n, request_id=f"warm-{i}", index=i, **sampling)
     engine.run_until_done()
+    if engine.speculator is not None:
+        engine.speculator.forget_proposals()
     warm_steps = engine.telemetry.steps().height
     start = time.perf_counter()
     handles = [engine.submit(ids, max_tokens=n, request_id=f"yield-{i}", index=i, **sampling)

@@ -48,6 +48,10 @@ from .triton_kv import forward_rows
 from .triton_options import CHUNK_BUCKETS
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode rows per captured graph (and most segments of a chunk graph)
+# the most scored rows a chunk graph returns (its logits buffer's rows, 128 MiB at Gemma 3's vocabulary):
+# a speculative verify scores every row, 16 slots of a 4-token draft are 80 (H200 run 78: past 64 they ran
+# eagerly, 12 ms a step against 1.2 ms for the 16 plain rows)
+SCORED_ROWS = 128
 
 
 class _Eager:
@@ -120,8 +124,8 @@ class StepGraphs:
         """Whether a chunk graph runs this forward (not a decode step: ``takes`` first)."""
         return (len(forward) <= BUCKETS[-1] and 0 < self.chunk_rows
                 and sum(len(s.token_ids) for s in forward) <= self.chunk_rows
-                # (the logits buffer's rows: more scored rows, a wide verify, run eagerly)
-                and sum(s.num_scored for s in forward) <= BUCKETS[-1])
+                # (the logits buffer's rows: more scored rows, a wider verify, run eagerly)
+                and sum(s.num_scored for s in forward) <= SCORED_ROWS)
 
     @property
     def keys(self) -> list[tuple[int, int]]:
@@ -284,10 +288,10 @@ class StepGraphs:
     def _buffers(self) -> None:
         if self.inputs is None:
             B = BUCKETS[-1]
-            self.inputs = torch.zeros((4, max(B, self.chunk_rows)), dtype=torch.int32, device=self.device)
-            self.tokens = torch.zeros(B, dtype=torch.int64, device=self.device)
+            self.inputs = torch.zeros((4, max(B, self.chunk_rows, SCORED_ROWS)), dtype=torch.int32, device=self.device)
+            self.tokens = torch.zeros(SCORED_ROWS, dtype=torch.int64, device=self.device)
             self.record = torch.zeros((B, self.history), dtype=torch.int64, device=self.device)
-            self.logits = torch.zeros((B, self.loop.vocab), dtype=torch.float32, device=self.device)
+            self.logits = torch.zeros((SCORED_ROWS, self.loop.vocab), dtype=torch.float32, device=self.device)
             self._pool = None if self.emulate else torch.cuda.graph_pool_handle()
             self.tables = [torch.full((B + 1, self.width), self.kv.scratch(g), dtype=torch.int32, device=self.device)
                            for g in self.kv.groups]

@@ -70,6 +70,15 @@ class Speculator:
         self.cost = StepCost()
         self.stats: dict[Hashable, SpecStats] = {}
 
+    def forget_proposals(self) -> None:
+        """A fresh proposer of the config's kind, keeping the guard's measured step cost (an
+        ablation's untimed pass: the timed one must not draft from what the warm-up learnt).
+        Refused while a request is live, or with a proposer that was given."""
+        if self.stats:
+            raise RuntimeError("forget_proposals with requests in flight")
+        self.proposer = make_proposer(self.config)
+        self.guard = YieldGuard(self.config.k, enabled=self.config.guard)
+
     def start(self, rid: Hashable, prompt_ids: Sequence[int]) -> None:
         self.proposer.start(rid, prompt_ids)
         self.stats[rid] = SpecStats()

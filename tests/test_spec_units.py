@@ -1,0 +1,517 @@
+"""Unit tests for speculative decoding's pure parts (issue 21): the proposers, the acceptance
+rules, the per-position generators, the yield guard and its step-cost model, the config.
+
+test_speculation.py proves the engine's output exact end to end; these tests pin each part's
+own contract on small hand-built inputs and against brute-force references, so that a wrong
+proposal, a miscounted acceptance or a biased rejection sampler shows up here, named, rather
+than as a lower draft yield in a benchmark."""
+
+import random
+
+import pytest
+import torch
+
+from workbench.errors import ConfigError, WorkbenchError
+from workbench.sampling import token_generator
+from workbench.spec import MAX_K, NgramProposer, SpecConfig, StepCost, SuffixProposer, YieldGuard
+from workbench.spec.verify import accept_exact, accept_rejection, num_accepted
+
+
+# --- NgramProposer -----------------------------------------------------------------------------
+
+
+def _ngram_ref(context, k, n_max, n_min):
+    """Brute force: for n = n_max..n_min, the latest end j < len(context) of an earlier
+    occurrence of the context's last n tokens; the draft is the k tokens after it."""
+    L = len(context)
+    for n in range(n_max, n_min - 1, -1):
+        if n > L:
+            continue
+        suffix = list(context[L - n :])
+        for j in range(L - 1, n - 1, -1):
+            if list(context[j - n : j]) == suffix:
+                return tuple(context[j : j + k])
+    return ()
+
+
+def _propose_fresh(context, k, n_max=4, n_min=2):
+    p = NgramProposer(n_max, n_min)
+    p.start("r", context)
+    return p.propose("r", context, k)
+
+
+def test_ngram_takes_the_longest_suffix_first():
+    # (1, 2, 3) recurs at end 3 (followed by 10); the shorter (2, 3) recurs later, at end 7
+    ctx = [1, 2, 3, 10, 7, 2, 3, 20, 9, 1, 2, 3]
+    assert _propose_fresh(ctx, 3, n_max=3, n_min=2) == (10, 7, 2)
+    # with the 3-gram out of reach, the 2-gram's latest occurrence decides
+    assert _propose_fresh(ctx, 3, n_max=2, n_min=2) == (20, 9, 1)
+
+
+def test_ngram_takes_the_latest_earlier_occurrence():
+    ctx = [1, 2, 5, 1, 2, 6, 8, 1, 2]
+    assert _propose_fresh(ctx, 2, n_max=2, n_min=2) == (6, 8)
+    assert _propose_fresh(ctx, 1, n_max=2, n_min=2) == (6,)
+
+
+def test_ngram_proposes_nothing_when_no_suffix_recurs():
+    assert _propose_fresh([1, 2, 3, 4, 5, 6], 4, n_max=4, n_min=1) == ()
+    # a single token recurs (3), but ngram_min=2 asks for at least a 2-gram
+    assert _propose_fresh([3, 1, 2, 4, 3], 4, n_max=4, n_min=2) == ()
+    assert _propose_fresh([3, 1, 2, 4, 3], 4, n_max=4, n_min=1) == (1, 2, 4, 3)
+    assert _propose_fresh([], 4) == ()
+    assert _propose_fresh([7], 4, n_max=2, n_min=1) == ()
+
+
+def test_ngram_never_matches_the_suffix_with_itself():
+    # the whole context is the suffix: its only occurrence is at the end, which is no match
+    assert _propose_fresh([4, 5, 6, 7], 4, n_max=4, n_min=4) == ()
+    # [5, 5]: the 1-gram (5,) ends earlier at 1, so the draft is what followed it, never empty
+    assert _propose_fresh([5, 5], 3, n_max=1, n_min=1) == (5,)
+    # overlapping occurrence: (7, 7) ends at 2 and at 3 (the suffix); the earlier one counts
+    assert _propose_fresh([7, 7, 7], 3, n_max=2, n_min=2) == (7,)
+
+
+def test_ngram_proposes_at_most_k_tokens():
+    ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3 + [1, 2, 3]
+    for k in range(0, 12):
+        d = _propose_fresh(ctx, k)
+        assert len(d) == min(k, 9)
+        assert d == tuple(([4, 5, 6, 7, 8, 9, 1, 2, 3] * 2)[:k])[: len(d)]
+
+
+@pytest.mark.parametrize("n_max,n_min", [(4, 2), (3, 1), (2, 2), (5, 3)])
+def test_ngram_incremental_equals_fresh_and_reference(n_max, n_min):
+    """One proposer fed a growing context (skipping random steps, as when the guard gives a slot
+    no draft) proposes what a fresh proposer and the brute force propose on the full context."""
+    rnd = random.Random(n_max * 10 + n_min)
+    block = [rnd.randrange(6) for _ in range(7)]
+    seq = []
+    while len(seq) < 400:  # random tokens over a small vocabulary, with copied blocks mixed in
+        seq += block if rnd.random() < 0.3 else [rnd.randrange(6) for _ in range(rnd.randrange(1, 6))]
+    inc = NgramProposer(n_max, n_min)
+    inc.start("r", seq[:1])
+    num_nonempty = 0
+    for L in range(1, len(seq) + 1):
+        if rnd.random() < 0.25:
+            continue
+        ctx = seq[:L]
+        k = rnd.randrange(1, 8)
+        got = inc.propose("r", ctx, k)
+        assert got == _propose_fresh(ctx, k, n_max, n_min) == _ngram_ref(ctx, k, n_max, n_min), L
+        assert len(got) <= k
+        num_nonempty += bool(got)
+    assert num_nonempty > 100  # the comparison ran over real proposals, not only empty ones
+
+
+def test_ngram_keeps_requests_apart():
+    p = NgramProposer(2, 2)
+    p.start("a", [])
+    p.start("b", [])
+    assert p.propose("a", [1, 2, 9, 1, 2], 2) == (9, 1)
+    assert p.propose("b", [3, 1, 2], 2) == ()  # a's (1, 2) is not b's
+    p.finish("a", [1, 2, 9, 1, 2], 2)
+    with pytest.raises(KeyError):
+        p.propose("a", [1, 2, 9, 1, 2], 2)
+
+
+# --- SuffixProposer ----------------------------------------------------------------------------
+
+
+def _finished(p, rid, prompt, output):
+    p.start(rid, prompt)
+    p.propose(rid, list(prompt), 1)  # it ran: its own counts were built, then it finishes
+    p.finish(rid, list(prompt) + list(output), len(prompt))
+
+
+def test_suffix_learns_a_finished_requests_output():
+    p = SuffixProposer(depth=8, min_match=2)
+    a_prompt, a_out = [1, 2, 3], [10, 11, 12, 13, 14]
+    b = [50, 51, 10, 11]
+    p.start("a", a_prompt)
+    p.propose("a", a_prompt + a_out, 4)
+    p.start("b", b)
+    assert p.propose("b", b, 5) == ()  # a is still running: its output is not learnt yet
+    p.finish("a", a_prompt + a_out, len(a_prompt))
+    assert p.propose("b", b, 5) == (12, 13, 14)  # a's continuation, up to where it ends
+    assert p.propose("b", b, 2) == (12, 13)
+    # only the output is learnt (after contexts that may reach into the prompt)
+    p.start("c", [60, 1, 2])
+    assert p.propose("c", [60, 1, 2], 3) == ()
+    p.start("d", [60, 2, 3])
+    assert p.propose("d", [60, 2, 3], 2) == (10, 11)
+
+
+def test_suffix_ties_go_to_the_lower_token_id():
+    p = SuffixProposer(depth=4, min_match=2)
+    _finished(p, "a1", [90], [7, 8, 20])
+    _finished(p, "a2", [91], [7, 8, 15])
+    p.start("b", [5, 7, 8])
+    assert p.propose("b", [5, 7, 8], 1) == (15,)
+    # a higher count wins over a lower id
+    _finished(p, "a3", [92], [7, 8, 20])
+    p.start("c", [5, 7, 8])
+    assert p.propose("c", [5, 7, 8], 1) == (20,)
+
+
+def test_suffix_prefers_the_longest_match_over_the_most_frequent():
+    p = SuffixProposer(depth=4, min_match=2)
+    _finished(p, "a1", [90], [1, 7, 8, 30])
+    _finished(p, "a2", [91], [2, 7, 8, 40])
+    _finished(p, "a3", [92], [3, 7, 8, 40])
+    p.start("b", [1, 7, 8])
+    assert p.propose("b", [1, 7, 8], 1) == (30,)  # (1, 7, 8) matched, though (7, 8) -> 40 twice
+    p.start("c", [4, 7, 8])
+    assert p.propose("c", [4, 7, 8], 1) == (40,)
+
+
+def test_suffix_respects_min_match():
+    for min_match, expected in [(1, (12,)), (2, (12,)), (3, ())]:
+        p = SuffixProposer(depth=8, min_match=min_match)
+        _finished(p, "a", [1], [10, 11, 12])
+        p.start("b", [70, 10, 11])  # matches a's output on 2 tokens only
+        assert p.propose("b", [70, 10, 11], 1) == expected, min_match
+    p = SuffixProposer(depth=8, min_match=2)
+    _finished(p, "a", [1], [10, 11, 12])
+    p.start("b", [70, 11])  # a 1-token match is below min_match=2
+    assert p.propose("b", [70, 11], 1) == ()
+
+
+def test_suffix_uses_the_requests_own_context():
+    p = SuffixProposer(depth=8, min_match=2)
+    ctx = [5, 6, 7, 1, 2, 5, 6]
+    p.start("r", ctx)
+    assert p.propose("r", ctx, 3) == (7, 1, 2)
+    ctx += [7, 1]
+    assert p.propose("r", ctx, 2) == (2, 5)
+
+
+# --- accept_exact, num_accepted ----------------------------------------------------------------
+
+
+class _Picks:
+    """pick(i) from a list, counting the calls and refusing out-of-order rows."""
+
+    def __init__(self, picks):
+        self.picks, self.rows = picks, []
+
+    def __call__(self, i):
+        assert i == len(self.rows), "rows are picked in order, once each"
+        self.rows.append(i)
+        return self.picks[i]
+
+
+def test_accept_exact_keeps_all_plus_a_bonus():
+    pick = _Picks([5, 6, 7, 9])
+    out = accept_exact([5, 6, 7], pick)
+    assert out == [5, 6, 7, 9] and pick.rows == [0, 1, 2, 3]
+    assert num_accepted([5, 6, 7], out) == 3
+
+
+def test_accept_exact_stops_at_the_first_mismatch_lazily():
+    for m in range(4):  # mismatch at row m
+        draft = [5, 6, 7, 8]
+        picks = draft[:m] + [99] + [100 + i for i in range(8)]
+        pick = _Picks(picks)
+        out = accept_exact(draft, pick)
+        assert out == draft[:m] + [99]
+        assert len(pick.rows) == m + 1  # never a row past the first mismatch
+        assert num_accepted(draft, out) == m
+
+
+def test_accept_exact_empty_draft_is_one_decode():
+    pick = _Picks([42, 43])
+    assert accept_exact([], pick) == [42] and pick.rows == [0]
+    assert num_accepted([], [42]) == 0
+
+
+def test_num_accepted_agrees_with_accept_exact_on_random_bursts():
+    rnd = random.Random(3)
+    for _ in range(500):
+        k = rnd.randrange(0, 6)
+        draft = [rnd.randrange(3) for _ in range(k)]
+        picks = [rnd.randrange(3) for _ in range(k + 1)]
+        out = accept_exact(draft, _Picks(picks))
+        kept = 0
+        while kept < k and picks[kept] == draft[kept]:
+            kept += 1
+        assert out == picks[: kept + 1]
+        assert num_accepted(draft, out) == kept
+
+
+# --- accept_rejection --------------------------------------------------------------------------
+
+_VOCAB, _K = 10, 2
+
+
+def _tv(p, q):
+    return 0.5 * float((p - q).abs().sum())
+
+
+def _random_dist(g):
+    return torch.softmax(torch.randn(_VOCAB, generator=g) * 1.5, dim=-1)
+
+
+def test_accept_rejection_follows_the_target_distribution():
+    """A deterministic draft, a fixed random target per position: the first emitted token's
+    empirical distribution converges to the target's at position 0 (total variation shrinking
+    with N, and at the largest N far below the distance to unrelated distributions); the second,
+    given the first was the draft token, follows position 1's."""
+    g = torch.Generator().manual_seed(1234)
+    target = torch.stack([_random_dist(g) for _ in range(_K + 1)])  # rows 0, 1 and the bonus row
+    # the target's likeliest tokens as the draft: kept about 2/3 of the time at row 0, so both
+    # the rejection branch and the conditional second token get many samples
+    draft = [int(target[i].argmax()) for i in range(_K)]
+    assert 0.2 < float(target[0, draft[0]]) < 0.9
+    refs = [_random_dist(g) for _ in range(10)]
+    ref_distance = sum(_tv(target[0], r) for r in refs) / len(refs)
+
+    sampler = torch.Generator().manual_seed(99)
+    distances = []
+    for n in (1000, 10000, 100000):
+        first = torch.zeros(_VOCAB)
+        second = torch.zeros(_VOCAB)
+        for _ in range(n):
+            out = accept_rejection(draft, lambda i: target[i], sampler)
+            assert 1 <= len(out) <= _K + 1
+            first[out[0]] += 1
+            if out[0] == draft[0]:
+                second[out[1]] += 1
+        distances.append(_tv(first / n, target[0]))
+    assert distances[0] > distances[1] > distances[2], distances
+    assert distances[2] * 20 < ref_distance, (distances, ref_distance)
+    num_second = int(second.sum())
+    assert num_second > 30000
+    second_distance = _tv(second / num_second, target[1])
+    assert second_distance * 20 < sum(_tv(target[1], r) for r in refs) / len(refs), second_distance
+
+
+def test_accept_rejection_is_deterministic_under_a_seeded_generator():
+    g = torch.Generator().manual_seed(5)
+    target = torch.stack([_random_dist(g) for _ in range(_K + 1)])
+    runs = []
+    for _ in range(2):
+        s = torch.Generator().manual_seed(17)
+        runs.append([tuple(accept_rejection([1, 2], lambda i: target[i], s)) for _ in range(200)])
+    assert runs[0] == runs[1]
+    assert len(set(runs[0])) > 5  # the draws vary from call to call
+
+
+def test_accept_rejection_point_masses():
+    """A target sure of the draft keeps it all; a target that gives it no mass never keeps it."""
+    sure = torch.zeros(_K + 1, _VOCAB)
+    sure[0, 3] = sure[1, 4] = sure[2, 5] = 1.0
+    s = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        assert accept_rejection([3, 4], lambda i: sure[i], s) == [3, 4, 5]
+    never = torch.full((_K + 1, _VOCAB), 1.0 / (_VOCAB - 1))
+    never[:, 3] = 0.0
+    for _ in range(50):
+        out = accept_rejection([3, 4], lambda i: never[i], s)
+        assert len(out) == 1 and out[0] != 3
+
+
+# --- token_generator ---------------------------------------------------------------------------
+
+
+def _draws(seed, index, position, n=8):
+    return tuple(torch.rand(n, generator=token_generator(seed, index, position)).tolist())
+
+
+def test_token_generator_is_a_pure_function_of_the_triple():
+    for triple in [(0, 0, 0), (7, 3, 11), (2**62, 5, 1000)]:
+        assert _draws(*triple) == _draws(*triple)
+    # a generator used in between changes nothing for the next one of the same triple
+    g = token_generator(7, 3, 11)
+    torch.rand(100, generator=g)
+    assert _draws(7, 3, 11) == _draws(7, 3, 11)
+
+
+def test_token_generator_differs_across_positions_indices_and_seeds():
+    by_position = {_draws(1, 0, p) for p in range(300)}
+    by_index = {_draws(1, i, 0) for i in range(300)}
+    by_seed = {_draws(s, 0, 0) for s in range(300)}
+    assert len(by_position) == len(by_index) == len(by_seed) == 300
+    # neighbouring positions never share draws (not one stream shifted by an offset)
+    for p in range(50):
+        a = set(_draws(9, 2, p, 32))
+        assert not a & set(_draws(9, 2, p + 1, 32))
+        assert not a & set(_draws(9, 3, p, 32))
+    # and swapping index and position gives another generator
+    assert _draws(4, 5, 6) != _draws(4, 6, 5)
+
+
+def test_token_generator_unseeded_is_none():
+    assert token_generator(None, 0, 0) is None
+    assert token_generator(None, 3, 17) is None
+
+
+# --- YieldGuard --------------------------------------------------------------------------------
+
+
+def test_guard_off_always_drafts_k_max():
+    guard = YieldGuard(6, enabled=False)
+    for _ in range(30):
+        guard.observe("r", 6, 0)
+    for c in (0.0, 0.5, 1.0):
+        assert guard.length("r", c) == 6
+        assert guard.length("new", c) == 6
+
+
+def _rule_only(k_max, **kw):
+    """A guard without the periodic probe: length() is then the gain rule alone, and calling it
+    does not move the skip counter towards a probe."""
+    return YieldGuard(k_max, probe_every=10**9, **kw)
+
+
+def test_guard_high_acceptance_drafts_long():
+    guard = _rule_only(8)
+    for _ in range(100):
+        guard.observe("r", 8, 8)
+        guard.tick()
+    assert guard.alpha("r") > 0.95
+    assert guard.length("r", 0.0) == 8
+    assert guard.length("r", 0.02) >= 6
+
+
+def test_guard_always_rejected_stops_then_decay_brings_it_back():
+    guard = _rule_only(4)
+    c = 0.1
+    assert guard.length("r", c) >= 1  # the prior drafts at a cheap row
+    for _ in range(50):
+        guard.observe("r", 4, 0)
+    assert guard.alpha("r") < 0.05
+    assert guard.length("r", c) == 0
+    for ticks in range(1, 500):
+        guard.tick()
+        if guard.length("r", c) >= 1:
+            break
+    assert 1 < ticks < 200, ticks  # not at once, but within a bounded number of steps
+    assert guard.length("r", c) >= 1
+
+
+def test_guard_probes_a_skipped_slot_once_every_probe_every_steps():
+    guard = YieldGuard(4, probe_every=5, decay=1.0)  # no decay: only the probe brings it back
+    for _ in range(50):
+        guard.observe("r", 4, 0)
+    ks = [guard.length("r", 0.1) for _ in range(15)]
+    assert ks == [0, 0, 0, 0, 1] * 3
+    # a slot that drafts on its own merit is never counted towards a probe
+    guard.observe("good", 4, 4)
+    assert all(guard.length("good", 0.1) >= 2 for _ in range(20))
+
+
+def test_guard_longer_rows_never_draft_longer():
+    guard = _rule_only(MAX_K)
+    rnd = random.Random(0)
+    for s in range(40):  # slots with acceptances across 0..1
+        kept, rejected = rnd.randrange(0, 200), rnd.randrange(0, 60)
+        if kept:
+            guard.observe(s, kept, kept)
+        for _ in range(rejected):
+            guard.observe(s, 1, 0)
+    costs = [i / 40 for i in range(41)]
+    num_changed = 0
+    for s in range(40):
+        ks = [guard.length(s, c) for c in costs]
+        assert all(a >= b for a, b in zip(ks, ks[1:])), (s, guard.alpha(s), ks)
+        num_changed += ks[0] != ks[-1]
+    assert num_changed > 10
+    # and at one row cost, a higher acceptance never drafts shorter
+    by_alpha = sorted(range(40), key=guard.alpha)
+    for c in (0.0, 0.1, 0.3):
+        ks = [guard.length(s, c) for s in by_alpha]
+        assert all(a <= b for a, b in zip(ks, ks[1:])), (c, ks)
+
+
+def test_guard_forget_restores_the_prior():
+    guard = _rule_only(4)
+    prior = guard.alpha("fresh")
+    for _ in range(50):
+        guard.observe("r", 4, 0)
+    assert guard.alpha("r") < prior
+    guard.forget("r")
+    assert guard.alpha("r") == prior
+    assert guard.length("r", 0.1) == guard.length("fresh", 0.1) >= 1
+
+
+# --- StepCost ----------------------------------------------------------------------------------
+
+
+def test_step_cost_needs_two_row_counts():
+    cost = StepCost()
+    assert cost.fit() is None
+    for _ in range(20):
+        cost.observe(4, 10.0)
+    assert cost.fit() is None
+    assert cost.row_cost(4, 0.37) == 0.37  # the prior, before a fit
+    cost.observe(8, 12.0)
+    a, b = cost.fit()
+    assert a == pytest.approx(8.0) and b == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("a,b", [(2.0, 0.5), (30.0, 0.05), (0.5, 3.0)])
+def test_step_cost_recovers_a_line(a, b):
+    cost = StepCost()
+    rnd = random.Random(1)
+    for _ in range(200):
+        rows = rnd.randrange(1, 33)
+        cost.observe(rows, a + b * rows)
+    fa, fb = cost.fit()
+    assert fa == pytest.approx(a, rel=1e-6, abs=1e-9) and fb == pytest.approx(b, rel=1e-6)
+    for n in (1, 4, 16, 64):
+        assert cost.row_cost(n, 0.9) == pytest.approx(min(b / ((a + b * n) / n), 1.0), rel=1e-6)
+
+
+def test_step_cost_follows_a_change_and_caps_at_one():
+    cost = StepCost()
+    for i in range(100):
+        rows = 1 + i % 8
+        cost.observe(rows, 5.0 + 1.0 * rows)
+    for i in range(400):  # the machine changed: forgetting lets the fit move to the new line
+        rows = 1 + i % 8
+        cost.observe(rows, 1.0 + 2.0 * rows)
+    a, b = cost.fit()
+    assert a == pytest.approx(1.0, rel=1e-2) and b == pytest.approx(2.0, rel=1e-2)
+    # a line through a negative intercept: a is clamped at 0, and a row costs a whole share
+    steep = StepCost()
+    for rows in (2, 4, 6, 8):
+        steep.observe(rows, -3.0 + 1.0 * rows)
+    assert steep.fit()[0] == 0.0
+    assert steep.row_cost(4, 0.1) == 1.0
+    # free rows (b = 0): a row costs nothing
+    flat = StepCost()
+    for rows in (1, 5, 9):
+        flat.observe(rows, 7.0)
+    assert flat.row_cost(8, 0.5) == 0.0
+
+
+# --- SpecConfig --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw", [{}, dict(proposer="suffix", k=7, verify="rejection", guard=False, row_cost=0.6,
+                                         measure_cost=False, ngram_max=6, ngram_min=3, suffix_depth=12)])
+def test_spec_config_round_trips(kw):
+    c = SpecConfig(**kw)
+    d = c.to_dict()
+    assert SpecConfig.from_dict(d) == c
+    assert d == {**SpecConfig().to_dict(), **kw}
+
+
+def test_spec_config_unknown_key_lists_the_valid_keys():
+    with pytest.raises(ConfigError) as e:
+        SpecConfig.from_dict({"k": 2, "draft_len": 3})
+    msg = str(e.value)
+    assert "draft_len" in msg and "\n" not in msg
+    for name in SpecConfig().to_dict():
+        assert name in msg
+
+
+@pytest.mark.parametrize("kw,field", [(dict(k=0), "k"), (dict(k=MAX_K + 1), "k"), (dict(proposer="eagle"), "proposer"),
+                                      (dict(verify="typical"), "verify"), (dict(row_cost=1.5), "row_cost"),
+                                      (dict(ngram_min=5, ngram_max=4), "ngram_min"), (dict(tree=8), "tree"),
+                                      (dict(guard=1), "guard"),
+                                      (dict(measure_cost="yes"), "measure_cost")])
+def test_spec_config_refuses_bad_values(kw, field):
+    with pytest.raises(WorkbenchError, match=field):
+        SpecConfig(**kw)
