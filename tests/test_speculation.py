@@ -290,3 +290,31 @@ def test_triton_greedy_verify_answers_with_device_tokens_and_run_ahead(tiny_mode
     out = e.generate(prompts, **kw)
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]
     assert sum(r.spec.verify_steps for r in out) > 0
+
+
+def test_a_verify_after_a_wider_one_reads_no_stale_sampled_row(tiny_model):
+    """Chunk graphs select their scored rows by index (input row 3), padded to a power of two
+    that may exceed the row bucket (80 scored rows: bucket 96, 128 selected): after a call of
+    120 scored rows, a call of 80 must find padding there, not the wider call's indices (an
+    index past its rows failed on the H200, run 79). Each call's logits are the eager ones."""
+    from workbench.runners.direct_pages import DirectPages
+    from workbench.runners.triton_options import TritonOptions
+    from workbench.runners.triton_runner import TritonRunner
+
+    m = tiny_model("llama", "float32", "Q8_0", n_layers=1, n_embd=64, n_heads=2, n_kv_heads=1, n_ff=128)
+    ids = _ids(200, 90, vocab=m.config.vocab_size)
+    out = {}
+    for graphs in (TRITON_GRAPHS, False):
+        r = TritonRunner(m, 256, TritonOptions(graphs=graphs, page_size=64))
+        pages = DirectPages(r, tokens_per_group=8 * 256)
+        ctx = {0: 256, 1: 256, 2: 256}
+        # (copies: on the CPU a graph's answer is a view of its buffers, valid until the next call)
+        wide = [pages.segment(i, f"w{i}", ids[i : i + 60], 0, scored=60) for i in (0, 1)]
+        got = [{s: v.clone() for s, v in r.run(wide, ctx).items()}]
+        narrow = [pages.segment(2, "n", ids[:80], 0, scored=80)]
+        got.append({s: v.clone() for s, v in r.run(narrow, ctx).items()})
+        out[graphs] = got
+        if graphs:
+            assert {(128, 128), (96, 128)} <= {k[:2] for k in r.graphs.chunk_keys}
+    for a, b in zip(out[TRITON_GRAPHS], out[False]):
+        assert a.keys() == b.keys() and all(torch.equal(a[s], b[s]) for s in a)

@@ -317,7 +317,10 @@ class StepGraphs:
         (each sampled segment's last row; padded: row 0) and the changed block-table rows."""
         self._buffers()
         ids, pos, row, sel = forward_rows(forward)
-        host = torch.zeros((4, max(bucket, BUCKETS[-1])), dtype=torch.int32)
+        # (as wide as the graph reads: its row bucket, and its sampled rows' bucket, up to
+        # SCORED_ROWS, which may exceed it: row 3 past the sampled rows must be padding, not
+        # a wider call's indices; H200 run 79 read those and index_select failed)
+        host = torch.zeros((4, max(bucket, BUCKETS[-1], SCORED_ROWS)), dtype=torch.int32)
         host[2, :] = BUCKETS[-1]
         host[:3, : len(ids)] = torch.tensor([ids, pos, row], dtype=torch.int32)
         host[3, : len(sel)] = torch.tensor(sel, dtype=torch.int32)
