@@ -19,7 +19,18 @@ except ImportError:
     pass
 
 # Every test session gets its own start-up cache, so tests never depend on a user's cache.
-os.environ.setdefault("SLOTLAB_CACHE", tempfile.mkdtemp(prefix="slotlab-test-cache-"))
+# Under pytest-xdist each worker gets its own (a worker inherits the controller's environment),
+# so no two processes race on one cache, and each worker runs torch on one thread: the workers
+# already fill the cores, and two-thread pools on a two-core machine would contend.
+_worker = os.environ.get("PYTEST_XDIST_WORKER")
+if _worker:
+    os.environ["SLOTLAB_CACHE"] = tempfile.mkdtemp(prefix=f"slotlab-test-cache-{_worker}-")
+    try:
+        torch.set_num_threads(1)
+    except NameError:
+        pass
+else:
+    os.environ.setdefault("SLOTLAB_CACHE", tempfile.mkdtemp(prefix="slotlab-test-cache-"))
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -70,6 +71,10 @@ class Param:
     hi: int | None = None
     words: tuple[str, ...] = ()
     optional: bool = False
+    # word_list: items may also match this regular expression (described by `forms`, e.g.
+    # the proposers' "self:K" and "draft:PATH")
+    pattern: str | None = None
+    forms: str = ""
 
     @property
     def is_list(self) -> bool:
@@ -82,7 +87,8 @@ class Param:
         if self.kind == "word":
             return "one of " + ", ".join(map(repr, self.words)) + none
         if self.kind == "word_list":
-            return "a non-empty list of distinct values from " + ", ".join(map(repr, self.words))
+            return ("a non-empty list of distinct values from " + ", ".join(map(repr, self.words))
+                    + (f" or {self.forms}" if self.forms else ""))
         span = f"{self.lo}..{self.hi}" if self.hi is not None else f">= {self.lo}"
         if self.kind == "int":
             return f"an integer {span}{none}"
@@ -113,9 +119,10 @@ class Param:
         if not isinstance(value, (list, tuple)) or not value:
             raise self._refuse(value, "is not a non-empty list")
         for item in value:
-            if self.kind == "word_list" and (not isinstance(item, str) or item not in self.words):
+            if self.kind == "word_list" and (not isinstance(item, str) or item not in self.words) and not (
+                    isinstance(item, str) and self.pattern is not None and re.fullmatch(self.pattern, item)):
                 raise self._refuse(value, f"has an item {item!r} not allowed")
-            if item not in self.words:
+            if self.kind == "int_list" and item not in self.words:
                 self._check_int(item, value)
         if len(set(map(str, value))) != len(value):
             raise self._refuse(value, "repeats a value")
@@ -296,7 +303,7 @@ def _paging_cliff() -> Ablation:
 def _draft_yield() -> Ablation:
     from workbench.draft_yield import GUARDS
     from workbench.engine_config import BACKENDS
-    from workbench.spec import MAX_K, PROPOSERS
+    from workbench.spec import MAX_K
     from workbench.workloads import WORKLOADS
 
     return Ablation(
@@ -308,8 +315,9 @@ def _draft_yield() -> Ablation:
             Param("model", "path", None, "GGUF file (None: the embedded Gemma 3 270M)", optional=True),
             Param("workloads", "word_list", list(WORKLOADS), "prompt sets (data/workloads/, workbench/workloads.py; "
                   "a row's workload)", words=WORKLOADS),
-            Param("proposers", "word_list", ["ngram", "suffix"], "draft proposers (SpecConfig.proposer; a row's "
-                  "proposer)", words=PROPOSERS),
+            Param("proposers", "word_list", ["ngram", "suffix"], "draft proposers (SpecConfig.proposer, "
+                  "spec.proposer_fields; a row's proposer)", words=("ngram", "suffix"),
+                  pattern=r"self:[0-9]+|draft:.+", forms="'self:K' (the first K layers) or 'draft:PATH' (a GGUF)"),
             Param("ks", "int_list", [4], "most draft tokens a slot verifies per step (SpecConfig.k; a row's k)",
                   lo=1, hi=MAX_K),
             Param("concurrencies", "int_list", [1, 4, 16], "requests submitted together (a row's concurrency; "

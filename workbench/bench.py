@@ -24,6 +24,7 @@ finishes (its configuration and result), then the total wall time. The CLI print
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -88,6 +89,8 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
         # segments) the first time a step needs one, which would land inside the timed steps
         engine.generate(prompts, max_tokens=gen, ignore_eos=True)
         warm_steps = engine.telemetry.steps().height
+    draft = getattr(engine.speculator.proposer, "stats", None) if engine.speculator is not None else None
+    draft0 = (draft.forwards, draft.seconds) if draft is not None else None
     t0 = time.perf_counter()
     results = engine.generate(prompts, max_tokens=gen, ignore_eos=True)
     t1 = time.perf_counter()
@@ -161,6 +164,9 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
         "spec_accepted": sum(r.spec.accepted for r in results) if speculation else None,
         "draft_yield": (sum(r.spec.emitted for r in results) / max(1, sum(r.spec.verify_steps for r in results))
                         if speculation else None),
+        # a draft model's forwards and their wall time (self / draft proposers; None otherwise)
+        "draft_forwards": draft.forwards - draft0[0] if draft is not None else None,
+        "draft_ms": 1e3 * (draft.seconds - draft0[1]) if draft is not None else None,
         "weight_bytes": engine.runner.step_weight_bytes,  # read per decode step: the floor's bytes
         "resident_weight_bytes": engine.runner.fixed_bytes,
     }, [r.token_ids for r in results]
@@ -310,6 +316,9 @@ def activation_flag(row: dict, *, prefix_cache: bool, shared_prefix_len: int,
     if speculation and not row.get("spec_verify_steps"):
         why.append("speculation asked, but no draft was verified (the proposer found nothing, or the guard kept "
                    "every slot at k=0)")
+    if speculation and row.get("draft_forwards") == 0:
+        why.append("a draft model asked, but it ran no forward (the guard kept every slot at k=0, or its KV "
+                   "pool had no room: raise SpecConfig.draft_kv_tokens)")
     return "; ".join(why) or None
 
 
@@ -317,7 +326,8 @@ def spec_text(spec) -> str:
     """'off', or the speculation's proposer and k ("ngram:k4", "+noguard" with the guard off)."""
     if spec is None:
         return "off"
-    return f"{spec.proposer}:k{spec.k}" + ("" if spec.guard else "+noguard")
+    name = {"self": f"self:{spec.draft_layers}", "draft": f"draft:{os.path.basename(spec.draft_model or '')}"}
+    return f"{name.get(spec.proposer, spec.proposer)}:k{spec.k}" + ("" if spec.guard else "+noguard")
 
 
 def compression_text(mode: str | float) -> str:
@@ -372,8 +382,8 @@ def _cmd_bench(args) -> int:
         from .spec import SpecConfig
 
         # (a bad combination: one line, before the model loads; --spec-tree without --spec too)
-        args.speculation = SpecConfig(proposer=args.spec or SpecConfig.proposer, k=args.spec_k, tree=args.spec_tree,
-                                      guard=args.spec_guard)
+        args.speculation = SpecConfig(**(args.spec or {"proposer": SpecConfig.proposer}), k=args.spec_k,
+                                      tree=args.spec_tree, guard=args.spec_guard)
     model = load_model(args.model, dtype=args.dtype)
     run, rows = run_bench(model, concurrency=args.concurrency, prompt_len=args.prompt_len, gen=args.gen,
                           chunk=args.chunk, repeats=args.repeats, data_dir=args.data_dir, backend=args.backend,
@@ -440,6 +450,19 @@ def _prompt_compression(text: str) -> str | float:
         raise argparse.ArgumentTypeError(f"{text} is out of range: {allowed}") from None
 
 
+def _spec_proposer(text: str) -> dict:
+    """--spec's value as SpecConfig fields (spec.proposer_fields)."""
+    import argparse
+
+    from .errors import ConfigError
+    from .spec import proposer_fields
+
+    try:
+        return proposer_fields(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def register_cli(sub) -> None:
     from dataclasses import fields
 
@@ -447,7 +470,7 @@ def register_cli(sub) -> None:
     from .compression import CompressionOptions
     from .engine_config import HEAD_MATMULS, PREEMPTIONS, EngineConfig, TritonOptions
 
-    from .spec import MAX_K, PROPOSERS, SpecConfig
+    from .spec import MAX_K, SpecConfig
 
     auto = CompressionOptions()  # (--prompt-compression's help: the auto threshold and target)
 
@@ -498,8 +521,9 @@ def register_cli(sub) -> None:
                    help="compress each prompt before admission (PFlash, workbench/compression.py): auto (prompts "
                         f"of {auto.auto_min_tokens}+ tokens keep about {auto.auto_kept_tokens}) or the fraction "
                         "kept, in (0, 1]; prefill tok/s then counts the admitted tokens")
-    p.add_argument("--spec", default=None, choices=list(PROPOSERS), metavar="|".join(PROPOSERS),
-                   help="speculative decoding with this draft proposer (workbench/spec; default: off)")
+    p.add_argument("--spec", default=None, type=_spec_proposer, metavar="ngram|suffix|self:K|draft:PATH",
+                   help="speculative decoding with this draft proposer (workbench/spec): n-gram, suffix, the "
+                        "model's first K layers and its head, or a draft GGUF with its tokenizer (default: off)")
     p.add_argument("--spec-k", type=int_range(1, MAX_K), default=SpecConfig.k, metavar="K",
                    help=f"--spec: the most draft tokens a slot verifies per step, 1..{MAX_K}")
     p.add_argument("--spec-tree", type=int_range(1), default=None, metavar="N",

@@ -164,18 +164,9 @@ def load_scorer(model, options: CompressionOptions):
     same token to both."""
     if options.scorer == "target":
         return model
-    from .gguf_file import GGUFFile
-    from .model import load_model
+    from .model import load_draft
 
-    if not os.path.isfile(options.draft_path):
-        raise WorkbenchError(f"compression.draft_path={options.draft_path!r} is not a file: allowed a path to a .gguf file")
-    draft = GGUFFile.open(options.draft_path)
-    tokens, own = draft.get("tokenizer.ggml.tokens"), model.source.get("tokenizer.ggml.tokens")
-    if tokens is None or list(tokens) != list(own):
-        size = "no" if tokens is None else len(tokens)
-        raise WorkbenchError(f"the draft scorer {os.path.basename(options.draft_path)} has another vocabulary "
-                             f"({size} tokens) than the model ({len(own)} tokens): allowed a draft with the same tokenizer")
-    return load_model(draft, dtype=model.dtype_name)
+    return load_draft(options.draft_path, model, what="draft scorer", field="compression.draft_path")
 
 
 class PromptCompressor:

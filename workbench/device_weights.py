@@ -73,6 +73,15 @@ class DeviceWeights:
     nbytes: int  # device bytes of all of the above
     step_bytes: int  # what one decode step reads: all but the embedding table (rows are gathered)
 
+    layer_bytes: tuple[int, ...] = ()  # device bytes of each layer (all read by every step)
+
+    def first_layers(self, num_layers: int) -> "DeviceWeights":
+        """The first `num_layers` layers with this embedding, output norm and head, sharing
+        every tensor (a self-draft's weights: no new device bytes)."""
+        step = self.step_bytes - sum(self.layer_bytes[num_layers:])
+        return DeviceWeights(self.layers[:num_layers], self.embed, self.head, self.output_norm, 0, step,
+                             self.layer_bytes[:num_layers])
+
 
 def load_device_weights(model: Model, device: torch.device, *, layer_forms: dict[str, str],
                         head_form: str, dense: str = "quant") -> DeviceWeights:
@@ -154,9 +163,10 @@ def load_device_weights(model: Model, device: torch.device, *, layer_forms: dict
         ])
         return w[idx]
 
-    layers = []
+    layers, layer_bytes = [], []
     for i, L in enumerate(model.layers):
         p = f"blk.{i}."
+        before = nbytes
         layers.append(DevLayer(
             attn_norm=vec(L.attn_norm), ffn_norm=vec(L.ffn_norm),
             qkv=proj([(p + "attn_q.weight", c.n_heads), (p + "attn_k.weight", c.n_kv_heads),
@@ -167,6 +177,7 @@ def load_device_weights(model: Model, device: torch.device, *, layer_forms: dict
             q_norm=vec(L.q_norm, True), k_norm=vec(L.k_norm, True),
             post_attn_norm=vec(L.post_attn_norm), post_ffw_norm=vec(L.post_ffw_norm),
         ))
+        layer_bytes.append(nbytes - before)
     output_norm = vec(model.output_norm)
     emb = raw("token_embd.weight")
     emb.raw = emb.raw.to(device)
@@ -195,7 +206,7 @@ def load_device_weights(model: Model, device: torch.device, *, layer_forms: dict
         same = head.dense is not None and head.dense.dtype == torch.bfloat16
         dense_head = head.dense if same else model.head.to(torch.bfloat16).to(device)
     return DeviceWeights(layers, emb, Proj([(0, head)], head.N, head.K, 1, dense_head), output_norm, nbytes,
-                         nbytes - table_bytes)
+                         nbytes - table_bytes, tuple(layer_bytes))
 
 
 def head_qtype(model: Model) -> str | None:

@@ -56,14 +56,14 @@ def measure_draft_yield(
     from workbench import workloads as wl
     from workbench.ablations import measurement_bar, next_measurement
     from workbench.engine_config import EngineConfig
-    from workbench.spec import SpecConfig
+    from workbench.spec import SpecConfig, proposer_fields
 
     bad = [g for g in guards if g not in GUARDS]
     if bad:
         raise WorkbenchError(f"guard={bad[0]!r} is not allowed: allowed {', '.join(GUARDS)}")
     specs = [(p, k, g) for p in proposers for k in ks for g in guards]
-    for p, k, g in specs:
-        SpecConfig(proposer=p, k=k, guard=g == "on")  # (a bad value: one line, before any work)
+    for p, k, g in specs:  # (a bad value: one line, before any work)
+        SpecConfig(**proposer_fields(p), k=k, guard=g == "on")
     labels = [f"{w} T={t:g} C={c} " + (f"{p} k={k} guard {g}" if p else "AR")
               for w in workloads for t in temperatures for c in concurrency for p, k, g in [(None, 0, None)] + specs]
     rows = []
@@ -79,7 +79,7 @@ def measure_draft_yield(
                     ref = _run(model, EngineConfig(**base), timed, sampling)
                     next_measurement(bar, labels)
                     for p, k, g in specs:
-                        spec = SpecConfig(proposer=p, k=k, guard=g == "on")
+                        spec = SpecConfig(**proposer_fields(p), k=k, guard=g == "on")
                         got = _run(model, EngineConfig(**base, speculation=spec), timed, sampling)
                         rows.append(_row(model, got, ref, workload=w, concurrency=c, proposer=p, k=k, guard=g,
                                          backend=backend, temperature=t))

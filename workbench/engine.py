@@ -209,7 +209,8 @@ class Engine:
         if proposer is not None and config.speculation is None:
             raise WorkbenchError("a proposer was given but speculation is off: allowed with "
                                  "EngineConfig(speculation=SpecConfig(...)) only")
-        self.speculator = None if config.speculation is None else Speculator(config.speculation, proposer)
+        self.speculator = None if config.speculation is None else Speculator(
+            config.speculation, proposer, model=model, runner=self.runner)
         self.telemetry = Telemetry()
         self._live: dict[Hashable, _Live] = {}
         self._ids = itertools.count()

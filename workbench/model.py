@@ -399,3 +399,35 @@ def load_model(path: str | Path | GGUFFile | None = None, *, dtype: str = "bfloa
     if cfg.vocab_size != emb.shape[0]:
         cfg = ModelConfig(**{**cfg.__dict__, "vocab_size": emb.shape[0]})
     return Model(cfg, tok, layers, embed_raw, emb_q, head, f32("output_norm.weight"), tdt, g)
+
+
+def load_draft(path: str, target: Model, *, what: str, field: str) -> Model:
+    """The GGUF at `path` loaded as a draft of `target` (at its dtype): refused, from its
+    metadata before its weights load, unless it has the target's vocabulary, since a token id
+    must mean the same token to both. `what` names the draft in the errors (e.g. "draft
+    scorer"), `field` the option that gave the path."""
+    import os
+
+    if not isinstance(path, str) or not os.path.isfile(path):
+        raise WorkbenchError(f"{field}={path!r} is not a file: allowed a path to a .gguf file")
+    draft = GGUFFile.open(path)
+    tokens, own = draft.get("tokenizer.ggml.tokens"), target.source.get("tokenizer.ggml.tokens")
+    if tokens is None or list(tokens) != list(own):
+        size = "no" if tokens is None else len(tokens)
+        raise WorkbenchError(f"the {what} {os.path.basename(path)} has another vocabulary ({size} tokens) than the "
+                             f"model ({len(own)} tokens): allowed a draft with the same tokenizer")
+    return load_model(draft, dtype=target.dtype_name)
+
+
+def first_layers(model: Model, num_layers: int) -> Model:
+    """A view of `model` as its first `num_layers` layers, then its own output norm and head
+    (a self-draft, layer skip from the top): every tensor is the target's, nothing is copied."""
+    c = model.config
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers < c.n_layers:
+        raise WorkbenchError(f"draft_layers={num_layers!r} is out of range for this model: allowed an integer "
+                             f"1..{c.n_layers - 1} (it has {c.n_layers} layers)")
+    from dataclasses import replace
+
+    cfg = replace(c, n_layers=num_layers, swa_layers=c.swa_layers[:num_layers])
+    return Model(cfg, model.tokenizer, model.layers[:num_layers], model.embed_raw, model.embed_qtype, model.head,
+                 model.output_norm, model.dtype, model.source)

@@ -48,7 +48,10 @@ class TritonRunner:
     paged = True
 
     def __init__(self, model: Model, slot_capacity: int, options: TritonOptions = TritonOptions(), *,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, weights: "_dw.DeviceWeights | None" = None):
+        """`weights`: device weights already loaded for `model` in this runner's layout (a
+        self-draft's: the target runner's first layers, `DeviceWeights.first_layers`), instead
+        of loading them again."""
         if not isinstance(options, TritonOptions):
             raise WorkbenchError(f"options={options!r} is not allowed: allowed a TritonOptions")
         self.options = options
@@ -82,8 +85,12 @@ class TritonRunner:
         # where the store rounds to nearest as the products do): the same logits, half the bytes
         # of x read by every head program (session 9, run 45: the head alone 87.6 -> 85.1 us)
         self.head_x_dtype = torch.bfloat16 if self.head_matmul == "dense" and bf16 and self.use_dot else None
-        weights = _dw.load_device_weights(model, self.device, layer_forms=self.layer_forms,
-                                          head_form=self.head_matmul, dense=self.products)
+        if weights is None:
+            weights = _dw.load_device_weights(model, self.device, layer_forms=self.layer_forms,
+                                              head_form=self.head_matmul, dense=self.products)
+        elif len(weights.layers) != c.n_layers:
+            raise WorkbenchError(f"weights has {len(weights.layers)} layers: allowed the model's {c.n_layers}")
+        self.weights = weights
         self.layers, self.embed, self.head = weights.layers, weights.embed, weights.head
         self.fixed_bytes = weights.nbytes
         self.step_weight_bytes = weights.step_bytes  # read by every decode step (the floor's bytes)

@@ -22,11 +22,11 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError
 
-__all__ = ["PROPOSERS", "SpecConfig", "VERIFIES"]
+__all__ = ["PROPOSERS", "SpecConfig", "VERIFIES", "proposer_fields"]
 
-# The proposers built so far (proposers.py). The issue's self-draft (the target's first layers)
-# and draft-GGUF proposers come in a later slice; naming one here is refused with this list.
-PROPOSERS = ("ngram", "suffix")
+# The proposers (proposers.py; "self" and "draft" are model_proposer.py's: greedy tokens of the
+# target's first `draft_layers` layers and its head, or of a draft GGUF at `draft_model`).
+PROPOSERS = ("ngram", "suffix", "self", "draft")
 VERIFIES = ("exact", "rejection")
 MAX_K = 16  # draft tokens per slot per step: the verify rows stay within the chunk graphs' buckets
 
@@ -51,6 +51,14 @@ class SpecConfig:
     ngram_min: int = 2
     # suffix: the longest context suffix looked up in the tree of earlier requests' outputs
     suffix_depth: int = 8
+    # self: the target's first draft_layers layers (1..its layers - 1, checked when the engine
+    # is built) then its output norm and head, sharing the target's weights
+    draft_layers: int | None = None
+    # draft: the path of a GGUF with the target's tokenizer (checked when the engine is built)
+    draft_model: str | None = None
+    # self and draft: the draft's own KV pool, in positions (all requests together); a request
+    # whose draft KV does not fit gets no draft that step and decodes plainly
+    draft_kv_tokens: int = 65536
 
     def __post_init__(self):
         if self.proposer not in PROPOSERS:
@@ -70,6 +78,22 @@ class SpecConfig:
         _int("ngram_max", self.ngram_max, 1, 64)
         _int("ngram_min", self.ngram_min, 1, self.ngram_max)
         _int("suffix_depth", self.suffix_depth, 1, 64)
+        if self.proposer == "self":
+            if self.draft_layers is None:
+                raise ConfigError("speculation proposer='self' needs draft_layers: allowed an integer 1..the "
+                                  "model's layers - 1 (e.g. SpecConfig(proposer='self', draft_layers=4))")
+            _int("draft_layers", self.draft_layers, 1, 1 << 16)
+        elif self.draft_layers is not None:
+            raise ConfigError(f"speculation draft_layers={self.draft_layers!r} is not allowed with "
+                              f"proposer={self.proposer!r}: allowed with proposer='self' only")
+        if self.proposer == "draft":
+            if not isinstance(self.draft_model, str) or not self.draft_model:
+                raise ConfigError(f"speculation proposer='draft' needs draft_model: allowed the path of a GGUF "
+                                  f"file, got {self.draft_model!r}")
+        elif self.draft_model is not None:
+            raise ConfigError(f"speculation draft_model={self.draft_model!r} is not allowed with "
+                              f"proposer={self.proposer!r}: allowed with proposer='draft' only")
+        _int("draft_kv_tokens", self.draft_kv_tokens, 1, 1 << 24)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "SpecConfig":
@@ -81,6 +105,21 @@ class SpecConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def proposer_fields(text: str) -> dict[str, Any]:
+    """A proposer named in one word, as SpecConfig fields: ngram, suffix, self:K (the model's
+    first K layers) or draft:PATH (a draft GGUF). What `bench --spec` and the draft-yield
+    ablation's `proposers` take."""
+    name, _, arg = str(text).partition(":")
+    if name in ("ngram", "suffix") and not arg:
+        return {"proposer": name}
+    if name == "self" and arg.isdigit():
+        return {"proposer": "self", "draft_layers": int(arg)}
+    if name == "draft" and arg:
+        return {"proposer": "draft", "draft_model": arg}
+    raise ConfigError(f"proposer {text!r} is not allowed: allowed ngram, suffix, self:K (the model's first K "
+                      f"layers, e.g. self:4) or draft:PATH (a GGUF with the model's tokenizer)")
 
 
 def _int(name: str, value: Any, lo: int, hi: int) -> None:

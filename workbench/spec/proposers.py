@@ -7,8 +7,9 @@
 
 A proposal is only a guess: verification (verify.py) keeps the output exact whatever comes
 back, so a proposer is judged by its yield alone. Plain Python, no torch: the model-based
-proposers of a later slice (the target's first layers, a draft GGUF, an MTP head) implement
-the same four methods, `propose` then running their forwards.
+proposers (model_proposer.py: the target's first layers, a draft GGUF; an MTP head later)
+implement the same four methods, and may add `propose_many({rid: (context, k)})`, which the
+speculator then calls once a step for all requests (a model drafts them in one batch).
 
 * `NgramProposer` (prompt lookup, as vLLM's `ngram` and llama.cpp's lookup decoding): the
   longest suffix of the context, ngram_max tokens down to ngram_min, that occurred earlier in
@@ -43,7 +44,18 @@ class Proposer(Protocol):
     def finish(self, rid: Hashable, context: Sequence[int], num_prompt: int) -> None: ...
 
 
-def make_proposer(config: SpecConfig) -> Proposer:
+def make_proposer(config: SpecConfig, model=None, runner=None) -> Proposer:
+    """The config's proposer; "self" and "draft" run a draft model beside the target `model`
+    and its `runner` (model_proposer.py), so they need both."""
+    if config.proposer in ("self", "draft"):
+        if model is None or runner is None:
+            from ..errors import WorkbenchError
+
+            raise WorkbenchError(f"proposer={config.proposer!r} drafts with a model: allowed only with the "
+                                 f"target model and runner given (an Engine builds it)")
+        from .model_proposer import build_model_proposer
+
+        return build_model_proposer(config, model, runner)
     if config.proposer == "ngram":
         return NgramProposer(config.ngram_max, config.ngram_min)
     return SuffixProposer(config.suffix_depth, config.ngram_min)

@@ -61,11 +61,12 @@ def _bump(counts: list[int], i: int) -> None:
 
 
 class Speculator:
-    def __init__(self, config: SpecConfig, proposer: Proposer | None = None):
+    def __init__(self, config: SpecConfig, proposer: Proposer | None = None, *, model=None, runner=None):
         """`proposer`: one of the interface's implementations, instead of config.proposer's
-        (tests: an oracle, an adversary)."""
+        (tests: an oracle, an adversary). `model`, `runner`: the target's, which a model-based
+        proposer drafts beside."""
         self.config = config
-        self.proposer = proposer if proposer is not None else make_proposer(config)
+        self.proposer = proposer if proposer is not None else make_proposer(config, model, runner)
         self.guard = YieldGuard(config.k, enabled=config.guard)
         self.cost = StepCost()
         self.stats: dict[Hashable, SpecStats] = {}
@@ -76,7 +77,8 @@ class Speculator:
         Refused while a request is live, or with a proposer that was given."""
         if self.stats:
             raise RuntimeError("forget_proposals with requests in flight")
-        self.proposer = make_proposer(self.config)
+        if self.config.proposer in ("ngram", "suffix"):  # (a draft model learns nothing across requests)
+            self.proposer = make_proposer(self.config)
         self.guard = YieldGuard(self.config.k, enabled=self.config.guard)
 
     def start(self, rid: Hashable, prompt_ids: Sequence[int]) -> None:
@@ -92,13 +94,21 @@ class Speculator:
         """Request id -> its draft for this step, for the decoding requests `contexts` (request
         id -> prompt and output so far); requests without one decode plainly."""
         cost = self.row_cost(len(contexts))
-        out = {}
+        asks = {}
         for rid, ctx in contexts.items():
             k = self.guard.length(rid, cost)
             if k == 0:
                 self.stats[rid].guard_skips += 1
-                continue
-            d = self.proposer.propose(rid, ctx, k)
+            else:
+                asks[rid] = (ctx, k)
+        many = getattr(self.proposer, "propose_many", None)
+        if many is not None:
+            got = many(asks) if asks else {}
+        else:
+            got = {rid: self.proposer.propose(rid, ctx, k) for rid, (ctx, k) in asks.items()}
+        out = {}
+        for rid, (_, k) in asks.items():
+            d = got.get(rid, ())
             if d:
                 out[rid] = tuple(d[:k])
             else:
