@@ -515,3 +515,42 @@ def test_spec_config_unknown_key_lists_the_valid_keys():
 def test_spec_config_refuses_bad_values(kw, field):
     with pytest.raises(WorkbenchError, match=field):
         SpecConfig(**kw)
+
+
+def test_a_slow_proposer_costs_what_it_takes_and_the_guard_stops_drafting():
+    """A proposer that takes 30 ms per call, beside steps of about 1 ms a slot: its time per
+    draft token joins the row cost, the step times the cost model fits leave it out, and the
+    guard then keeps the slot at k = 0 (always-accepted drafts do not pay for it)."""
+    import time
+
+    from workbench.spec.speculator import Speculator
+
+    class Slow:
+        name = "slow"
+
+        def start(self, rid, prompt_ids):
+            pass
+
+        def propose(self, rid, context, k):
+            time.sleep(0.03)
+            return tuple(range(k))
+
+        def finish(self, rid, context, num_prompt):
+            pass
+
+    sp = Speculator(SpecConfig(k=4, row_cost=0.05), Slow())
+    sp.start("a", [1, 2, 3])
+    assert sp.row_cost(1) == 0.05  # nothing measured yet: the config's prior
+    assert sp.drafts({"a": [1, 2, 3]}) == {"a": (0, 1, 2, 3)}
+    sp.record_step(1, sp._draft_ms + 1.0)  # a plain-sized step, once the proposer's time is out
+    sp.observe("a", 4, 4, 5)
+    sp.drafts({"a": [1, 2, 3]})
+    sp.record_step(5, sp._draft_ms + 1.2)
+    a, b = sp.cost.fit()
+    assert a == pytest.approx(0.95, abs=1e-6) and b == pytest.approx(0.05, abs=1e-6)
+    assert sp.draft_cost.ms_per_token >= 7  # 30 ms over 4 tokens
+    assert sp.row_cost(1) > 5
+    for _ in range(3):
+        sp.observe("a", 4, 4, 5)
+    assert sp.drafts({"a": [1, 2, 3]}) == {}
+    assert sp.stats["a"].guard_skips == 1

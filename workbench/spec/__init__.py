@@ -7,8 +7,8 @@ it); verify.py and speculator.py do, and are imported from their modules.
 """
 
 from .config import MAX_K, PROPOSERS, VERIFIES, SpecConfig, proposer_fields
-from .guard import StepCost, YieldGuard
+from .guard import DraftCost, StepCost, YieldGuard
 from .proposers import NgramProposer, Proposer, SuffixProposer, make_proposer
 
-__all__ = ["MAX_K", "NgramProposer", "PROPOSERS", "Proposer", "SpecConfig", "StepCost", "SuffixProposer",
+__all__ = ["DraftCost", "MAX_K", "NgramProposer", "PROPOSERS", "Proposer", "SpecConfig", "StepCost", "SuffixProposer",
            "VERIFIES", "YieldGuard", "make_proposer", "proposer_fields"]

@@ -13,7 +13,9 @@ at plain decoding's cost, and is chosen unless drafting gains `margin`.
 c is measured from the run's own steps (`StepCost`: wall time against rows of the steps that
 ran only decode and verify rows, least squares with forgetting): a step of n decode rows costs
 a + b n, so one more row costs b beside each slot's share (a + b n) / n. Until it has seen two
-different row counts it uses SpecConfig.row_cost. On a GPU a decode step is bound by reading
+different row counts it uses SpecConfig.row_cost. Proposing costs too (`DraftCost`): a draft
+model's forwards, or a lookup's host time, per draft token; the speculator adds it to c as a
+fraction of the same share, and takes it out of the step times StepCost fits. On a GPU a decode step is bound by reading
 the weights and a few more rows are nearly free (c near 0: draft long); on a CPU at 16 slots a
 row costs nearly what a slot's share does (c near 1: draft only what is very likely kept).
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable
 
-__all__ = ["StepCost", "YieldGuard"]
+__all__ = ["DraftCost", "StepCost", "YieldGuard"]
 
 
 class StepCost:
@@ -65,6 +67,31 @@ class StepCost:
         a, b = ab
         share = (a + b * decode_rows) / max(decode_rows, 1)
         return min(b / share, 1.0) if share > 0 else prior
+
+    def share_ms(self, decode_rows: int) -> float | None:
+        """One slot's share of a step of `decode_rows` rows, in ms (None before a fit)."""
+        ab = self.fit()
+        if ab is None:
+            return None
+        a, b = ab
+        return (a + b * decode_rows) / max(decode_rows, 1)
+
+
+class DraftCost:
+    """What proposing costs, per draft token of one request, in ms: a proposer's wall time per
+    step over the tokens it proposed (a draft model's round is shared by the requests drafting
+    in it, so this is a round's time over the requests in it), smoothed over steps."""
+
+    def __init__(self, smooth: float = 0.9):
+        self.smooth = smooth
+        self.ms_per_token: float | None = None
+
+    def observe(self, wall_ms: float, tokens: int) -> None:
+        if tokens <= 0:
+            return
+        x = wall_ms / tokens
+        m = self.ms_per_token
+        self.ms_per_token = x if m is None else self.smooth * m + (1 - self.smooth) * x
 
 
 PRIOR_KEPT, PRIOR_REJECTED = 2.0, 1.0

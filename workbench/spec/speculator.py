@@ -9,11 +9,12 @@ rows and wall time, which the guard's cost model learns from).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
 from .config import SpecConfig
-from .guard import StepCost, YieldGuard
+from .guard import DraftCost, StepCost, YieldGuard
 from .proposers import Proposer, make_proposer
 
 __all__ = ["SpecStats", "Speculator"]
@@ -69,6 +70,8 @@ class Speculator:
         self.proposer = proposer if proposer is not None else make_proposer(config, model, runner)
         self.guard = YieldGuard(config.k, enabled=config.guard)
         self.cost = StepCost()
+        self.draft_cost = DraftCost()
+        self._draft_ms = 0.0  # the proposer's time in the latest drafts() call
         self.stats: dict[Hashable, SpecStats] = {}
 
     def forget_proposals(self) -> None:
@@ -86,9 +89,16 @@ class Speculator:
         self.stats[rid] = SpecStats()
 
     def row_cost(self, decode_rows: int) -> float:
+        """What one more draft token of a slot costs beside its share of a decode step: its
+        verify row, plus proposing it (both measured; SpecConfig.row_cost until they are, or
+        always with measure_cost off)."""
         if not self.config.measure_cost:
             return self.config.row_cost
-        return self.cost.row_cost(decode_rows, self.config.row_cost)
+        c = self.cost.row_cost(decode_rows, self.config.row_cost)
+        share, per_token = self.cost.share_ms(decode_rows), self.draft_cost.ms_per_token
+        if share and per_token is not None:
+            c += per_token / share
+        return c
 
     def drafts(self, contexts: Mapping[Hashable, Sequence[int]]) -> dict[Hashable, tuple[int, ...]]:
         """Request id -> its draft for this step, for the decoding requests `contexts` (request
@@ -102,10 +112,14 @@ class Speculator:
             else:
                 asks[rid] = (ctx, k)
         many = getattr(self.proposer, "propose_many", None)
+        t0 = time.perf_counter()
         if many is not None:
             got = many(asks) if asks else {}
         else:
             got = {rid: self.proposer.propose(rid, ctx, k) for rid, (ctx, k) in asks.items()}
+        self._draft_ms = 1e3 * (time.perf_counter() - t0)
+        if asks:
+            self.draft_cost.observe(self._draft_ms, sum(min(len(d), asks[rid][1]) for rid, d in got.items()))
         out = {}
         for rid, (_, k) in asks.items():
             d = got.get(rid, ())
@@ -122,8 +136,10 @@ class Speculator:
         self.stats[rid].record(drafted, kept, emitted)
 
     def record_step(self, rows: int, wall_ms: float) -> None:
-        """A step that ran only decode and verify rows (`rows` of them) took `wall_ms`."""
-        self.cost.observe(rows, wall_ms)
+        """A step that ran only decode and verify rows (`rows` of them) took `wall_ms`, its
+        drafts() call included (taken out here: DraftCost has it)."""
+        self.cost.observe(rows, max(wall_ms - self._draft_ms, 0.0))
+        self._draft_ms = 0.0
 
     def finish(self, rid: Hashable, context: Sequence[int], num_prompt: int) -> SpecStats:
         self.proposer.finish(rid, context, num_prompt)
