@@ -554,3 +554,38 @@ def test_a_slow_proposer_costs_what_it_takes_and_the_guard_stops_drafting():
         sp.observe("a", 4, 4, 5)
     assert sp.drafts({"a": [1, 2, 3]}) == {}
     assert sp.stats["a"].guard_skips == 1
+
+
+def test_a_steps_drafts_fit_the_runners_graphed_verify_rows():
+    """A runner whose chunk graphs take 9 rows: three slots asking k = 4 each (15 rows) are cut
+    to 6 draft tokens in all, longest first (2 each); without the limit each gets 4."""
+    from types import SimpleNamespace
+
+    from workbench.spec.speculator import Speculator, _fit
+
+    class Four:
+        name = "four"
+
+        def start(self, rid, prompt_ids):
+            pass
+
+        def propose(self, rid, context, k):
+            return (7,) * k
+
+        def finish(self, rid, context, num_prompt):
+            pass
+
+    ctx = {r: [1, 2, 3] for r in "abc"}
+    sp = Speculator(SpecConfig(k=4, guard=False), Four(), runner=SimpleNamespace(graphed_verify_rows=9))
+    for r in ctx:
+        sp.start(r, ctx[r])
+    assert sp.drafts(ctx) == {r: (7, 7) for r in "abc"}
+    free = Speculator(SpecConfig(k=4, guard=False), Four(), runner=SimpleNamespace(graphed_verify_rows=None))
+    for r in ctx:
+        free.start(r, ctx[r])
+    assert free.drafts(ctx) == {r: (7,) * 4 for r in "abc"}
+    lengths = {"a": 5, "b": 1, "c": 3}
+    _fit(lengths, 6)
+    assert lengths == {"a": 2, "b": 1, "c": 3}  # (5,1,3 -> 4,1,3 -> 3,1,3 -> 2,1,3: the first of equals is cut)
+    _fit(lengths, -2)
+    assert lengths == {"a": 0, "b": 0, "c": 0}

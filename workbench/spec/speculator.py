@@ -55,6 +55,18 @@ class SpecStats:
                 _bump(self.position_accepted, i)
 
 
+def _fit(lengths: dict[Hashable, int], budget: int) -> None:
+    """Cut draft lengths until they sum to at most `budget` (>= 0), a token at a time from the
+    longest (the first of equals in order): the step's verify rows then fit the runner's
+    fastest form, and no slot loses more than it must."""
+    budget = max(budget, 0)
+    total = sum(lengths.values())
+    while total > budget:
+        rid = max(lengths, key=lengths.__getitem__)
+        lengths[rid] -= 1
+        total -= 1
+
+
 def _bump(counts: list[int], i: int) -> None:
     while len(counts) <= i:
         counts.append(0)
@@ -68,6 +80,9 @@ class Speculator:
         proposer drafts beside."""
         self.config = config
         self.proposer = proposer if proposer is not None else make_proposer(config, model, runner)
+        # a step's rows stay within what the runner verifies fastest (TritonRunner: its chunk
+        # graphs' scored rows; None: no such limit)
+        self.max_step_rows = getattr(runner, "graphed_verify_rows", None)
         self.guard = YieldGuard(config.k, enabled=config.guard)
         self.cost = StepCost()
         self.draft_cost = DraftCost()
@@ -104,9 +119,12 @@ class Speculator:
         """Request id -> its draft for this step, for the decoding requests `contexts` (request
         id -> prompt and output so far); requests without one decode plainly."""
         cost = self.row_cost(len(contexts))
+        lengths = {rid: self.guard.length(rid, cost) for rid in contexts}
+        if self.max_step_rows is not None:
+            _fit(lengths, self.max_step_rows - len(contexts))
         asks = {}
         for rid, ctx in contexts.items():
-            k = self.guard.length(rid, cost)
+            k = lengths[rid]
             if k == 0:
                 self.stats[rid].guard_skips += 1
             else:
