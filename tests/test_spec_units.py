@@ -390,15 +390,23 @@ def test_guard_always_rejected_stops_then_decay_brings_it_back():
     assert guard.length("r", c) >= 1
 
 
-def test_guard_probes_a_skipped_slot_once_every_probe_every_steps():
-    guard = YieldGuard(4, probe_every=5, decay=1.0)  # no decay: only the probe brings it back
+def test_guard_probes_a_skipped_slot_with_a_doubling_gap():
+    guard = YieldGuard(4, probe_every=5, probe_max=20, decay=1.0)  # no decay: only the probe brings it back
     for _ in range(50):
         guard.observe("r", 4, 0)
-    ks = [guard.length("r", 0.1) for _ in range(15)]
-    assert ks == [0, 0, 0, 0, 1] * 3
+    ks = [guard.length("r", 0.1) for _ in range(75)]
+    # probes after 5, then 10, then 20 steps at k = 0, and every 20 from there (probe_max)
+    assert [i + 1 for i, k in enumerate(ks) if k] == [5, 15, 35, 55, 75] and set(ks) == {0, 1}
     # a slot that drafts on its own merit is never counted towards a probe
     guard.observe("good", 4, 4)
     assert all(guard.length("good", 0.1) >= 2 for _ in range(20))
+    # once a slot drafts again, its gap is back to probe_every
+    for _ in range(200):
+        guard.observe("r", 4, 4)
+    assert guard.length("r", 0.1) >= 2
+    for _ in range(5000):
+        guard.observe("r", 4, 0)
+    assert [i + 1 for i, k in enumerate(guard.length("r", 0.1) for _ in range(15)) if k] == [5, 15]
 
 
 def test_guard_longer_rows_never_draft_longer():

@@ -3,8 +3,9 @@
 Each slot's acceptance is a per-token rate alpha (a draft token is kept with probability alpha,
 given the one before it was): counts of kept and rejected draft tokens, decayed every step
 towards a prior of 2 kept to 1 rejected. A slot the guard kept at k = 0 for `probe_every`
-steps in a row drafts one token once (a probe, one verify row), so a proposer that starts to
-pay, or a cost estimate that was too high, is found again (without it a slot whose first
+steps in a row drafts one token once (a probe, one verify row; each probe that changes nothing
+doubles the wait for the next, up to `probe_max`), so a proposer that starts to pay, or a cost
+estimate that was too high, is found again (without it a slot whose first
 drafts missed, or that began where rows were dear, would never draft again). A draft of k then emits on average E(k) = (1 - alpha^(k+1)) / (1 - alpha)
 tokens for the step's cost of 1 + c k, where c is one verify row's cost beside the slot's share
 of a decode step. The guard picks the k with the most tokens per cost; k = 0 is plain decoding,
@@ -102,6 +103,7 @@ class _Slot:
     kept: float = PRIOR_KEPT
     rejected: float = PRIOR_REJECTED
     skipped: int = 0  # steps in a row the guard chose k = 0
+    gap: int = 0  # steps at k = 0 before the next probe (0: not yet set)
 
     @property
     def alpha(self) -> float:
@@ -110,12 +112,16 @@ class _Slot:
 
 class YieldGuard:
     def __init__(self, k_max: int, *, enabled: bool = True, decay: float = 0.95, margin: float = 0.05,
-                 probe_every: int = 16):
+                 probe_every: int = 16, probe_max: int = 256):
         self.k_max = k_max
         self.enabled = enabled
         self.decay = decay
         self.margin = margin
         self.probe_every = probe_every
+        # each probe that leaves the slot at k = 0 doubles the wait for the next, up to
+        # probe_max: a proposer that never pays costs a probe every probe_max steps, not every
+        # probe_every (H200 run 81: a self-draft's probes alone cost C1 18%)
+        self.probe_max = max(probe_max, probe_every)
         self._slots: dict[Hashable, _Slot] = {}
 
     def length(self, rid: Hashable, row_cost: float) -> int:
@@ -131,11 +137,14 @@ class YieldGuard:
                 best_k, best = k, gain
         if best_k == 0:
             slot.skipped += 1
-            if slot.skipped >= self.probe_every:
+            slot.gap = slot.gap or self.probe_every
+            if slot.skipped >= slot.gap:
                 slot.skipped = 0
+                slot.gap = min(2 * slot.gap, self.probe_max)
                 return 1  # the probe
         else:
             slot.skipped = 0
+            slot.gap = self.probe_every
         return best_k
 
     def observe(self, rid: Hashable, drafted: int, kept: int) -> None:
