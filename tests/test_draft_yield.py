@@ -110,3 +110,16 @@ def test_draft_yield_notebook_headless(tiny_gguf, tmp_path, capsys):
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "flagged row(s)" in text and "every row's tokens are bitwise the AR run's" in text
+
+
+def test_timed_passes_report_the_median_pass_and_check_every_pass(tiny_model):
+    """Three timed passes per engine: the row is one of them (its goodput the median), and its
+    tokens were checked against the plain run in each."""
+    m = tiny_model()
+    rows = draft_yield.measure_draft_yield(m, workloads=["code-edit"], proposers=["ngram", "self:1"], ks=[2],
+                                           concurrency=[2], guards=["off"], max_tokens=6, timed_passes=3,
+                                           progress=False)
+    assert rows.height == 2 and rows["tokens_identical"].all() and rows["activation_ok"].all()
+    assert rows["timed_passes"].to_list() == [3, 3]
+    assert rows["graph_captures"].to_list() == [0, 0]  # (the torch runner has no graphs)
+    assert rows.filter(pl.col("proposer") == "self:1")["verify_steps"][0] > 0
