@@ -18,6 +18,8 @@ _EXPORTS = {
     "Model": ("workbench.model", "Model"),
     "Engine": ("workbench.engine", "Engine"),
     "EngineConfig": ("workbench.engine_config", "EngineConfig"),
+    "QSAConfig": ("workbench.qsa", "QSAConfig"),
+    "SpecConfig": ("workbench.spec.config", "SpecConfig"),
     "GenerationResult": ("workbench.engine", "GenerationResult"),
     "SamplingParams": ("workbench.sampling", "SamplingParams"),
     "WorkbenchError": ("workbench.errors", "WorkbenchError"),

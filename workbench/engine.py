@@ -195,7 +195,7 @@ class Engine:
 
             self.runner = TritonRunner(model, config.max_context or model.config.context_length, config.triton)
         else:
-            self.runner = TorchRunner(model, config.max_context or model.config.context_length)
+            self.runner = TorchRunner(model, config.max_context or model.config.context_length, qsa=config.qsa)
         budget = config.memory_budget_bytes or self._machine_budget()
         self.scheduler = Scheduler(config, self.runner, budget_bytes=budget)
         if self.scheduler.paged:
@@ -519,6 +519,9 @@ class Engine:
             "accepted_tokens": None if self.speculator is None else num_kept,
             "row_cost": None if self.speculator is None else self.speculator.row_cost(
                 sum(len(g.slot_ids) for g in plan.decode_groups)),
+            # QSA (None when off): row-layers that attended sparsely past the boundary and densely
+            # below it, and the blocks those sparse rows scored and kept (summed over KV heads)
+            **_qsa_columns(self.runner.read_qsa_stats() if self.config.qsa is not None else None),
         })
         if self.speculator is not None and plan.num_decode_rows and not plan.num_prefill_rows:
             self.speculator.record_step(plan.num_decode_rows, 1e3 * (t1 - t0))
@@ -527,3 +530,9 @@ class Engine:
     @property
     def peak_memory_bytes(self) -> int:
         return self.telemetry.peak_rss_bytes
+
+
+def _qsa_columns(stats: dict[str, int] | None) -> dict[str, int | None]:
+    from .sparse_attention import STAT_KEYS
+
+    return {f"qsa_{k}": None if stats is None else stats[k] for k in STAT_KEYS}

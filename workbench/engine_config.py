@@ -13,10 +13,11 @@ from typing import Any, Mapping
 from .compression import CompressionOptions, check_ratio
 from .errors import ConfigError
 from .planner import POLICIES
+from .qsa import QSAConfig
 from .runners.triton_options import HEAD_MATMULS, TritonOptions
 from .spec.config import SpecConfig
 
-__all__ = ["ConfigError", "EngineConfig", "HEAD_MATMULS", "SpecConfig", "TritonOptions"]
+__all__ = ["ConfigError", "EngineConfig", "HEAD_MATMULS", "QSAConfig", "SpecConfig", "TritonOptions"]
 
 
 MAX_CONCURRENCY = 64
@@ -72,6 +73,9 @@ class EngineConfig:
     compression: CompressionOptions = CompressionOptions()
     # speculative decoding (workbench/spec): None = off; a SpecConfig (proposer, k, verify, guard)
     speculation: SpecConfig | None = None
+    # QSA sparse attention (workbench/qsa.py): None = dense; a QSAConfig (block, top_k, layers,
+    # sink and local blocks, summary); rows past its boundary attend to their selected blocks
+    qsa: QSAConfig | None = None
 
     def __post_init__(self):
         _int_in_range("max_concurrency", self.max_concurrency, 1, MAX_CONCURRENCY)
@@ -116,6 +120,11 @@ class EngineConfig:
         if self.speculation is not None and not isinstance(self.speculation, SpecConfig):
             raise ConfigError(f"speculation={self.speculation!r} is not allowed: allowed None or a SpecConfig "
                               f"(workbench.spec)")
+        if self.qsa is not None and not isinstance(self.qsa, QSAConfig):
+            raise ConfigError(f"qsa={self.qsa!r} is not allowed: allowed None or a QSAConfig (workbench.qsa)")
+        if self.qsa is not None and self.backend != "torch":
+            raise ConfigError(f"qsa runs on backend='torch' only so far (the Triton sparse kernels are issue 22's "
+                              f"next slice): allowed qsa=None with backend={self.backend!r}")
         if self.prompt_compression == "off" and self.compression != CompressionOptions():
             raise ConfigError("compression options are prompt compression's: allowed with prompt_compression "
                               "'auto' or a ratio only (prompt_compression='off')")
@@ -136,6 +145,8 @@ class EngineConfig:
             d["compression"] = CompressionOptions.from_dict(d["compression"])
         if isinstance(d.get("speculation"), Mapping):
             d["speculation"] = SpecConfig.from_dict(d["speculation"])
+        if isinstance(d.get("qsa"), Mapping):
+            d["qsa"] = QSAConfig.from_dict(d["qsa"])
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
@@ -143,6 +154,7 @@ class EngineConfig:
         d["triton"] = self.triton.to_dict()
         d["compression"] = self.compression.to_dict()
         d["speculation"] = None if self.speculation is None else self.speculation.to_dict()
+        d["qsa"] = None if self.qsa is None else self.qsa.to_dict()
         return d
 
 

@@ -40,7 +40,9 @@ class KVPages:
     object only holds the tensors. New pages are uninitialised: attention never lets an unwritten
     position into a sum (attention.py), and `poison` lets a test make sure of it."""
 
-    def __init__(self, layout, num_pages: dict[str, int], n_kv_heads: int, head_dim: int):
+    def __init__(self, layout, num_pages: dict[str, int], n_kv_heads: int, head_dim: int, qsa=None):
+        """qsa: a `QSAIndex`'s (config, layers) to keep beside the pages (sparse_attention.py),
+        or None."""
         if layout.page_size != KV_BLOCK:
             raise WorkbenchError(f"page_size={layout.page_size} is not allowed here: the torch path's pages are "
                                  f"its attention blocks of {KV_BLOCK} positions")
@@ -51,10 +53,16 @@ class KVPages:
                   for g in layout.groups}
         # layer -> (its group, its index within the group's layers)
         self.where = {li: (g.name, j) for g in layout.groups for j, li in enumerate(g.layers)}
+        self.index = None  # the QSA indexer's block summaries, page by page (sparse_attention.py)
+        if qsa is not None:
+            from .sparse_attention import QSAIndex
+
+            self.index = QSAIndex(qsa[0], qsa[1], layout, num_pages, n_kv_heads, head_dim)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())
+        own = sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())
+        return own + (self.index.nbytes if self.index is not None else 0)
 
     def num_pages(self, group: str) -> int:
         return self.k[group].shape[0]
@@ -66,12 +74,16 @@ class KVPages:
             n = c.num_positions
             self.k[c.group][c.dst, ..., :n] = self.k[c.group][c.src, ..., :n]
             self.v[c.group][c.dst, :, :, :n] = self.v[c.group][c.src, :, :, :n]
+            if self.index is not None:
+                self.index.copy(c.group, c.src, c.dst, n)
 
     def poison(self, group: str, pages, value: float = float("nan")) -> None:
         """Fill pages with `value` (tests: a stale page must never reach an output)."""
         idx = torch.as_tensor(list(pages), dtype=torch.int64)
         self.k[group][idx] = value
         self.v[group][idx] = value
+        if self.index is not None:
+            self.index.poison(group, idx, value)
 
 
 @dataclass
@@ -173,20 +185,23 @@ class Model:
 
         return StateLayout.from_model_config(self.config, kv_bytes_per_elem=4, page_size=KV_BLOCK)
 
-    def new_pages(self, num_pages: dict[str, int]) -> KVPages:
+    def new_pages(self, num_pages: dict[str, int], qsa=None) -> KVPages:
+        """Page pools per KV group; qsa: a QSAConfig (workbench/qsa.py) whose indexer the pages
+        carry, its layers resolved for this model, or None (dense attention)."""
         c = self.config
-        return KVPages(self.state_layout, num_pages, c.n_kv_heads, c.head_dim)
+        return KVPages(self.state_layout, num_pages, c.n_kv_heads, c.head_dim,
+                       None if qsa is None else (qsa, qsa.resolve_layers(c)))
 
-    def new_state(self, capacity: int | None = None) -> KVState:
+    def new_state(self, capacity: int | None = None, qsa=None) -> KVState:
         """A sequence in a private pool of its own: pages 0..n-1 in order (a contiguous cache
-        is the identity block table), for `logits()` and tests."""
+        is the identity block table), for `logits()` and tests; qsa as new_pages."""
         nb = round_up_capacity(capacity or self.config.context_length) // KV_BLOCK
-        pages = self.new_pages({name: nb for name in self.state_layout.group_names})
+        pages = self.new_pages({name: nb for name in self.state_layout.group_names}, qsa)
         return KVState(pages, {name: torch.arange(nb) for name in pages.k})
 
     @torch.inference_mode()
-    def logits(self, ids: Sequence[int], chunk: int = 512) -> torch.Tensor:
-        """Teacher-forced float32 logits [len(ids), vocab]."""
+    def logits(self, ids: Sequence[int], chunk: int = 512, qsa=None) -> torch.Tensor:
+        """Teacher-forced float32 logits [len(ids), vocab]; qsa: a QSAConfig, or None (dense)."""
         ids = list(ids)
         if not ids:
             raise WorkbenchError("logits() needs at least one token id")
@@ -194,7 +209,7 @@ class Model:
             raise WorkbenchError(
                 f"{len(ids)} tokens do not fit the context of {self.config.context_length} tokens"
             )
-        state = self.new_state(len(ids))
+        state = self.new_state(len(ids), qsa)
         rows = []
         for s in range(0, len(ids), chunk):
             rows.append(self.forward([Segment(state, ids[s : s + chunk], "all")])[0])
@@ -283,6 +298,12 @@ class Model:
                 group, j = seg.state.pages.where[li]
                 kc, vc = seg.state.pages.k[group][:, j], seg.state.pages.v[group][:, j]
                 write_rows(kc, vc, start, k[r0 : r0 + n], v[r0 : r0 + n], rows_at[si][group])
+                index = seg.state.pages.index
+                if index is not None and li in index.where:  # QSA: sparse past the boundary
+                    index.update(li, kc, seg.state.tables[group], start, n)
+                    attn[r0 : r0 + n] = index.attend(li, q[r0 : r0 + n], kc, vc, positions[r0 : r0 + n], c.attn_scale,
+                                                     seg.state.tables[group], tiles[window][si])
+                    continue
                 attn[r0 : r0 + n] = attend(
                     q[r0 : r0 + n], kc, vc, positions[r0 : r0 + n], window, c.attn_scale, tiles[window][si],
                     seg.state.tables[group],

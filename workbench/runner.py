@@ -25,8 +25,11 @@ class TorchRunner:
     supports_fused_step = True
     paged = True
 
-    def __init__(self, model: Model, slot_capacity: int):
+    def __init__(self, model: Model, slot_capacity: int, qsa=None):
+        """qsa: a QSAConfig (workbench/qsa.py): the pages carry its indexer and rows past its
+        boundary attend sparsely; None: dense."""
         self.model = model
+        self.qsa = qsa
         self.slot_capacity = slot_capacity
         c = model.config
         elem = torch.finfo(model.dtype).bits // 8
@@ -42,6 +45,14 @@ class TorchRunner:
         self.bytes_per_prefill_row = int(per_row)
         self._kv_per_token = c.kv_bytes_per_token(4)
         self.state_layout = model.state_layout  # float32 KV, 256-position pages
+        if qsa is not None:  # the indexer's summaries are a payload of every page of their group
+            from dataclasses import replace
+
+            from .sparse_attention import payload_specs
+
+            self.qsa_layers = qsa.resolve_layers(c)
+            self.state_layout = replace(self.state_layout,
+                                        page_payloads=payload_specs(qsa, self.qsa_layers, self.state_layout, c))
         # the prefix cache's hashes start from the weights' identity and the KV dtype
         self.kv_cache_key = cache_key(model.source.index.sha256, "float32")
         self.pages = None
@@ -61,11 +72,11 @@ class TorchRunner:
     # -- state -----------------------------------------------------------------------------
     def init_kv_pool(self, num_pages: dict[str, int]) -> None:
         """Allocate the pages: `num_pages` per KV group (the scheduler's `kv_pool_pages`)."""
-        self.pages = self.model.new_pages(num_pages)
+        self.pages = self.model.new_pages(num_pages, self.qsa)
 
     def init_host_store(self, num_pages: dict[str, int]) -> None:
         """Allocate the host store (`kv_host_pages`); on the CPU it is a second pool in memory."""
-        self.host = self.model.new_pages(num_pages)
+        self.host = self.model.new_pages(num_pages, self.qsa)
 
     def move_pages(self, moves) -> None:
         """Run a step's `PageMove`s in order: whole pages (every layer, K and V), bit copies."""
@@ -75,12 +86,18 @@ class TorchRunner:
             i, j = (m.device, m.host) if m.to_host else (m.host, m.device)
             dst.k[m.group][j] = src.k[m.group][i]
             dst.v[m.group][j] = src.v[m.group][i]
+            if src.index is not None:  # the page's indexer summaries travel with it
+                src.index.move(dst.index, m.group, i, j)
         self._transfer_s += time.perf_counter() - t0
 
     def read_transfer_s(self) -> float:
         """Seconds spent moving pages since the previous read."""
         out, self._transfer_s = self._transfer_s, 0.0
         return out
+
+    def read_qsa_stats(self) -> dict[str, int] | None:
+        """QSA's counters since the previous read (sparse_attention.STAT_KEYS); None when off."""
+        return None if self.pages is None or self.pages.index is None else self.pages.index.read_stats()
 
     def reset(self, slot: int) -> None:
         """Nothing per slot to drop: a finished sequence's pages go back to the allocator."""
