@@ -339,9 +339,50 @@ def _draft_yield() -> Ablation:
     )
 
 
+def _qsa_boundary() -> Ablation:
+    from workbench.engine_config import MAX_CONCURRENCY
+    from workbench.qsa import MAX_KEPT, MAX_TOP_K, QSAConfig, SUMMARIES
+
+    default = QSAConfig()
+    return Ablation(
+        name="qsa-boundary",
+        notebook="qsa_boundary.ipynb",
+        description="QSA sparse attention against dense on each side of its boundary: KL, top-1 agreement, "
+        "needle retrieval and where outputs diverge, decode throughput per concurrency; checks bitwise "
+        "dense below the boundary and batched equal to solo above it",
+        params=(
+            Param("model", "path", None, "GGUF file (None: the embedded Gemma 3 270M)", optional=True),
+            Param("context_lens", "int_list", [1024, 2048, 4096, 8192, 16384, 32512],
+                  "prompt tokens (a row's context_len; the real model's context is 32,768)", lo=16),
+            Param("top_ks", "int_list", [default.top_k], "blocks each row keeps by score (QSAConfig.top_k; a row's "
+                  "top_k)", lo=1, hi=MAX_TOP_K),
+            Param("blocks", "int_list", [default.block], "positions per indexer block (QSAConfig.block, a divisor "
+                  "of 256; a row's block)", lo=1, hi=256),
+            Param("sink_blocks", "int", default.sink_blocks, "first blocks always kept (QSAConfig.sink_blocks)",
+                  lo=0, hi=MAX_KEPT),
+            Param("local_blocks", "int", default.local_blocks, "last blocks always kept, the row's own among them "
+                  "(QSAConfig.local_blocks)", lo=1, hi=MAX_KEPT),
+            Param("summary", "word", default.summary, "block summary: 'mean' (MoBA) or 'minmax' (Quest)",
+                  words=SUMMARIES),
+            Param("concurrencies", "int_list", [1, 4, 16], "requests submitted together in the speed runs (a "
+                  "row's concurrency)", lo=1, hi=MAX_CONCURRENCY),
+            Param("depths_pct", "int_list", [10, 50, 90], "where the needle stands in the prompt, in percent",
+                  lo=0, hi=100),
+            Param("gen_tokens", "int", 16, "tokens each request generates", lo=1, hi=65536),
+            Param("backend", "word", "torch", "the engine's backend (QSA runs on 'torch' so far)",
+                  words=("torch", "triton")),
+            Param("seed", "int", 0, "seeds the prompts", lo=0, hi=2**63 - 1),
+        ),
+        # Quick: the embedded model on a CPU; boundaries of 72 and 200 positions, so that the
+        # 128-token prompts are past one and below the other (a dense-equality row, flagged)
+        quick={"context_lens": [128, 320], "top_ks": [16, 48], "blocks": [4], "concurrencies": [1, 2],
+               "depths_pct": [25, 75], "gen_tokens": 10},
+    )
+
+
 def registry() -> dict[str, Ablation]:
     """Every ablation, by name."""
-    return {a.name: a for a in (_chunk_sizing(), _paging_cliff(), _draft_yield())}
+    return {a.name: a for a in (_chunk_sizing(), _paging_cliff(), _draft_yield(), _qsa_boundary())}
 
 
 def get(name: str) -> Ablation:
