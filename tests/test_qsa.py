@@ -241,3 +241,26 @@ def test_qsa_is_refused_where_it_cannot_run(tiny_model, gemma):
         _engine(gemma, 1, QSAConfig(layers=(2,)))
     cfg = workbench.EngineConfig(qsa=QSAConfig(layers=(5,), summary="minmax"))
     assert workbench.EngineConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_the_cli_form_parses_and_refuses_in_one_line():
+    assert QSAConfig.parse("on") == QSAConfig()
+    cfg = QSAConfig.parse("top_k=256,block=8,summary=minmax,layers=5+11")
+    assert cfg == QSAConfig(top_k=256, block=8, summary="minmax", layers=(5, 11))
+    assert cfg.text() == "top_k=256,block=8,layers=5+11,summary=minmax"
+    assert QSAConfig.parse(QSAConfig(sink_blocks=2).text()) == QSAConfig(sink_blocks=2)
+    for text, message in [("k=4", "qsa option 'k=4' is not allowed: allowed 'on' or NAME=VALUE with NAME one of "
+                                   "block, top_k, layers, sink_blocks, local_blocks, summary"),
+                          ("top_k=many", "qsa top_k='many' is not an integer: allowed an integer")]:
+        with pytest.raises(ConfigError) as err:
+            QSAConfig.parse(text)
+        assert str(err.value) == message
+
+
+def test_bench_flags_a_qsa_run_that_never_went_sparse():
+    from workbench.bench import activation_flag
+
+    flag = activation_flag({"qsa_sparse_rows": 0}, prefix_cache=True, shared_prefix_len=0, qsa_boundary=2056)
+    assert flag == ("QSA asked, but no row attended sparsely (every context stayed within its boundary of 2056 "
+                    "positions: raise --prompt-len or lower top_k)")
+    assert activation_flag({"qsa_sparse_rows": 9}, prefix_cache=True, shared_prefix_len=0, qsa_boundary=2056) is None

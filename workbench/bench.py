@@ -61,8 +61,8 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
             backend: str = "torch", head_matmul: str | None = None, triton=None, kv_resident_tokens: int | None = None,
             prefix_cache: bool = True, shared_prefix_len: int = 0, prompt_compression: str | float = "off",
             kv_host_tokens: int | None = None, preemption: str = "swap", residency_quantum: int = 32,
-            speculation=None):
-    """One measurement. ``speculation``: EngineConfig's (a SpecConfig, None: off). ``triton``: the triton backend's ``TritonOptions`` (None: the defaults).
+            speculation=None, qsa=None):
+    """One measurement. ``qsa``: EngineConfig's (a QSAConfig, None: dense). ``speculation``: EngineConfig's (a SpecConfig, None: off). ``triton``: the triton backend's ``TritonOptions`` (None: the defaults).
     ``kv_resident_tokens`` / ``prefix_cache``: the paged runners' pool and prefix cache (EngineConfig);
     ``shared_prefix_len``: every prompt starts with the same that many tokens;
     ``prompt_compression``: EngineConfig's ("off", "auto" or a kept ratio); ``kv_host_tokens``,
@@ -74,7 +74,8 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
                        backend=backend, head_matmul=head_matmul, triton=triton or TritonOptions(),
                        kv_resident_tokens=kv_resident_tokens, prefix_cache=prefix_cache,
                        prompt_compression=prompt_compression, kv_host_tokens=kv_host_tokens,
-                       preemption=preemption, residency_quantum=residency_quantum, speculation=speculation)
+                       preemption=preemption, residency_quantum=residency_quantum, speculation=speculation,
+                       qsa=qsa)
     engine = Engine(model, cfg)
     prompts = bench_prompts(model, concurrency + 1, prompt_len, shared_prefix_len)
     prime, prompts = prompts[-1], prompts[:-1]
@@ -167,6 +168,9 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
         # a draft model's forwards and their wall time (self / draft proposers; None otherwise)
         "draft_forwards": draft.forwards - draft0[0] if draft is not None else None,
         "draft_ms": 1e3 * (draft.seconds - draft0[1]) if draft is not None else None,
+        # QSA (None when off): row-layers that attended sparsely past the boundary, blocks they kept
+        "qsa_sparse_rows": int(steps["qsa_sparse_rows"].sum()) if qsa is not None else None,
+        "qsa_blocks_kept": int(steps["qsa_blocks_kept"].sum()) if qsa is not None else None,
         "weight_bytes": engine.runner.step_weight_bytes,  # read per decode step: the floor's bytes
         "resident_weight_bytes": engine.runner.fixed_bytes,
     }, [r.token_ids for r in results]
@@ -177,7 +181,7 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
               triton=None, kv_resident_tokens: int | None = None, prefix_cache: bool = True,
               shared_prefix_len: int = 0, prompt_compression: str | float = "off",
               kv_host_tokens: int | None = None, preemption: str = "swap", residency_quantum: int = 32,
-              speculation=None, progress=print) -> tuple[object, list[dict]]:
+              speculation=None, qsa=None, progress=print) -> tuple[object, list[dict]]:
     """``triton``: the triton backend's ``TritonOptions`` for every engine of the run (None: the
     defaults); the run's params record the options that differ from them (``triton_options``).
     ``prompt_compression``: EngineConfig's, for every engine of the run."""
@@ -189,11 +193,12 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
     config = EngineConfig(backend=backend, head_matmul=head_matmul, triton=triton or TritonOptions(),
                           kv_resident_tokens=kv_resident_tokens, prefix_cache=prefix_cache,
                           prompt_compression=prompt_compression, kv_host_tokens=kv_host_tokens,
-                          preemption=preemption, residency_quantum=residency_quantum, speculation=speculation)
+                          preemption=preemption, residency_quantum=residency_quantum, speculation=speculation,
+                          qsa=qsa)
     # (head_matmul included in triton: EngineConfig keeps the two in step; the ratio as a float)
     opts = dict(triton=config.triton, kv_resident_tokens=kv_resident_tokens, prefix_cache=prefix_cache,
                 prompt_compression=config.prompt_compression, kv_host_tokens=kv_host_tokens,
-                preemption=preemption, residency_quantum=residency_quantum, speculation=speculation)
+                preemption=preemption, residency_quantum=residency_quantum, speculation=speculation, qsa=qsa)
     compression = compression_text(config.prompt_compression)
     # the one check of the shared prefix's range (bench_prompts relies on it): here, before the
     # bandwidth probe, the warm-up and the run store, for the CLI and callers alike
@@ -230,6 +235,7 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
         "preemption": preemption,
         "residency_quantum": residency_quantum,
         "speculation": spec_text(speculation),
+        "qsa": "off" if qsa is None else qsa.text(),
     }
     from .cli import format_duration
 
@@ -271,7 +277,8 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
                 row["flag"] = activation_flag(row, prefix_cache=prefix_cache, shared_prefix_len=shared_prefix_len,
                                               prompt_compression=config.prompt_compression,
                                               host_backing=kv_host_tokens is not None,
-                                              speculation=speculation is not None)
+                                              speculation=speculation is not None,
+                                              qsa_boundary=None if qsa is None else qsa.dense_positions)
                 rows.append(row)
                 if row["flag"]:
                     progress(f"bench: FLAGGED: {row['flag']}")
@@ -292,7 +299,7 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
 
 def activation_flag(row: dict, *, prefix_cache: bool, shared_prefix_len: int,
                     prompt_compression: str | float = "off", host_backing: bool = False,
-                    speculation: bool = False) -> str | None:
+                    speculation: bool = False, qsa_boundary: int | None = None) -> str | None:
     """Why a measurement that asked for a feature shows none of it (None when each asked-for
     feature ran; each feature's reason, joined by "; ", when several did not): a shared prefix
     with the cache on must show prefix-hit tokens, on a paged runner; prompt compression must
@@ -319,6 +326,9 @@ def activation_flag(row: dict, *, prefix_cache: bool, shared_prefix_len: int,
     if speculation and row.get("draft_forwards") == 0:
         why.append("a draft model asked, but it ran no forward (the guard kept every slot at k=0, or its KV "
                    "pool had no room: raise SpecConfig.draft_kv_tokens)")
+    if qsa_boundary is not None and not row.get("qsa_sparse_rows"):
+        why.append(f"QSA asked, but no row attended sparsely (every context stayed within its boundary of "
+                   f"{qsa_boundary} positions: raise --prompt-len or lower top_k)")
     return "; ".join(why) or None
 
 
@@ -391,7 +401,7 @@ def _cmd_bench(args) -> int:
                           kv_resident_tokens=args.kv_resident_tokens, prefix_cache=args.prefix_cache,
                           shared_prefix_len=args.shared_prefix_len, prompt_compression=args.prompt_compression,
                           kv_host_tokens=args.kv_host_tokens, preemption=args.preemption,
-                          residency_quantum=args.residency_quantum, speculation=args.speculation,
+                          residency_quantum=args.residency_quantum, speculation=args.speculation, qsa=args.qsa,
                           progress=progress if args.progress else lambda line: None)
     print(format_table(rows))
     if args.shared_prefix_len:
@@ -416,6 +426,11 @@ def _cmd_bench(args) -> int:
             print(f"speculation {spec_text(args.speculation)}, concurrency {r['concurrency']}: {r['spec_verify_steps']} "
                   f"verify steps, {r['spec_accepted']} of {r['spec_drafted']} draft tokens kept, "
                   f"{r['draft_yield']:.2f} tokens per verify" + (f" -- FLAGGED: {r['flag']}" if r["flag"] else ""))
+    if args.qsa is not None:
+        for r in rows:
+            print(f"qsa {args.qsa.text()} (boundary {args.qsa.dense_positions}), concurrency {r['concurrency']}: "
+                  f"{r['qsa_sparse_rows']} sparse row-layers, {r['qsa_blocks_kept']} blocks kept"
+                  + (f" -- FLAGGED: {r['flag']}" if r["flag"] else ""))
     print(f"results: {run.path}")
     return 0
 
@@ -448,6 +463,19 @@ def _prompt_compression(text: str) -> str | float:
         return check_ratio(value)
     except ConfigError:
         raise argparse.ArgumentTypeError(f"{text} is out of range: {allowed}") from None
+
+
+def _qsa(text: str):
+    """--qsa's type: ``QSAConfig.parse``, its one-line error as argparse's."""
+    import argparse
+
+    from .errors import ConfigError
+    from .qsa import QSAConfig
+
+    try:
+        return QSAConfig.parse(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _spec_proposer(text: str) -> dict:
@@ -530,5 +558,8 @@ def register_cli(sub) -> None:
                    help="--spec: a token-tree node budget per step (not built yet: refused)")
     p.add_argument("--no-spec-guard", dest="spec_guard", action="store_false",
                    help="--spec: every slot drafts what its proposer offers, up to K (default: the yield guard)")
+    p.add_argument("--qsa", type=_qsa, default=None, metavar="on|NAME=VALUE,...",
+                   help="QSA sparse attention (workbench/qsa.py; torch backend): 'on' (top 512 blocks of 4, one "
+                        "sink and one local block) or options, e.g. 'top_k=256,block=8,summary=minmax' (default: off)")
     add_model_args(p)
     p.set_defaults(func=_cmd_bench)

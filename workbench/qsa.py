@@ -100,6 +100,36 @@ class QSAConfig:
         return tuple(sorted(self.layers))
 
     @classmethod
+    def parse(cls, text: str) -> "QSAConfig":
+        """The CLI's form: "on" (the defaults) or NAME=VALUE pairs, comma-separated, e.g.
+        "top_k=512,block=4,summary=minmax"; layers as "global" or indices joined by "+" ("5+11")."""
+        if text.strip() == "on":
+            return cls()
+        names = [f.name for f in fields(cls)]
+        kw: dict[str, Any] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, eq, value = part.partition("=")
+            if not eq or name not in names:
+                raise ConfigError(f"qsa option {part!r} is not allowed: allowed 'on' or NAME=VALUE with NAME one of "
+                                  f"{', '.join(names)}")
+            if name in ("summary",) or (name == "layers" and value == "global"):
+                kw[name] = value
+            else:
+                try:
+                    kw[name] = tuple(int(v) for v in value.split("+")) if name == "layers" else int(value)
+                except ValueError:
+                    raise ConfigError(f"qsa {name}={value!r} is not an integer: allowed an integer"
+                                      + (" list joined by '+', or 'global'" if name == "layers" else "")) from None
+        return cls(**kw)
+
+    def text(self) -> str:
+        """A short form for run parameters and tables ("top_k=512,block=4" and what differs)."""
+        d = self.to_dict()
+        base = QSAConfig().to_dict()
+        keep = ["top_k", "block"] + [k for k in d if k not in ("top_k", "block") and d[k] != base[k]]
+        return ",".join(f"{k}={'+'.join(map(str, d[k])) if isinstance(d[k], list) else d[k]}" for k in keep)
+
+    @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "QSAConfig":
         valid = [f.name for f in fields(cls)]
         unknown = sorted(set(d) - set(valid))
