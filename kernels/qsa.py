@@ -88,11 +88,16 @@ from .pdl import enter, launch_kw
 SUMMARIES = ("mean", "minmax")
 # Blocks per score tile, by padded head dim (about 4K floats of summaries per tile).
 QSA_SCORE_TILE: dict[int, int] = {16: 256, 32: 128, 64: 64, 128: 32, 256: 16, 512: 8}
-QSA_KEY_TILE = 1024  # int32 keys per tile of the threshold search and the compaction
+# The top-k search: a row's scored range of up to QSA_RESIDENT_KEYS blocks is loaded once, as
+# one tile (the next power of two of the scratch's max_blocks), and searched in registers; a
+# longer one is read from the scratch again by each pass, in tiles of QSA_KEY_TILE.
+QSA_RESIDENT_KEYS = 16384
+QSA_KEY_TILE = 8192
+QSA_RADIX_BITS = 2  # bits of the threshold found per pass (32 / 2 = 16 passes)
 QSA_SPLIT = 128  # kept-list entries per attention partial program by default (qsa_attention(split=))
 QSA_SCORE_WARPS = 4
-QSA_TOPK_WARPS = 4
-_INT_MIN: tl.constexpr = -2147483648
+QSA_TOPK_WARPS = 16  # the tiled search's; a resident tile of n keys: n / 1024 warps, 4 to 16
+_INT_MIN = tl.constexpr(-2147483648)
 
 
 # -- 1. block summaries ---------------------------------------------------------------------
@@ -239,28 +244,43 @@ def _order_key(s):
 
 
 @triton.jit
-def _count_keys(base, lo, hi, cand, STRICT: tl.constexpr, TILE: tl.constexpr):
-    """How many of the keys of scores base[lo:hi] are >= cand (STRICT: > cand), tile by tile."""
-    cnt = hi * 0
-    for t in range(lo, hi, TILE):
-        i = t + tl.arange(0, TILE)
-        m = i < hi
-        key = _order_key(tl.load(base + i, mask=m, other=0.0))
-        if STRICT:
-            hit = key > cand
+def _kth_key(base, lo, hi, K, keys, BITS: tl.constexpr, TILE: tl.constexpr, RESIDENT: tl.constexpr):
+    """The K-th largest key of scores base[lo:hi] (K <= hi - lo): the largest T with
+    count(key >= T) >= K, found digit by digit from the top, BITS bits a pass (a pass counts the
+    keys >= each of the digit's 2^BITS candidates; the candidates always fit int32, the digit
+    arithmetic is int64). RESIDENT: keys is the whole range's keys, one tile in registers
+    (lanes outside [lo, hi) INT_MIN... masked below); else each pass reads the scores again,
+    tile by tile."""
+    NC: tl.constexpr = 1 << BITS
+    jc = tl.arange(0, NC).to(tl.int64)
+    one = hi.to(tl.int64) * 0 + 1
+    T = one * _INT_MIN
+    for i in range(32 // BITS):
+        step = one << (32 - BITS * (i + 1))
+        cand = (T + jc * step).to(tl.int32)  # [NC], ascending
+        if RESIDENT:
+            b = lo + tl.arange(0, TILE)
+            cnt = tl.sum(((keys[:, None] >= cand[None, :]) & (b < hi)[:, None]).to(tl.int32), axis=0)
         else:
-            hit = key >= cand
-        cnt += tl.sum((hit & m).to(tl.int32), axis=0)
-    return cnt
+            cnt = tl.zeros([NC], dtype=tl.int32)
+            for t in range(lo, hi, TILE):
+                b = t + tl.arange(0, TILE)
+                m = b < hi
+                key = _order_key(tl.load(base + b, mask=m, other=0.0))
+                cnt += tl.sum(((key[:, None] >= cand[None, :]) & m[:, None]).to(tl.int32), axis=0)
+        T = T + tl.max(tl.where(cnt >= K, jc, 0), axis=0) * step  # (cnt[0] >= K always)
+    return T.to(tl.int32)
 
 
 @triton.jit
 def _qsa_topk_kernel(
     sc_ptr, pos_ptr, sel_ptr, stride_cr, stride_ch, stride_lr, stride_lh,
     B: tl.constexpr, DENSE: tl.constexpr, SINK: tl.constexpr, TOPK: tl.constexpr, LOCAL: tl.constexpr,
-    SINK_P: tl.constexpr, LOCAL_P: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr,
+    SINK_P: tl.constexpr, LOCAL_P: tl.constexpr, TILE: tl.constexpr, BITS: tl.constexpr,
+    RESIDENT: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (r, kvh): row r's kept blocks for KV head kvh, ascending, into sel."""
+    """Program (r, kvh): row r's kept blocks for KV head kvh, ascending, into sel. RESIDENT:
+    the row's scored range fits one TILE, loaded once (else every pass reads the scratch)."""
     enter(PDL)
     r = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -269,20 +289,33 @@ def _qsa_topk_kernel(
         hi = p // B + 1 - LOCAL  # scored blocks [SINK, hi): more than TOPK of them (p >= DENSE)
         base = sc_ptr + r * stride_cr + kvh * stride_ch
         out = sel_ptr + r * stride_lr + kvh * stride_lh
-        # T = the TOPK-th largest key: the largest T with count(key >= T) >= TOPK, bit by bit
+        b0 = SINK + tl.arange(0, TILE)
+        if RESIDENT:
+            keys = _order_key(tl.load(base + b0, mask=b0 < hi, other=0.0))
+        else:
+            keys = b0  # (unused)
+        T = _kth_key(base, SINK, hi, TOPK, keys, BITS, TILE, RESIDENT)
+        # every key > T and the first TOPK - count(> T) keys == T, in block order
         zero = hi * 0
-        T = tl.where(_count_keys(base, SINK, hi, zero, False, TILE) >= TOPK, zero, zero + _INT_MIN)
-        for i in range(31):
-            cand = T + (1 << (30 - i))
-            T = tl.where(_count_keys(base, SINK, hi, cand, False, TILE) >= TOPK, cand, T)
-        need_eq = TOPK - _count_keys(base, SINK, hi, T, True, TILE)  # >= 1
-        # every key > T and the first need_eq keys == T, in block order
+        n_gt = zero
+        for t in range(SINK, hi, TILE):
+            b = t + tl.arange(0, TILE)
+            m = b < hi
+            if RESIDENT:
+                key = keys
+            else:
+                key = _order_key(tl.load(base + b, mask=m, other=0.0))
+            n_gt += tl.sum(((key > T) & m).to(tl.int32), axis=0)
+        need_eq = TOPK - n_gt  # >= 1
         n_out = zero
         n_eq = zero
         for t in range(SINK, hi, TILE):
             b = t + tl.arange(0, TILE)
             m = b < hi
-            key = _order_key(tl.load(base + b, mask=m, other=0.0))
+            if RESIDENT:
+                key = keys
+            else:
+                key = _order_key(tl.load(base + b, mask=m, other=0.0))
             eq = ((key == T) & m).to(tl.int32)
             eq_rank = n_eq + tl.cumsum(eq, axis=0) - eq
             take = (((key > T) & m) | ((eq == 1) & (eq_rank < need_eq))).to(tl.int32)
@@ -362,9 +395,17 @@ def qsa_select(q: torch.Tensor, summ: torch.Tensor, block_table: torch.Tensor | 
     _qsa_topk_kernel[(R, Hkv)](
         scratch, pos, sel, scratch.stride(0), scratch.stride(1), sel.stride(0), sel.stride(1),
         TOPK=top_k, SINK_P=triton.next_power_of_2(max(sink_blocks, 1)),
-        LOCAL_P=triton.next_power_of_2(local_blocks), TILE=QSA_KEY_TILE, num_warps=QSA_TOPK_WARPS, **common,
+        LOCAL_P=triton.next_power_of_2(local_blocks), **_topk_config(max_blocks), **common,
     )
     return sel
+
+
+def _topk_config(max_blocks: int) -> dict:
+    """The top-k kernel's tile, search form and warps: a function of the scratch's max_blocks."""
+    n = triton.next_power_of_2(max_blocks)
+    if n <= QSA_RESIDENT_KEYS:
+        return dict(TILE=n, RESIDENT=True, BITS=QSA_RADIX_BITS, num_warps=max(4, min(16, n // 1024)))
+    return dict(TILE=QSA_KEY_TILE, RESIDENT=False, BITS=QSA_RADIX_BITS, num_warps=QSA_TOPK_WARPS)
 
 
 def qsa_select_ref(q, summ, block_table, seq, pos, block: int, top_k: int, sink_blocks: int, local_blocks: int,
@@ -475,6 +516,8 @@ def qsa_attention_config(q: torch.Tensor, k_cache: torch.Tensor, kept_blocks: in
     qrows = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
     d_p = max(16, triton.next_power_of_2(D))
     block_n, warps = _attention_config(qrows, d_p, k_cache.element_size(), split)
+    if use_dot and block_n < 16:
+        raise ValueError(f"split={split} gives {block_n}-entry key tiles: tl.dot needs 16 or more")
     nsplit = triton.cdiv(kept_blocks * block, split)
     return dict(split=split, num_splits=nsplit, block_n=block_n, qrows=qrows, d_p=d_p, num_warps=warps,
                 use_dot=use_dot, ws_ml=(R, Hkv, nsplit, qrows), ws_acc=(R, Hkv, nsplit, qrows, d_p))

@@ -264,3 +264,68 @@ def test_bench_flags_a_qsa_run_that_never_went_sparse():
     assert flag == ("QSA asked, but no row attended sparsely (every context stayed within its boundary of 2056 "
                     "positions: raise --prompt-len or lower top_k)")
     assert activation_flag({"qsa_sparse_rows": 9}, prefix_cache=True, shared_prefix_len=0, qsa_boundary=2056) is None
+
+
+# -- the Triton runner (the interpreter here, natively on the H200: scripts/gpu_run.sh) ----------------
+
+TINY_QSA = QSAConfig(block=2, top_k=3, sink_blocks=1, local_blocks=1)  # boundary: 10 positions
+
+
+def _triton(m, n, qsa=TINY_QSA, graphs=None, max_context=64, **kw):
+    from workbench.runners.triton_options import TritonOptions
+
+    if graphs is None:
+        graphs = True if torch.cuda.is_available() else "emulate"
+    cfg = workbench.EngineConfig(backend="triton", dtype=m.dtype_name, max_concurrency=n, max_context=max_context,
+                                 memory_budget_bytes=1 << 30, chunk_size=8, qsa=qsa, admission_headroom_tokens=0,
+                                 triton=TritonOptions(graphs=graphs, page_size=64), **kw)
+    e = workbench.Engine(m, cfg, keep_logits=True)
+    e.runner.kv.poison()  # (NaN in every page and summary: a read before a write shows)
+    return e
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_model):
+    """Every layer global, two KV heads: the kernels' head loop and every layer sparse."""
+    return tiny_model("llama", "float32", "Q8_0", n_layers=2, n_embd=64, n_heads=4, n_kv_heads=2, n_ff=128)
+
+
+def test_triton_qsa_is_dense_below_the_boundary_and_solo_above_it(tiny_llama):
+    """Three requests (4 and 7 tokens cross the boundary while decoding, 20 start past it) in
+    graphed steps (chunk and decode graphs, emulated on the CPU): each bitwise its own run alone
+    on eager steps, and bitwise the dense Triton run's rows below the boundary."""
+    m = tiny_llama
+    prompts = [_ids(n, 80 + n, vocab=m.config.vocab_size) for n in (4, 7, 20)]
+    kw = dict(max_tokens=9, ignore_eos=True)
+    e = _triton(m, 3)
+    got = e.generate(prompts, **kw)
+    steps = e.telemetry.steps()
+    assert steps["qsa_sparse_rows"].sum() > 0 and steps["qsa_dense_rows"].sum() > 0
+    dense = _triton(m, 3, qsa=None).generate(prompts, **kw)
+    b = TINY_QSA.dense_positions
+    for p, r, d in zip(prompts, got, dense):
+        solo = _triton(m, 1, graphs=False).generate([p], **kw)[0]
+        assert r.token_ids == solo.token_ids and torch.equal(r.logits, solo.logits)
+        below = max(0, b - len(p) + 1)  # rows sampled at positions < b
+        assert torch.equal(r.logits[:below], d.logits[:below])
+        if below < len(r.logits):
+            assert not torch.equal(r.logits[below:], d.logits[below:])
+    # the same function as the torch path's, to the kernels' rounding
+    ref = _engine(m, 3, TINY_QSA).generate(prompts, **kw)
+    for r, t in zip(got, ref):
+        assert r.token_ids == t.token_ids
+        torch.testing.assert_close(r.logits, t.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_triton_qsa_summaries_travel_with_swapped_pages(tiny_llama):
+    """tests/test_residency.py's menu on a two-page pool: the 62-token request grows into its
+    second page and the newest is paged out, its pages and their summaries to host and back."""
+    m = tiny_llama
+    prompts = [_ids(n, 90 + n, vocab=m.config.vocab_size) for n in (62, 12, 5)]
+    kw = dict(max_tokens=6, ignore_eos=True)
+    e = _triton(m, 3, max_context=256, kv_resident_tokens=2 * 64, kv_host_tokens=8 * 64, residency_quantum=2)
+    got = e.generate(prompts, **kw)
+    assert sum(r.num_swaps for r in got) > 0 and e.telemetry.steps()["qsa_sparse_rows"].sum() > 0
+    for p, r in zip(prompts, got):
+        solo = _triton(m, 1, graphs=False, max_context=256).generate([p], **kw)[0]
+        assert r.token_ids == solo.token_ids and torch.equal(r.logits, solo.logits)

@@ -193,7 +193,8 @@ class Engine:
         if config.backend == "triton":
             from .runners.triton_runner import TritonRunner
 
-            self.runner = TritonRunner(model, config.max_context or model.config.context_length, config.triton)
+            self.runner = TritonRunner(model, config.max_context or model.config.context_length, config.triton,
+                                       qsa=config.qsa)
         else:
             self.runner = TorchRunner(model, config.max_context or model.config.context_length, qsa=config.qsa)
         budget = config.memory_budget_bytes or self._machine_budget()

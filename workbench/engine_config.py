@@ -122,9 +122,6 @@ class EngineConfig:
                               f"(workbench.spec)")
         if self.qsa is not None and not isinstance(self.qsa, QSAConfig):
             raise ConfigError(f"qsa={self.qsa!r} is not allowed: allowed None or a QSAConfig (workbench.qsa)")
-        if self.qsa is not None and self.backend != "torch":
-            raise ConfigError(f"qsa runs on backend='torch' only so far (the Triton sparse kernels are issue 22's "
-                              f"next slice): allowed qsa=None with backend={self.backend!r}")
         if self.prompt_compression == "off" and self.compression != CompressionOptions():
             raise ConfigError("compression options are prompt compression's: allowed with prompt_compression "
                               "'auto' or a ratio only (prompt_compression='off')")

@@ -216,6 +216,6 @@ def payload_specs(config: QSAConfig, layers: tuple[int, ...], layout, model_conf
     for g in layout.groups:
         n = sum(1 for li in g.layers if li in layers)
         if n:
-            out.append(PagePayloadSpec(f"qsa_{g.name}", g.name,
-                                       (n, KV_BLOCK // config.block, s, model_config.n_kv_heads, model_config.head_dim)))
+            out.append(PagePayloadSpec(f"qsa_{g.name}", g.name, (n, layout.page_size // config.block, s,
+                                                                 model_config.n_kv_heads, model_config.head_dim)))
     return tuple(layout.page_payloads) + tuple(out)

@@ -28,7 +28,7 @@ import torch
 
 class DevicePages:
     def __init__(self, layout, num_pages: dict[str, int], n_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, qsa=None, qsa_layers: tuple[int, ...] = ()):
         self.layout, self.dtype, self.device = layout, dtype, device
         self.page_size = P = layout.page_size
         self.groups = layout.group_names
@@ -39,10 +39,29 @@ class DevicePages:
         # layer -> (index of its group in self.groups, its K and V pools)
         self._layers = {li: (gi, self.k[g.name][j], self.v[g.name][j])
                         for gi, g in enumerate(layout.groups) for j, li in enumerate(g.layers)}
+        # QSA: per group holding QSA layers, the indexer's block summaries float32 [its QSA
+        # layers, pages + 1, PAGE // B, S, Hkv, D] at the KV's page ids (kernels/qsa.py's summ,
+        # a layer's view); they move with their pages (copy, host moves)
+        self.qsa = qsa
+        self.summ: dict[str, torch.Tensor] = {}
+        self._summ_layer: dict[int, torch.Tensor] = {}
+        if qsa is not None:
+            s = 1 if qsa.summary == "mean" else 2
+            for g in layout.groups:
+                mine = [li for li in g.layers if li in qsa_layers]
+                if mine:
+                    t = torch.empty((len(mine), self.num_pages[g.name] + 1, P // qsa.block, s, n_kv_heads, head_dim),
+                                    dtype=torch.float32, device=device)
+                    self.summ[g.name] = t
+                    self._summ_layer.update((li, t[j]) for j, li in enumerate(mine))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())
+        return sum(t.numel() * t.element_size() for d in (self.k, self.v, self.summ) for t in d.values())
+
+    def summaries(self, li: int) -> torch.Tensor | None:
+        """Layer li's QSA block summaries [pages + 1, PAGE // B, S, Hkv, D], None if not a QSA layer."""
+        return self._summ_layer.get(li)
 
     def scratch(self, group: str) -> int:
         """The page id graph padding rows write into (one past the allocator's pages)."""
@@ -59,10 +78,13 @@ class DevicePages:
         for c in copies:
             for pool in (self.k[c.group], self.v[c.group]):
                 pool[:, c.dst, : c.num_positions] = pool[:, c.src, : c.num_positions]
+            if c.group in self.summ:  # the summaries of the whole blocks copied
+                nb = c.num_positions // self.qsa.block
+                self.summ[c.group][:, c.dst, :nb] = self.summ[c.group][:, c.src, :nb]
 
     def poison(self) -> None:
         """NaN in every page (tests: outputs must not change)."""
-        for d in (self.k, self.v):
+        for d in (self.k, self.v, self.summ):
             for t in d.values():
                 t.fill_(float("nan"))
 
@@ -75,6 +97,8 @@ class HostPages:
         self.k = {g: torch.empty((int(num_pages[g]), *t[:, 0].shape), dtype=t.dtype, pin_memory=pin)
                   for g, t in pages.k.items()}
         self.v = {g: torch.empty_like(t, pin_memory=pin) for g, t in self.k.items()}
+        self.summ = {g: torch.empty((int(num_pages[g]), *t[:, 0].shape), dtype=t.dtype, pin_memory=pin)
+                     for g, t in pages.summ.items()}  # QSA's summaries, page-major like K and V
         self.stream = torch.cuda.Stream(dev) if pin else None
         self._timed: list[tuple] = []  # (start, end) events of moves not yet read
         # group -> device pages of moves the compute stream has not waited for (CUDA)
@@ -118,7 +142,10 @@ class HostPages:
     def _run(self, dev: DevicePages, runs) -> None:
         for group, to_host, ms in runs:
             idx = torch.tensor([m.device for m in ms], dtype=torch.int64).to(dev.device, non_blocking=True)
-            for pool, store in ((dev.k[group], self.k[group]), (dev.v[group], self.v[group])):
+            pools = [(dev.k[group], self.k[group]), (dev.v[group], self.v[group])]
+            if group in self.summ:
+                pools.append((dev.summ[group], self.summ[group]))
+            for pool, store in pools:
                 if to_host:
                     staged = pool.index_select(1, idx).transpose(0, 1).contiguous()  # [n, layers, ...]
                     for i, m in enumerate(ms):

@@ -21,6 +21,7 @@ from ..kernels import dense_mma as _dense
 from ..kernels import embedding as _embedding
 from ..kernels import qmatmul as _qm
 from ..kernels import qmma as _qmma
+from ..kernels import qsa as _qsa
 from ..kernels import step_fused as _fused
 from ..kernels.norm import rmsnorm
 from ..kernels.rope import rope_inv_freq
@@ -47,7 +48,8 @@ class LayerLoop:
 
     def __init__(self, weights, cfg, device: torch.device, *, mma_prec: str, attn_prec: str | None, use_dot: bool,
                  head_x_dtype: torch.dtype | None, segment: int, products: str, fuse_combine: bool, fuse_glu: bool,
-                 pair_launch: bool, rope_in_attention: bool, argmax_in_head: bool):
+                 pair_launch: bool, rope_in_attention: bool, argmax_in_head: bool, qsa=None,
+                 qsa_layers: tuple[int, ...] = ()):
         self.cfg, self.device = cfg, device
         self.layers, self.embed, self.head, self.output_norm = weights.layers, weights.embed, weights.head, \
             weights.output_norm
@@ -70,6 +72,8 @@ class LayerLoop:
         self._zeros = torch.zeros(SMALL_ROWS, dtype=torch.int32, device=device)
         self._wins = torch.full((SMALL_ROWS,), max(cfg.sliding_window, 0), dtype=torch.int32, device=device)
         self.launches = 0  # kernel launches of the last forward (counted where they are issued)
+        # QSA (workbench/qsa.py, kernels/qsa.py): its config and the layers that go sparse
+        self.qsa, self.qsa_layers = qsa, frozenset(qsa_layers)
 
     # -- the forward ----------------------------------------------------------------------------
     def forward(self, ids, pos, seq, R: int, max_pos: int, kv, tables, sel=None, logits_out=None,
@@ -101,7 +105,11 @@ class LayerLoop:
             wins = torch.full((R,), max(c.sliding_window, 0), dtype=torch.int32, device=dev)
         # the head's input: h, or a buffer at the head's operand precision (the same logits)
         hx = h if self.head_x_dtype is None else torch.empty((R, E), dtype=self.head_x_dtype, device=dev)
-        self._layers(x, h, pos, seq, R, max_pos, zeros, wins, hx, kv, tables, decode_graph)
+        # QSA layers: a row past the boundary reads one key in the dense kernel (a window of 1:
+        # its output is then overwritten by the sparse kernel's), a row below it all (window 0:
+        # the dense kernel's own bits); a device op on the positions, so graphs replay it
+        qsa_wins = (pos >= self.qsa.dense_positions).to(torch.int32) if self.qsa is not None else None
+        self._layers(x, h, pos, seq, R, max_pos, zeros, wins, hx, kv, tables, decode_graph, qsa_wins)
         hs = hx if sel is None else hx.index_select(0, sel)
         if logits_out is None:
             logits_out = torch.empty((hs.shape[0], self.vocab), dtype=torch.float32, device=dev)
@@ -109,7 +117,7 @@ class LayerLoop:
         return logits_out
 
     def _layers(self, x, h, pos, seq, R: int, max_pos: int, zeros, wins, hx, kv, tables,
-                decode_graph: bool) -> None:
+                decode_graph: bool, qsa_wins=None) -> None:
         """Every layer: x (float32 [R, E], the residual) and h (the next input, normed) in place."""
         c = self.cfg
         dev = self.device
@@ -121,7 +129,8 @@ class LayerLoop:
             bt = tables[gi]
             inv = self._inv_freq[c.layer_rope_base(li)]
             rope = None
-            if self.rope_in_attention and decode_graph and R <= ATTN_COUNTER_ROWS:
+            sparse = li in self.qsa_layers  # (its KV is written before the summaries: no rope prologue)
+            if self.rope_in_attention and decode_graph and R <= ATTN_COUNTER_ROWS and not sparse:
                 rope = _attn.RopePrologue(self._project(h, L.qkv), L.q_norm, L.k_norm, inv, c.rms_eps)
             else:
                 part = self._project(h, L.qkv)
@@ -129,11 +138,17 @@ class LayerLoop:
                                   num_warps=ATTN_WARPS if self.rope_in_attention else None, block_table=bt)
                 self.launches += 1
             counters = self._attn_counters if R <= ATTN_COUNTER_ROWS else None
-            attn = _attn.attention_rows(q, kp, vp, seq, pos, wins if c.layer_window(li) else zeros, c.attn_scale,
-                                        max_pos=max_pos, use_dot=self.use_dot, counters=counters,
-                                        precision=self.attn_prec, num_warps=ATTN_WARPS, rope=rope,
+            if sparse:
+                summ = kv.summaries(li)
+                _qsa.qsa_summaries(kp, bt, seq, pos, self.qsa.block, self.qsa.summary, summ)
+                self.launches += 1
+            attn = _attn.attention_rows(q, kp, vp, seq, pos, qsa_wins if sparse else wins if c.layer_window(li)
+                                        else zeros, c.attn_scale, max_pos=max_pos, use_dot=self.use_dot,
+                                        counters=counters, precision=self.attn_prec, num_warps=ATTN_WARPS, rope=rope,
                                         segment=self.segment, block_table=bt)
             self.launches += 1 if counters is not None else 2
+            if sparse:
+                self._sparse_attention(q, kp, vp, bt, seq, pos, summ, attn, counters)
             self._project_add_norm(attn.view(R, Hq * D), L.wo, x, L.post_attn_norm, L.ffn_norm, h)
             last = li + 1 == len(self.layers)
             nxt = self.output_norm if last else self.layers[li + 1].attn_norm
@@ -145,6 +160,20 @@ class LayerLoop:
                 _fused.glu_from_parts(part, g, act)
                 self.launches += 1
             self._project_add_norm(g, L.down, x, L.post_ffw_norm, nxt, hx if last else h)
+
+    def _sparse_attention(self, q, kp, vp, bt, seq, pos, summ, attn, counters) -> None:
+        """QSA past the boundary: each sparse row's kept blocks (scores, then the top_k by exact
+        integer selection), then its attention over them into ``attn`` (rows below the boundary
+        are left as the dense kernel wrote them)."""
+        cfg = self.qsa
+        R, Hkv = q.shape[0], kp.shape[2]
+        sel = torch.empty((R, Hkv, cfg.kept_blocks), dtype=torch.int32, device=self.device)
+        _qsa.qsa_select(q, summ, bt, seq, pos, cfg.block, cfg.top_k, cfg.sink_blocks, cfg.local_blocks, cfg.summary,
+                        sel)
+        _qsa.qsa_attention(q, kp, vp, bt, seq, pos, sel, cfg.block, self.cfg.attn_scale, attn,
+                           use_dot=self.use_dot, precision=self.attn_prec,
+                           counters=counters if counters is not None and counters.numel() >= R * Hkv else None)
+        self.launches += 2 + (2 if counters is None or counters.numel() < R * Hkv else 1)
 
     # -- products -------------------------------------------------------------------------------
     def _project(self, x: torch.Tensor, p, out: torch.Tensor | None = None, glu=None, best=None) -> torch.Tensor:

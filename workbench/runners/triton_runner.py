@@ -48,10 +48,12 @@ class TritonRunner:
     paged = True
 
     def __init__(self, model: Model, slot_capacity: int, options: TritonOptions = TritonOptions(), *,
-                 device: str | torch.device | None = None, weights: "_dw.DeviceWeights | None" = None):
+                 device: str | torch.device | None = None, weights: "_dw.DeviceWeights | None" = None,
+                 qsa=None):
         """`weights`: device weights already loaded for `model` in this runner's layout (a
         self-draft's: the target runner's first layers, `DeviceWeights.first_layers`), instead
-        of loading them again."""
+        of loading them again. `qsa`: a QSAConfig (workbench/qsa.py): the pages carry its
+        indexer's summaries and rows past its boundary attend sparsely (kernels/qsa.py)."""
         if not isinstance(options, TritonOptions):
             raise WorkbenchError(f"options={options!r} is not allowed: allowed a TritonOptions")
         self.options = options
@@ -103,6 +105,16 @@ class TritonRunner:
         # pages of TritonOptions.page_size positions (it says why 256 by default)
         self.state_layout = StateLayout.from_model_config(c, kv_bytes_per_elem=elem, page_size=options.page_size,
                                                           key_blocks=(self.attn_segment,))
+        self.qsa, self.qsa_layers = qsa, ()
+        if qsa is not None:  # the indexer's summaries: a payload of every page of their group
+            from dataclasses import replace
+
+            from ..sparse_attention import STAT_KEYS, payload_specs
+
+            self.qsa_layers = qsa.resolve_layers(c)
+            self.state_layout = replace(self.state_layout, page_payloads=payload_specs(
+                qsa, self.qsa_layers, self.state_layout, c))
+            self._qsa_stats = dict.fromkeys(STAT_KEYS, 0)
         self.page_size = self.state_layout.page_size
         self.table_width = -(-slot_capacity // self.page_size)  # block-table entries of a full slot
         # the prefix cache's hashes start from the weights' identity and the KV dtype (this runner's
@@ -115,7 +127,7 @@ class TritonRunner:
                               use_dot=self.use_dot, head_x_dtype=self.head_x_dtype, segment=self.attn_segment,
                               products=self.products, fuse_combine=options.fuse_combine, fuse_glu=options.fuse_glu,
                               pair_launch=options.pair_launch, rope_in_attention=options.rope_in_attention,
-                              argmax_in_head=options.argmax_in_head)
+                              argmax_in_head=options.argmax_in_head, qsa=qsa, qsa_layers=self.qsa_layers)
         emulate = options.graphs == "emulate"
         use_graphs = emulate or (options.graphs is True and self.device.type == "cuda")
         self._use_graphs, self._emulate = use_graphs, emulate
@@ -161,7 +173,8 @@ class TritonRunner:
 
         c = self.cfg
         self.kv = None  # (the old pool's memory first)
-        self.kv = DevicePages(self.state_layout, num_pages, c.n_kv_heads, c.head_dim, self.kv_dtype, self.device)
+        self.kv = DevicePages(self.state_layout, num_pages, c.n_kv_heads, c.head_dim, self.kv_dtype, self.device,
+                              qsa=self.qsa, qsa_layers=self.qsa_layers)
         self.graphs = StepGraphs(self.loop, self.kv, self.device, emulate=self._emulate,
                                  share_pool=self.products == "quant", segment=self.attn_segment,
                                  history=self.options.graph_history, width=self.table_width,
@@ -181,6 +194,31 @@ class TritonRunner:
 
     def read_transfer_s(self) -> float:
         return self.host.read_transfer_s() if self.host is not None else 0.0
+
+    def read_qsa_stats(self) -> dict[str, int] | None:
+        """QSA's counters since the previous read (sparse_attention.STAT_KEYS), None when off.
+        Counted on the host from the rows' positions, which are what decides a row's path in
+        the kernels (a row at p >= the boundary is sparse in every QSA layer), so no device
+        counter has to be read back."""
+        if self.qsa is None:
+            return None
+        from ..sparse_attention import STAT_KEYS
+
+        out, self._qsa_stats = self._qsa_stats, dict.fromkeys(STAT_KEYS, 0)
+        return out
+
+    def _count_qsa(self, forward) -> None:
+        cfg, n = self.qsa, len(self.qsa_layers)
+        hkv = self.cfg.n_kv_heads
+        st = self._qsa_stats
+        for s in forward:
+            for p in range(s.start_pos, s.start_pos + len(s.token_ids)):
+                if p < cfg.dense_positions:
+                    st["dense_rows"] += n
+                else:
+                    st["sparse_rows"] += n
+                    st["blocks_kept"] += n * hkv * cfg.kept_blocks
+                    st["blocks_scored"] += n * hkv * (p // cfg.block + 1 - cfg.sink_blocks - cfg.local_blocks)
 
     def reset(self, slot: int) -> None:
         """Nothing per slot to drop (a finished sequence's pages go back to the allocator); a
@@ -246,6 +284,8 @@ class TritonRunner:
             copies = [c for s in forward for c in s.copies]
             if copies:
                 self.kv.copy(copies)
+            if self.qsa is not None:
+                self._count_qsa(forward)
             if self.graphs is not None and self.graphs.takes(forward):
                 return self._run_graphed(forward, max_context, argmax, ahead, launched)
             if self.graphs is not None and self.graphs.takes_chunk(forward):
