@@ -33,10 +33,13 @@ The three functions (each with a plain torch ``*_ref`` beside it):
    fixed-shape tile; written to the float32 scratch [R, Hkv, max_blocks] at index b. Then
    ``_qsa_topk_kernel``, one program per (row, KV head): the scores are mapped to
    order-preserving int32 keys (-0 as +0, NaN above everything, as torch's descending sort),
-   the top_k-th largest key T is found by bisection on its 32 bits (each step counts keys >= a
-   candidate, tile by tile), and the kept set is every key > T plus the earliest
-   top_k - count(> T) keys == T (ties to the earlier block), compacted in ascending order with
-   tl.cumsum over tiles and a running offset. Exact integer work: no sort.
+   the top_k-th largest key T is found digit by digit from the top (QSA_RADIX_BITS bits a
+   pass; a pass counts the keys >= each of the digit's candidates), and the kept set is every
+   key > T plus the earliest top_k - count(> T) keys == T (ties to the earlier block),
+   compacted in ascending order with tl.cumsum over tiles and a running offset. A row's scored
+   range of up to QSA_RESIDENT_KEYS blocks is loaded once, as one tile in registers (its size
+   the next power of two of max_blocks); longer ones are re-read by each pass in tiles of
+   QSA_KEY_TILE. Exact integer work: no sort, and the same sel whatever the tile or form.
 3. ``qsa_attention``: rows at pos >= dense_positions (others untouched). A row's kept list
    (its sel blocks expanded to B positions each, ascending) has n_vis = (kept - 1) * B +
    pos % B + 1 visible entries, a prefix (only the row's own block, the last, has positions
@@ -91,12 +94,19 @@ QSA_SCORE_TILE: dict[int, int] = {16: 256, 32: 128, 64: 64, 128: 32, 256: 16, 51
 # The top-k search: a row's scored range of up to QSA_RESIDENT_KEYS blocks is loaded once, as
 # one tile (the next power of two of the scratch's max_blocks), and searched in registers; a
 # longer one is read from the scratch again by each pass, in tiles of QSA_KEY_TILE.
-QSA_RESIDENT_KEYS = 16384
+# H200, Gemma 3 270M shapes (D 256, B 4, top_k 512), CUDA-graph device time of qsa_select per
+# call: 8K context 14 / 26 us at 1 / 16 rows, 32K 38 / 87 us, 128K 203 / 397 us resident at 32
+# warps (253 / 441 tiled); 1 bit a pass was no faster, 4 slower.
+QSA_RESIDENT_KEYS = 32768
 QSA_KEY_TILE = 8192
 QSA_RADIX_BITS = 2  # bits of the threshold found per pass (32 / 2 = 16 passes)
-QSA_SPLIT = 128  # kept-list entries per attention partial program by default (qsa_attention(split=))
+# Kept-list entries per attention partial program by default (qsa_attention(split=)). H200, the
+# same shapes, 2,056 kept positions of bfloat16 K/V, precision "bf16", fused combine: 14 / 27 us
+# at 1 / 16 rows (split 64: 14 / 26, 256: 18 / 24); dense attention_rows (64-key segments) at
+# 8K context 38 / 129 us, 32K 147 / 524, 128K 888 / 2087.
+QSA_SPLIT = 128
 QSA_SCORE_WARPS = 4
-QSA_TOPK_WARPS = 16  # the tiled search's; a resident tile of n keys: n / 1024 warps, 4 to 16
+QSA_TOPK_WARPS = 16  # the tiled search's; a resident tile of n keys: n / 1024 warps, 4 to 32
 _INT_MIN = tl.constexpr(-2147483648)
 
 
@@ -248,9 +258,9 @@ def _kth_key(base, lo, hi, K, keys, BITS: tl.constexpr, TILE: tl.constexpr, RESI
     """The K-th largest key of scores base[lo:hi] (K <= hi - lo): the largest T with
     count(key >= T) >= K, found digit by digit from the top, BITS bits a pass (a pass counts the
     keys >= each of the digit's 2^BITS candidates; the candidates always fit int32, the digit
-    arithmetic is int64). RESIDENT: keys is the whole range's keys, one tile in registers
-    (lanes outside [lo, hi) INT_MIN... masked below); else each pass reads the scores again,
-    tile by tile."""
+    arithmetic is int64). RESIDENT: ``keys`` holds the range's keys, one TILE in registers
+    starting at lo (lanes at or past hi masked here); else each pass reads the scores again,
+    tile by tile (``keys`` unused)."""
     NC: tl.constexpr = 1 << BITS
     jc = tl.arange(0, NC).to(tl.int64)
     one = hi.to(tl.int64) * 0 + 1
@@ -404,7 +414,7 @@ def _topk_config(max_blocks: int) -> dict:
     """The top-k kernel's tile, search form and warps: a function of the scratch's max_blocks."""
     n = triton.next_power_of_2(max_blocks)
     if n <= QSA_RESIDENT_KEYS:
-        return dict(TILE=n, RESIDENT=True, BITS=QSA_RADIX_BITS, num_warps=max(4, min(16, n // 1024)))
+        return dict(TILE=n, RESIDENT=True, BITS=QSA_RADIX_BITS, num_warps=max(4, min(32, n // 1024)))
     return dict(TILE=QSA_KEY_TILE, RESIDENT=False, BITS=QSA_RADIX_BITS, num_warps=QSA_TOPK_WARPS)
 
 

@@ -107,6 +107,7 @@ VARIANTS = {
     "split512": "split512",  # K slices of 512 weights instead of 256
     "split128": "split128",  # K slices of 128 weights (every format's step at 128)
     "slices": "slices",  # per-format K slices: 128 for the Q5_0-led and K-quant products
+    "qsa": "qsa",  # QSA sparse attention in the global layers (kernels/qsa.py: summaries, select, attention)
 }
 TABLE_PATCHES = {  # variant -> [(module, name, value)], set for the variant's forwards
     "attn_n32": [("attention", "ATTENTION_BLOCK_N_16BIT", {256: 32})],
@@ -160,7 +161,10 @@ def check(model, name: str, kw) -> float:
     t0 = time.perf_counter()
     try:
         os.environ["TRITON_INTERPRET"] = "1"  # (only for the runner's CPU-device check)
-        r = TritonRunner(model, 1024, TritonOptions(**{**options, "graphs": "emulate"}), device="cpu")
+        from workbench.qsa import QSAConfig
+
+        r = TritonRunner(model, 1024, TritonOptions(**{**options, "graphs": "emulate"}), device="cpu",
+                         qsa=QSAConfig(top_k=4) if kw == "qsa" else None)
         os.environ.pop("TRITON_INTERPRET", None)
         # the GPU's forms: tensor-core tl.dot, and the dense head's input in bfloat16
         r.loop.use_dot = True

@@ -1,0 +1,129 @@
+"""QSA decode throughput against dense decode on the Triton runner at long context (issue 22,
+item 5): C slots at L positions each, greedy graphed decode steps (`TritonRunner.decode_loop`),
+dense and with QSA, one row per (L, C, arm) into a parquet file, with the bandwidth floor of
+each arm's step (the bytes it must read: weights, the KV each row reads, the indexer's
+summaries).
+
+Timing only. Both arms' pools are prefilled with the same prompts by the dense path (a QSA
+prefill scores every prompt row past the boundary against all earlier blocks, per row: at 32K
+x 16 slots that is minutes of indexer work, issue 22's next slice); the QSA arm's prefill runs
+through a second runner on the same pages whose boundary lies past L, so every row is dense
+but the indexer's summaries are written as a QSA prefill writes them. A decode step's work has
+the same shapes whatever the KV's values, so the step time is the QSA decode's; its outputs
+are not claimed to be a QSA run's (exactness is tests/test_qsa.py's, natively on the device).
+
+    python3 scripts/qsa_decode_bench.py --contexts 4096,16384,32512 --concurrency 1,16 --out /tmp/out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--contexts", default="4096,16384,32512")
+    ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=512)
+    ap.add_argument("--block", type=int, default=4)
+    ap.add_argument("--summary", default="mean")
+    ap.add_argument("--out", default="/tmp/out")
+    a = ap.parse_args(argv)
+
+    import polars as pl
+    import torch
+
+    import workbench
+    from workbench.hardware import measure_copy_bandwidth
+    from workbench.qsa import MAX_TOP_K, QSAConfig
+    from workbench.runners.direct_pages import DirectPages
+    from workbench.runners.triton_runner import TritonRunner
+
+    m = workbench.load_model(a.model)
+    c = m.config
+    cfg = QSAConfig(block=a.block, top_k=a.top_k, summary=a.summary)
+    contexts = [int(x) for x in a.contexts.split(",")]
+    slots = [int(x) for x in a.concurrency.split(",")]
+    bw = measure_copy_bandwidth("cuda")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    weights = None
+    g = torch.Generator().manual_seed(0)
+    for L in contexts:
+        cap = L + a.steps + 8
+        for C in slots:
+            prompts = [torch.randint(10, c.vocab_size, (L,), generator=g).tolist() for _ in range(C)]
+            for arm in ("dense", "qsa"):
+                r = TritonRunner(m, cap, weights=weights, qsa=cfg if arm == "qsa" else None)
+                weights = r.weights
+                pages = DirectPages(r, C * (cap + 256))
+                # the prefill: this runner (dense), or one on the same pages with a boundary past L
+                pre = r
+                if arm == "qsa":
+                    pre = TritonRunner(m, cap, weights=weights, qsa=replace(cfg, top_k=MAX_TOP_K))
+                    pre.kv, pre.graphs = r.kv, None
+                t0 = time.perf_counter()
+                first = []
+                for sl, p in enumerate(prompts):
+                    tok = None
+                    for s in range(0, L, 4096):
+                        part = p[s : s + 4096]
+                        res = pre.run([pages.segment(sl, f"s{sl}", part, s, samples=s + len(part) == L)],
+                                      {sl: cap}, argmax=frozenset({sl}))
+                        tok = res.get(sl, tok)
+                    first.append(int(tok))
+                torch.cuda.synchronize()
+                prefill_s = time.perf_counter() - t0
+                seg = lambda start: [pages.segment(sl, f"s{sl}", (first[sl],), start, reserve=a.steps)  # noqa: E731
+                                     for sl in range(C)]
+                r.decode_loop(seg(L), 4)  # (captures the graph)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                toks = r.decode_loop(seg(L), a.steps)
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                kv_elem = torch.empty(0, dtype=r.kv_dtype).element_size()
+                glob = sum(1 for i in range(c.n_layers) if c.layer_window(i) == 0)
+                slide = c.n_layers - glob
+                per_pos = 2 * c.n_kv_heads * c.head_dim * kv_elem  # K and V of one position, one layer
+                ctx = L + a.steps // 2
+                sliding = C * slide * min(ctx, c.sliding_window) * per_pos
+                if arm == "dense":
+                    kv_bytes = C * glob * ctx * per_pos
+                else:
+                    nblk = ctx // cfg.block
+                    s_n = 1 if cfg.summary == "mean" else 2
+                    kv_bytes = C * glob * (nblk * s_n * c.n_kv_heads * c.head_dim * 4
+                                           + min(ctx, cfg.dense_positions) * per_pos)
+                step_bytes = r.step_weight_bytes + kv_bytes + sliding
+                row = dict(arm=arm, context=L, concurrency=C, steps=a.steps, step_ms=1e3 * dt / a.steps,
+                           decode_tok_s_aggregate=C * a.steps / dt, decode_tok_s_per_stream=a.steps / dt,
+                           prefill_s=prefill_s, step_bytes=step_bytes, weight_bytes=r.step_weight_bytes,
+                           kv_read_bytes=kv_bytes + sliding, floor_tok_s=C * bw / step_bytes,
+                           fraction_of_floor=(C * a.steps / dt) / (C * bw / step_bytes), copy_bandwidth=bw,
+                           qsa=cfg.text() if arm == "qsa" else "off", boundary=cfg.dense_positions,
+                           launches=r.launches, tokens_head=toks[:4, 0].tolist())
+                print("QSA_BENCH", json.dumps(row), flush=True)
+                rows.append(row)
+                del r, pre, pages
+                torch.cuda.empty_cache()
+            d, q = rows[-2], rows[-1]
+            print(f"QSA_BENCH L={L} C={C}: dense {d['decode_tok_s_aggregate']:.1f} tok/s, qsa "
+                  f"{q['decode_tok_s_aggregate']:.1f} tok/s ({q['decode_tok_s_aggregate'] / d['decode_tok_s_aggregate']:.2f}x); "
+                  f"floors {d['floor_tok_s']:.0f} / {q['floor_tok_s']:.0f}", flush=True)
+            pl.DataFrame(rows).write_parquet(out / "qsa_decode.parquet")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
