@@ -98,6 +98,7 @@ def _attention_partial_kernel(
     qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
     GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
     SEG: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
+    REL: tl.constexpr,
 ):
     enter(PDL)
     attention_item(
@@ -105,7 +106,7 @@ def _attention_partial_kernel(
         q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr, bt_ptr, stride_bt,
         stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
         qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
-        GROUP, QROWS, D_P, BLOCK_N, SEG, PAGE, USE_DOT, INPUT_PRECISION, FUSED)
+        GROUP, QROWS, D_P, BLOCK_N, SEG, PAGE, USE_DOT, INPUT_PRECISION, FUSED, REL)
 
 
 @triton.jit
@@ -118,7 +119,7 @@ def _attention_rope_kernel(
     SEG: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, HQ_P: tl.constexpr,
     HKV_P: tl.constexpr, HALF_P: tl.constexpr, NSPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
-    PRELOAD: tl.constexpr,
+    PRELOAD: tl.constexpr, REL: tl.constexpr,
 ):
     """``_attention_partial_kernel`` with ``step_fused.qk_rope_kv`` as every program's prologue:
     the program first runs row r's ``qk_rope_kv_row`` (the separate kernel's body: q into q_ptr,
@@ -136,7 +137,7 @@ def _attention_rope_kernel(
     if PRELOAD:
         k_old, v_old, lo, hi, page = _segment_kv_before(
             r, tl.program_id(1), tl.program_id(2), k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr, bt_ptr,
-            stride_bt, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, D, D_P, BLOCK_N, SEG, PAGE)
+            stride_bt, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, D, D_P, BLOCK_N, SEG, PAGE, REL)
     # (the rope's positions, cos / sin and QK-norm weights right after the PDL wait)
     qk_rope_kv_row(r, p_ptr, q_ptr, k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, bt_ptr, stride_bt, qn_ptr, kn_ptr,
                    inv_ptr, eps, stride_ps, stride_pm, stride_qr, stride_ks, stride_kl,
@@ -148,14 +149,14 @@ def _attention_rope_kernel(
             q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
             stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
             qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
-            GROUP, QROWS, D_P, BLOCK_N, SEG, PAGE, USE_DOT, INPUT_PRECISION, FUSED)
+            GROUP, QROWS, D_P, BLOCK_N, SEG, PAGE, USE_DOT, INPUT_PRECISION, FUSED, REL)
     else:
         attention_item(
             r, tl.program_id(1), tl.program_id(2),
             q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr, bt_ptr, stride_bt,
             stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
             qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
-            GROUP, QROWS, D_P, BLOCK_N, SEG, PAGE, USE_DOT, INPUT_PRECISION, FUSED)
+            GROUP, QROWS, D_P, BLOCK_N, SEG, PAGE, USE_DOT, INPUT_PRECISION, FUSED, REL)
 
 
 @dataclass(frozen=True)
@@ -213,8 +214,11 @@ def _attend_block(q, k, v, jmask, m_i, l_i, acc, qk_scale_log2, USE_DOT: tl.cons
 @triton.jit
 def _finish_item(r, kvh, sg, m_i, l_i, acc, lo, hi, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, o_ptr,
                  stride_or, stride_oh, D, Hkv, num_seg,
-                 GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, SEG: tl.constexpr, FUSED: tl.constexpr):
-    """Store program (r, kvh, sg)'s segment partial; FUSED: the row's last program merges them."""
+                 GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, SEG: tl.constexpr, FUSED: tl.constexpr,
+                 REL: tl.constexpr):
+    """Store program (r, kvh, sg)'s segment partial at workspace slot sg; FUSED: the row's last
+    program merges them. REL: slot sg holds the row's segment lo // SEG + sg (a grid as wide as
+    the most segments a row's keys span, not as the context: ``attention_rows(span=)``)."""
     g = tl.arange(0, QROWS)
     d = tl.arange(0, D_P)
     slot = ((r * Hkv + kvh) * num_seg + sg) * QROWS + g  # [QROWS]
@@ -229,7 +233,7 @@ def _finish_item(r, kvh, sg, m_i, l_i, acc, lo, hi, ws_m_ptr, ws_l_ptr, ws_acc_p
         done = tl.atomic_add(count_ptr + r * Hkv + kvh, 1, sem="acq_rel")
         if done == num_seg - 1:
             _combine_row(ws_m_ptr, ws_l_ptr, ws_acc_ptr, o_ptr, r, kvh, lo, hi, stride_or, stride_oh, D, Hkv,
-                         num_seg, GROUP, QROWS, D_P, SEG, ".cg")  # (.cg: from L2, never a stale L1 line)
+                         num_seg, GROUP, QROWS, D_P, SEG, ".cg", REL)  # (.cg: from L2, never a stale L1 line)
             tl.store(count_ptr + r * Hkv + kvh, 0)
 
 
@@ -241,12 +245,19 @@ def attention_item(
     qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
     GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
     SEG: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
+    REL: tl.constexpr,
 ):
     """Program (r, kvh, sg) of ``_attention_partial_kernel``: the kernel's body (the rope
-    kernel's too, where its segments are not one block)."""
+    kernel's too, where its segments are not one block). REL: the program's segment is the
+    row's lo // SEG + sg (the same keys, the same arithmetic, as the absolute grid's program of
+    that segment)."""
     lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
-    seg_lo = tl.maximum(lo, sg * SEG)
-    seg_hi = tl.minimum(hi, (sg + 1) * SEG)  # empty segments run no block; the combine skips them
+    if REL:
+        sga = sg + lo // SEG
+    else:
+        sga = sg
+    seg_lo = tl.maximum(lo, sga * SEG)
+    seg_hi = tl.minimum(hi, (sga + 1) * SEG)  # empty segments run no block; the combine skips them
     table = bt_ptr + tl.load(row_seq_ptr + r).to(tl.int64) * stride_bt
     d = tl.arange(0, D_P)
     dmask = d < D
@@ -268,13 +279,14 @@ def attention_item(
                     other=0.0).to(tl.float32)
         m_i, l_i, acc = _attend_block(q, k, v, jmask, m_i, l_i, acc, qk_scale_log2, USE_DOT, INPUT_PRECISION)
     _finish_item(r, kvh, sg, m_i, l_i, acc, lo, hi, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, o_ptr,
-                 stride_or, stride_oh, D, Hkv, num_seg, GROUP, QROWS, D_P, SEG, FUSED)
+                 stride_or, stride_oh, D, Hkv, num_seg, GROUP, QROWS, D_P, SEG, FUSED, REL)
 
 
 @triton.jit
 def _segment_kv_before(r, kvh, sg, k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr, bt_ptr, stride_bt,
                        stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh, D,
-                       D_P: tl.constexpr, BLOCK_N: tl.constexpr, SEG: tl.constexpr, PAGE: tl.constexpr):
+                       D_P: tl.constexpr, BLOCK_N: tl.constexpr, SEG: tl.constexpr, PAGE: tl.constexpr,
+                       REL: tl.constexpr):
     """Program (r, kvh, sg)'s one-block segment of K and V in the pools' dtype, the rows the
     step does not write (below the row's position; masked lanes 0): loadable before the PDL
     wait (the row and block tables are written before the step's first kernel). Returns (k, v,
@@ -283,7 +295,10 @@ def _segment_kv_before(r, kvh, sg, k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, row_w
     takes."""
     tl.static_assert(SEG == BLOCK_N, "the preloaded form takes one-block segments")
     lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
-    first = sg * SEG
+    if REL:
+        first = (sg + lo // SEG) * SEG
+    else:
+        first = sg * SEG
     seen = (first < hi) & (first + SEG > lo)  # (else the table may have no entry here)
     page = tl.load(bt_ptr + tl.load(row_seq_ptr + r).to(tl.int64) * stride_bt + first // PAGE, mask=seen,
                    other=0).to(tl.int64)
@@ -304,19 +319,24 @@ def attention_item_preloaded(
     qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
     GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
     SEG: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
+    REL: tl.constexpr,
 ):
     """``attention_item`` for a one-block segment whose older K/V rows are k_old / v_old
     (``_segment_kv_before``, with the row's key range [lo, hi) and the segment's page): the row's
     current K/V row (the position, just stored) is read from the pools and put in its lane; then
     the same block step and finish, so the same values."""
-    seg_lo = tl.maximum(lo, sg * SEG)
-    seg_hi = tl.minimum(hi, (sg + 1) * SEG)
+    if REL:
+        sga = sg + lo // SEG
+    else:
+        sga = sg
+    seg_lo = tl.maximum(lo, sga * SEG)
+    seg_hi = tl.minimum(hi, (sga + 1) * SEG)
     d = tl.arange(0, D_P)
-    j = sg * SEG + tl.arange(0, BLOCK_N)
+    j = sga * SEG + tl.arange(0, BLOCK_N)
     cur = hi - 1
-    here = (d < D) & ((cur + 0 * d) >= sg * SEG) & ((cur + 0 * d) < (sg + 1) * SEG)  # (vector masks: interpreter)
+    here = (d < D) & ((cur + 0 * d) >= sga * SEG) & ((cur + 0 * d) < (sga + 1) * SEG)  # (vector masks: interpreter)
     q = _load_q(q_ptr, r, kvh, stride_qr, stride_qh, D, GROUP, QROWS, D_P)
-    cp = (cur - (sg * SEG // PAGE) * PAGE).to(tl.int64)  # (where here: the current row lies in this page)
+    cp = (cur - (sga * SEG // PAGE) * PAGE).to(tl.int64)  # (where here: the current row lies in this page)
     kc = tl.load(k_ptr + page * stride_ks + kvh * stride_kh + cp * stride_kl + d, mask=here, other=0.0)
     vc = tl.load(v_ptr + page * stride_vs + kvh * stride_vh + cp * stride_vl + d, mask=here, other=0.0)
     at = (j == cur)[:, None]
@@ -329,21 +349,25 @@ def attention_item_preloaded(
         m_i, l_i, acc = _attend_block(q, k, v, (j >= seg_lo) & (j < seg_hi), m_i, l_i, acc, qk_scale_log2,
                                       USE_DOT, INPUT_PRECISION)
     _finish_item(r, kvh, sg, m_i, l_i, acc, lo, hi, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, o_ptr,
-                 stride_or, stride_oh, D, Hkv, num_seg, GROUP, QROWS, D_P, SEG, FUSED)
+                 stride_or, stride_oh, D, Hkv, num_seg, GROUP, QROWS, D_P, SEG, FUSED, REL)
 
 
 @triton.jit
 def _combine_row(ws_m_ptr, ws_l_ptr, ws_acc_ptr, o_ptr, r, kvh, lo, hi, stride_or, stride_oh, D, Hkv, num_seg,
                  GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, SEG: tl.constexpr,
-                 CACHE: tl.constexpr):
-    """Merge row r's segment partials in increasing segment order, normalize, store."""
+                 CACHE: tl.constexpr, REL: tl.constexpr):
+    """Merge row r's segment partials in increasing segment order, normalize, store (REL: the
+    partial of segment sg at slot sg - lo // SEG)."""
     g = tl.arange(0, QROWS)
     d = tl.arange(0, D_P)
     m_i = tl.full([QROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([QROWS], dtype=tl.float32)
     acc = tl.zeros([QROWS, D_P], dtype=tl.float32)
     for sg in range(lo // SEG, tl.cdiv(hi, SEG)):
-        slot = ((r * Hkv + kvh) * num_seg + sg) * QROWS + g
+        if REL:
+            slot = ((r * Hkv + kvh) * num_seg + sg - lo // SEG) * QROWS + g
+        else:
+            slot = ((r * Hkv + kvh) * num_seg + sg) * QROWS + g
         m_s = tl.load(ws_m_ptr + slot, cache_modifier=CACHE)
         m_new = tl.maximum(m_i, m_s)
         a = tl.exp2(m_i - m_new)
@@ -364,13 +388,14 @@ def _attention_combine_kernel(
     ws_m_ptr, ws_l_ptr, ws_acc_ptr, o_ptr, row_pos_ptr, row_win_ptr,
     stride_or, stride_oh, D, Hkv, num_seg,
     GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, SEG: tl.constexpr, PDL: tl.constexpr,
+    REL: tl.constexpr,
 ):
     enter(PDL)
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
     _combine_row(ws_m_ptr, ws_l_ptr, ws_acc_ptr, o_ptr, r, kvh, lo, hi, stride_or, stride_oh, D, Hkv, num_seg,
-                 GROUP, QROWS, D_P, SEG, "")
+                 GROUP, QROWS, D_P, SEG, "", REL)
 
 
 def _check_float(name: str, t: torch.Tensor) -> None:
@@ -397,6 +422,7 @@ def attention_rows(
     rope: RopePrologue | None = None,
     segment: int | None = None,
     block_table: torch.Tensor | None = None,
+    span: int | None = None,
 ) -> torch.Tensor:
     """Attention of R query rows, each against its own sequence's cache.
 
@@ -416,7 +442,12 @@ def attention_rows(
     first written from the q|k|v partials, and K/V at the rows' positions, by QK-norm + rope
     inside this launch (``_attention_rope_kernel``); each row's slot must have exactly one row
     here (a decode step). ``segment``: keys per partial program (default ATTENTION_SEGMENT), one
-    value per caller (prefill and decode alike), so rows stay invariant.
+    value per caller (prefill and decode alike), so rows stay invariant. ``span`` (optional): the
+    most keys any row sees (a sliding window; QSA's boundary): the grid is then as wide as the
+    segments such a range can touch, each row's programs starting at its first segment, instead
+    of one program per segment of the context (H200 run 85: at 32K positions and 16 rows the
+    sliding layers' empty programs and their workspace stores took most of the step). Which
+    program computes a segment changes, what it computes does not: bitwise the same.
     """
     segment = segment or ATTENTION_SEGMENT
     precision = precision or ATTENTION_INPUT_PRECISION
@@ -460,6 +491,12 @@ def attention_rows(
     block_n, warps = _attention_config(qrows, d_p, k_cache.element_size(), segment)
     num_warps = num_warps or warps
     num_seg = triton.cdiv(min(L_max, L_max if max_pos is None else max_pos + 1), segment)
+    rel = False
+    if span is not None:
+        if span < 1:
+            raise ValueError(f"span={span} must be >= 1")
+        if triton.cdiv(span + segment - 1, segment) < num_seg:
+            num_seg, rel = triton.cdiv(span + segment - 1, segment), True
     ws_m = torch.empty((R, Hkv, num_seg, qrows), dtype=torch.float32, device=q.device)
     ws_l = torch.empty_like(ws_m)
     ws_acc = torch.empty((R, Hkv, num_seg, qrows, d_p), dtype=torch.float32, device=q.device)
@@ -471,7 +508,7 @@ def attention_rows(
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
               float(scale) * _LOG2E, D, Hkv, num_seg, counters if fused else ws_m, out, out.stride(0), out.stride(1))
     consts = dict(GROUP=group, QROWS=qrows, D_P=d_p, BLOCK_N=block_n, SEG=segment, PAGE=page, USE_DOT=use_dot,
-                  INPUT_PRECISION=precision, FUSED=fused, num_warps=num_warps)
+                  INPUT_PRECISION=precision, FUSED=fused, REL=rel, num_warps=num_warps)
     if rope is not None:
         _launch_rope(common, consts, rope, q, k_cache, v_cache, num_seg)
         return out
@@ -479,7 +516,7 @@ def attention_rows(
     if not fused:
         _attention_combine_kernel[(R, Hkv)](
             ws_m, ws_l, ws_acc, out, row_pos, row_window, out.stride(0), out.stride(1), D, Hkv, num_seg,
-            GROUP=group, QROWS=qrows, D_P=d_p, SEG=segment, num_warps=4, **launch_kw(q),
+            GROUP=group, QROWS=qrows, D_P=d_p, SEG=segment, REL=rel, num_warps=4, **launch_kw(q),
         )
     return out
 

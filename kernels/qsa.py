@@ -494,7 +494,7 @@ def _qsa_partial_kernel(
                         mask=kvmask, other=0.0).to(tl.float32)
             m_i, l_i, acc = _attend_block(q, k, v, jmask, m_i, l_i, acc, qk_scale_log2, USE_DOT, INPUT_PRECISION)
         _finish_item(r, kvh, sg, m_i, l_i, acc, 0, n_vis, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, o_ptr,
-                     stride_or, stride_oh, D, Hkv, NSPLIT, GROUP, QROWS, D_P, SPLIT, FUSED)
+                     stride_or, stride_oh, D, Hkv, NSPLIT, GROUP, QROWS, D_P, SPLIT, FUSED, False)
 
 
 @triton.jit
@@ -510,7 +510,7 @@ def _qsa_combine_kernel(
     if p >= DENSE:
         n_vis = (KEPT - 1) * B + p % B + 1
         _combine_row(ws_m_ptr, ws_l_ptr, ws_acc_ptr, o_ptr, r, kvh, 0, n_vis, stride_or, stride_oh, D, Hkv, NSPLIT,
-                     GROUP, QROWS, D_P, SPLIT, "")
+                     GROUP, QROWS, D_P, SPLIT, "", False)
 
 
 def qsa_attention_config(q: torch.Tensor, k_cache: torch.Tensor, kept_blocks: int, block: int,

@@ -37,23 +37,42 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=4)
     ap.add_argument("--summary", default="mean")
     ap.add_argument("--out", default="/tmp/out")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="without a GPU: a tiny random model under the interpreter, emulated graphs (checks the script)")
     a = ap.parse_args(argv)
+    if a.dry_run:
+        import os
+
+        os.environ["TRITON_INTERPRET"] = "1"
 
     import polars as pl
     import torch
 
+    if a.dry_run:
+        pass
     import workbench
     from workbench.hardware import measure_copy_bandwidth
     from workbench.qsa import MAX_TOP_K, QSAConfig
     from workbench.runners.direct_pages import DirectPages
+    from workbench.runners.triton_options import TritonOptions
     from workbench.runners.triton_runner import TritonRunner
 
-    m = workbench.load_model(a.model)
+    opts = TritonOptions()
+    if a.dry_run:
+        from workbench.synthetic import SyntheticSpec, write_random_gguf
+
+        a.model = str(write_random_gguf(Path(a.out) / "tiny.gguf", SyntheticSpec(n_layers=1, n_embd=64, n_heads=2,
+                                                                              n_kv_heads=1, n_ff=128)))
+        opts = TritonOptions(graphs="emulate", page_size=64)
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    m = workbench.load_model(a.model, dtype="bfloat16" if cuda else "float32")
     c = m.config
     cfg = QSAConfig(block=a.block, top_k=a.top_k, summary=a.summary)
     contexts = [int(x) for x in a.contexts.split(",")]
     slots = [int(x) for x in a.concurrency.split(",")]
-    bw = measure_copy_bandwidth("cuda")
+    bw = measure_copy_bandwidth("cuda" if cuda else "cpu")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -64,13 +83,13 @@ def main(argv=None) -> int:
         for C in slots:
             prompts = [torch.randint(10, c.vocab_size, (L,), generator=g).tolist() for _ in range(C)]
             for arm in ("dense", "qsa"):
-                r = TritonRunner(m, cap, weights=weights, qsa=cfg if arm == "qsa" else None)
+                r = TritonRunner(m, cap, opts, weights=weights, qsa=cfg if arm == "qsa" else None)
                 weights = r.weights
                 pages = DirectPages(r, C * (cap + 256))
                 # the prefill: this runner (dense), or one on the same pages with a boundary past L
                 pre = r
                 if arm == "qsa":
-                    pre = TritonRunner(m, cap, weights=weights, qsa=replace(cfg, top_k=MAX_TOP_K))
+                    pre = TritonRunner(m, cap, opts, weights=weights, qsa=replace(cfg, top_k=MAX_TOP_K))
                     pre.kv, pre.graphs = r.kv, None
                 t0 = time.perf_counter()
                 first = []
@@ -82,15 +101,15 @@ def main(argv=None) -> int:
                                       {sl: cap}, argmax=frozenset({sl}))
                         tok = res.get(sl, tok)
                     first.append(int(tok))
-                torch.cuda.synchronize()
+                sync()
                 prefill_s = time.perf_counter() - t0
                 seg = lambda start: [pages.segment(sl, f"s{sl}", (first[sl],), start, reserve=a.steps)  # noqa: E731
                                      for sl in range(C)]
                 r.decode_loop(seg(L), 4)  # (captures the graph)
-                torch.cuda.synchronize()
+                sync()
                 t0 = time.perf_counter()
                 toks = r.decode_loop(seg(L), a.steps)
-                torch.cuda.synchronize()
+                sync()
                 dt = time.perf_counter() - t0
                 kv_elem = torch.empty(0, dtype=r.kv_dtype).element_size()
                 glob = sum(1 for i in range(c.n_layers) if c.layer_window(i) == 0)
@@ -116,7 +135,8 @@ def main(argv=None) -> int:
                 print("QSA_BENCH", json.dumps(row), flush=True)
                 rows.append(row)
                 del r, pre, pages
-                torch.cuda.empty_cache()
+                if cuda:
+                    torch.cuda.empty_cache()
             d, q = rows[-2], rows[-1]
             print(f"QSA_BENCH L={L} C={C}: dense {d['decode_tok_s_aggregate']:.1f} tok/s, qsa "
                   f"{q['decode_tok_s_aggregate']:.1f} tok/s ({q['decode_tok_s_aggregate'] / d['decode_tok_s_aggregate']:.2f}x); "

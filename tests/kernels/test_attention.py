@@ -232,3 +232,45 @@ def test_keys_per_block_follow_shape_kv_size_and_segment():
         _attention_config(16, 256, 4, 24)
     with pytest.raises(ValueError, match="head dim up to 512"):
         _attention_config(16, 1024, 2)
+
+
+@pytest.mark.parametrize("segment", [32, 64])
+def test_a_span_grid_is_bitwise_the_context_grid(segment, device):
+    """attention_rows(span=): the grid as wide as the segments a row's keys can touch (each
+    row's programs from its first segment) instead of one program per segment of the context:
+    windows starting inside a segment and at one, positions near the start, the two-launch and
+    the fused combine, and the rope prologue; bitwise the context-wide grid's output."""
+    from workbench.kernels.attention import RopePrologue
+
+    gen = torch.Generator().manual_seed(31)
+    S, L, Hq, Hkv, D, W = 3, 320, 4, 2, 32, 40
+    k = _randn(S, L, Hkv, D, device=device, gen=gen)
+    v = _randn(S, L, Hkv, D, device=device, gen=gen)
+    q = _randn(6, Hq, D, device=device, gen=gen)
+    seq = torch.tensor([0, 1, 2, 0, 1, 2], device=device)
+    pos = torch.tensor([319, 3, 200, 64, 255, 39], device=device)
+    win = torch.full((6,), W, device=device)
+    counters = torch.zeros(16, dtype=torch.int32, device=device)
+    for c in (None, counters):
+        full = attention_rows(q, k, v, seq, pos, win, 0.3, segment=segment, counters=c)
+        narrow = attention_rows(q, k, v, seq, pos, win, 0.3, segment=segment, counters=c, span=W,
+                                out=torch.full_like(q, float("nan")))
+        assert torch.equal(narrow, full)
+    one = torch.ones(6, dtype=torch.int64, device=device)  # (QSA's sparse rows: one key)
+    assert torch.equal(attention_rows(q, k, v, seq, pos, one, 0.3, segment=segment, span=1),
+                       attention_rows(q, k, v, seq, pos, one, 0.3, segment=segment))
+    # the rope prologue (a decode step: one row per slot)
+    part = torch.randn(2, 3, (Hq + 2 * Hkv) * D, generator=gen).to(device)
+    inv = (1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))).to(device)
+    kb, vb = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    p3, s3, w3 = pos[:3].to(torch.int32), seq[:3].to(torch.int32), win[:3].to(torch.int32)
+    got = []
+    for span in (None, W):
+        qq = torch.full((3, Hq, D), float("nan"), device=device)
+        kk, vv = kb.clone(), vb.clone()
+        o = attention_rows(qq, kk, vv, s3, p3, w3, 0.2, counters=counters, precision="bf16", segment=segment,
+                           rope=RopePrologue(part, None, None, inv, 1e-6), span=span)
+        got.append((qq, kk, vv, o))
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+    assert not counters.any()

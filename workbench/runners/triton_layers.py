@@ -142,10 +142,13 @@ class LayerLoop:
                 summ = kv.summaries(li)
                 _qsa.qsa_summaries(kp, bt, seq, pos, self.qsa.block, self.qsa.summary, summ)
                 self.launches += 1
+            # the most keys a row sees: its window, below QSA's boundary (a sparse row reads one
+            # here), or the context (the grid spans only the segments such a range touches)
+            span = self.qsa.dense_positions if sparse else c.layer_window(li) or None
             attn = _attn.attention_rows(q, kp, vp, seq, pos, qsa_wins if sparse else wins if c.layer_window(li)
                                         else zeros, c.attn_scale, max_pos=max_pos, use_dot=self.use_dot,
                                         counters=counters, precision=self.attn_prec, num_warps=ATTN_WARPS, rope=rope,
-                                        segment=self.segment, block_table=bt)
+                                        segment=self.segment, block_table=bt, span=span)
             self.launches += 1 if counters is not None else 2
             if sparse:
                 self._sparse_attention(q, kp, vp, bt, seq, pos, summ, attn, counters)
