@@ -369,7 +369,7 @@ def _qsa_boundary() -> Ablation:
             Param("depths_pct", "int_list", [10, 50, 90], "where the needle stands in the prompt, in percent",
                   lo=0, hi=100),
             Param("gen_tokens", "int", 16, "tokens each request generates", lo=1, hi=65536),
-            Param("backend", "word", "torch", "the engine's backend (QSA runs on 'torch' so far)",
+            Param("backend", "word", "torch", "the engine's backend (QSA runs on both)",
                   words=("torch", "triton")),
             Param("seed", "int", 0, "seeds the prompts", lo=0, hi=2**63 - 1),
         ),

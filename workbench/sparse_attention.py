@@ -23,7 +23,7 @@ the dense path itself.
 
 Why rows loop in Python here: the CPU path is the reference and the test oracle; a row's
 operands are a few thousand keys, and the loop is what makes each row's call its own. The
-Triton kernels (issue 22's next slice) batch the rows with the same per-row arithmetic.
+Triton runner's kernels (`kernels/qsa.py`) batch the rows, each row still selecting for itself.
 """
 
 from __future__ import annotations

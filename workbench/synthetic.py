@@ -37,6 +37,14 @@ class SyntheticSpec:
     tensor_types: tuple[tuple[str, str], ...] = ()
 
 
+# Gemma 3 270M's layer shapes (18 layers, 5 sliding to 1 global, 4 query heads on 1 KV head of 256,
+# a 512-key window, 32K context) with random Q8_0 weights and the tiny vocabulary: for timing the
+# attention and indexer work of long-context decode where the real file is not on the machine (its
+# vocabulary's LM head, 262,144 rows, is the one part of a step it leaves out).
+GEMMA3_270M_SHAPES = SyntheticSpec(arch="gemma3", n_layers=18, n_embd=640, n_heads=4, n_kv_heads=1, head_dim=256,
+                                   n_ff=2048, context_length=32768, sliding_window=512, weight_type="Q8_0")
+
+
 def _vocab() -> tuple[list[str], list[float], list[int]]:
     tokens = ["<pad>", "</s>", "<s>", "<unk>"]
     types = [3, 3, 3, 2]  # control, control, control, unknown
