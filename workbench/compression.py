@@ -29,10 +29,10 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
-from .errors import ConfigError, WorkbenchError
+from .errors import ConfigError, WorkbenchError, refuse_unknown_keys
 
 __all__ = ["CompressedPrompt", "CompressionOptions", "PromptCompressor", "ScoreSummary", "check_ratio",
            "compress", "load_scorer", "run_layers", "rank_blocks", "scoring_layers", "select_blocks", "window_probability",
@@ -110,10 +110,7 @@ class CompressionOptions:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "CompressionOptions":
-        valid = [f.name for f in fields(cls)]
-        unknown = sorted(set(d) - set(valid))
-        if unknown:
-            raise ConfigError(f"unknown compression key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(valid)}")
+        refuse_unknown_keys(cls, d, "compression")
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:

@@ -7,11 +7,11 @@ never written back here.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping
 
 from .compression import CompressionOptions, check_ratio
-from .errors import ConfigError
+from .errors import ConfigError, refuse_unknown_keys
 from .planner import POLICIES
 from .qsa import QSAConfig
 from .runners.triton_options import HEAD_MATMULS, TritonOptions
@@ -128,13 +128,7 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EngineConfig":
-        valid = [f.name for f in fields(cls)]
-        unknown = sorted(set(d) - set(valid))
-        if unknown:
-            raise ConfigError(
-                f"unknown engine config key(s) {', '.join(map(repr, unknown))}; "
-                f"valid keys: {', '.join(valid)}"
-            )
+        refuse_unknown_keys(cls, d, "engine config")
         d = dict(d)
         if isinstance(d.get("triton"), Mapping):  # (to_dict's form)
             d["triton"] = TritonOptions.from_dict(d["triton"])

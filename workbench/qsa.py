@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
-from .errors import ConfigError, WorkbenchError
+from .errors import ConfigError, WorkbenchError, refuse_unknown_keys
 
 __all__ = ["QSAConfig", "SUMMARIES", "BLOCKS"]
 
@@ -131,10 +131,7 @@ class QSAConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "QSAConfig":
-        valid = [f.name for f in fields(cls)]
-        unknown = sorted(set(d) - set(valid))
-        if unknown:
-            raise ConfigError(f"unknown qsa key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(valid)}")
+        refuse_unknown_keys(cls, d, "qsa")
         d = dict(d)
         if isinstance(d.get("layers"), list):
             d["layers"] = tuple(d["layers"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
-from ..errors import ConfigError
+from ..errors import ConfigError, refuse_unknown_keys
 
 HEAD_MATMULS = ("dense", "q8i8")
 PRODUCTS = ("quant", "cublas_bf16")
@@ -156,10 +156,7 @@ class TritonOptions:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "TritonOptions":
-        valid = [f.name for f in fields(cls)]
-        unknown = sorted(set(d) - set(valid))
-        if unknown:
-            _fail(f"unknown triton option(s) {', '.join(map(repr, unknown))}; valid options: {', '.join(valid)}")
+        refuse_unknown_keys(cls, d, "triton", noun="option")
         return cls(**dict(d))
 
     @classmethod

@@ -17,10 +17,10 @@ proposers.py's; `verify` says how a drafted token is accepted (verify.py):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-from ..errors import ConfigError
+from ..errors import ConfigError, refuse_unknown_keys
 
 __all__ = ["PROPOSERS", "SpecConfig", "VERIFIES", "proposer_fields"]
 
@@ -97,10 +97,7 @@ class SpecConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "SpecConfig":
-        valid = [f.name for f in fields(cls)]
-        unknown = sorted(set(d) - set(valid))
-        if unknown:
-            raise ConfigError(f"unknown speculation key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(valid)}")
+        refuse_unknown_keys(cls, d, "speculation")
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
