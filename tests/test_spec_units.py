@@ -517,7 +517,7 @@ def test_spec_config_unknown_key_lists_the_valid_keys():
 
 @pytest.mark.parametrize("kw,field", [(dict(k=0), "k"), (dict(k=MAX_K + 1), "k"), (dict(proposer="eagle"), "proposer"),
                                       (dict(verify="typical"), "verify"), (dict(row_cost=1.5), "row_cost"),
-                                      (dict(ngram_min=5, ngram_max=4), "ngram_min"), (dict(tree=8), "tree"),
+                                      (dict(ngram_min=5, ngram_max=4), "ngram_min"), (dict(tree=4), "tree"),
                                       (dict(guard=1), "guard"),
                                       (dict(measure_cost="yes"), "measure_cost")])
 def test_spec_config_refuses_bad_values(kw, field):

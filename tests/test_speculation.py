@@ -230,7 +230,7 @@ def test_steps_and_requests_carry_the_activation_proof(tiny_model):
 
 def test_speculation_bad_input_is_refused_in_one_line():
     for kw, word in (({"proposer": "mtp"}, "allowed ngram, suffix"), ({"k": 0}, "1..16"), ({"k": 17}, "1..16"),
-                     ({"tree": 22}, "allowed None"), ({"verify": "lossy"}, "allowed exact, rejection"),
+                     ({"tree": 4}, "allowed None"), ({"verify": "lossy"}, "allowed exact, rejection"),
                      ({"row_cost": 2.0}, "0..1"), ({"ngram_min": 5}, "1..4")):
         with pytest.raises(ConfigError, match=word):
             SpecConfig(**kw)

@@ -36,7 +36,7 @@ from .errors import WorkbenchError
 from .model import Model
 from .runner import TorchRunner
 from .sampling import SamplingParams, probabilities, sample, token_generator
-from .scheduler import Request, Scheduler
+from .scheduler import Request, Scheduler, branch_slot
 from .spec.proposers import Proposer
 from .spec.speculator import SpecStats, Speculator
 from .spec.verify import accept_exact, accept_rejection, num_accepted
@@ -297,13 +297,14 @@ class Engine:
     def step(self) -> list:
         t0 = time.perf_counter()
         drafts = self._drafts()
-        plan = self.scheduler.schedule(self._step_index, drafts)  # plan
+        branches = self.speculator.branches if self.speculator is not None else None
+        plan = self.scheduler.schedule(self._step_index, drafts, branches)  # plan
         if plan is None and self.scheduler.has_work() and getattr(self.runner, "ahead_in_flight", False):
             # nothing could be admitted, perhaps for pages still fenced by a step launched ahead
             # for requests that have since finished: wait for it, release them, plan again
             self.runner.drain()
             self.scheduler.retire(self._step_index - 1)
-            plan = self.scheduler.schedule(self._step_index, drafts)
+            plan = self.scheduler.schedule(self._step_index, drafts, branches)
         if plan is None:
             return []
         moves = self.scheduler.page_moves(plan)
@@ -317,8 +318,14 @@ class Engine:
         # itself (argmax where the logits are, e.g. on the GPU: no logits transfer)
         argmax = frozenset() if self.keep_logits else frozenset(
             slot for slot, rid in running.items() if self._live[rid].params.greedy)
+        for slot, paths in plan.branches.items():  # token trees: each path runs under an id of its own
+            for b in range(1, len(paths) + 1):
+                max_ctx[branch_slot(slot, b)] = max_ctx[slot]
+            if slot in argmax:
+                argmax = argmax | {branch_slot(slot, b) for b in range(1, len(paths) + 1)}
         sampled = {}
         verified = {}  # slot -> its verify rows' logits [1 + k, vocab], or their greedy tokens
+        on_paths = {}  # token trees: branch_slot id -> its path's rows, as verified's
         # a greedy steady state: the runner may start the next step before returning this one's
         ahead = bool(argmax) and self.scheduler.repeats_after(plan) and set(plan.slot_ids()) <= argmax
         for fwd in forwards:  # run
@@ -327,7 +334,9 @@ class Engine:
                 if live.prefill_started_at is None:
                     live.prefill_started_at = t0
             for slot, out in self.runner.run(fwd, max_ctx, argmax=argmax, ahead=ahead).items():
-                if slot in plan.drafts:
+                if slot < 0:
+                    on_paths[slot] = out
+                elif slot in plan.drafts:
                     verified[slot] = out
                 elif isinstance(out, int):
                     sampled[slot] = out
@@ -348,13 +357,20 @@ class Engine:
                 live.logits.append(row.detach().to("cpu", torch.float32, copy=True))
         num_kept = 0
         bursts = {}
+        chosen = {}  # token trees: slot -> the path its burst followed
         for slot, out in verified.items():  # speculation: each verify's burst
             live = self._live[running[slot]]
             draft = plan.drafts[slot]
             burst, rows = self._verify(live, draft, out)
             kept = num_accepted(draft, burst)
+            alts = plan.branches.get(slot, ())
+            for b, path in enumerate(alts, 1):  # the path that keeps the most wins (the first of equals)
+                got, got_rows = self._verify(live, path, on_paths[branch_slot(slot, b)])
+                if num_accepted(path, got) > kept:
+                    draft, burst, rows, kept, chosen[slot] = path, got, got_rows, num_accepted(path, got), b
             burst = burst[: self.scheduler.num_taken(slot, burst)]  # (a stop token mid-burst ends it)
-            self.speculator.observe(live.rid, len(draft), kept, len(burst))
+            self.speculator.observe(live.rid, len(draft), kept, len(burst), alternatives=len(alts),
+                                    alternative_tokens=sum(map(len, alts)), won=slot in chosen)
             num_kept += kept
             bursts[slot] = burst
             if self.keep_logits:
@@ -369,7 +385,7 @@ class Engine:
             live.token_ids += burst
             live.token_times += [now] * len(burst)
         sampled.update(bursts)
-        events = self.scheduler.commit(plan, sampled)  # commit
+        events = self.scheduler.commit(plan, sampled, chosen)  # commit
         # the device is done with this step, unless the runner launched the next one ahead: that
         # launch may still write pages released by this commit, so they stay fenced a step more
         ahead_in_flight = getattr(self.runner, "ahead_in_flight", False)
@@ -481,6 +497,11 @@ class Engine:
             "spec_hist": None if spec is None else list(spec.hist),
             "spec_position_accepted": None if spec is None else list(spec.position_accepted),
             "spec_position_drafted": None if spec is None else list(spec.position_drafted),
+            # token trees: alternative paths verified beside the main draft, their draft tokens,
+            # and the verifies an alternative won (0 with chains)
+            "spec_tree_paths": None if spec is None else spec.tree_paths,
+            "spec_tree_tokens": None if spec is None else spec.tree_tokens,
+            "spec_tree_wins": None if spec is None else spec.tree_wins,
         })
 
     def _record_step(self, plan, num_forwards: int, t0: float, t1: float, num_kept: int = 0,
@@ -518,6 +539,8 @@ class Engine:
             "verify_slots": None if self.speculator is None else len(plan.drafts),
             "draft_tokens": None if self.speculator is None else plan.num_draft_tokens,
             "accepted_tokens": None if self.speculator is None else num_kept,
+            "tree_paths": None if self.speculator is None else sum(map(len, plan.branches.values())),
+            "tree_rows": None if self.speculator is None else plan.num_branch_rows,
             "row_cost": None if self.speculator is None else self.speculator.row_cost(
                 sum(len(g.slot_ids) for g in plan.decode_groups)),
             # QSA (None when off): row-layers that attended sparsely past the boundary and densely

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Hashable, Mapping, Protocol, Sequence
 from .engine_config import EngineConfig
 from .errors import WorkbenchError
 from .planner import StepPlan, format_bytes
+from .spec.config import MAX_PATHS
 from .state import PageAllocator, PageCopy, PageMove
 
 if TYPE_CHECKING:
@@ -132,7 +133,8 @@ class ReservedMemory:
         return 0
 
     def fit(self, plan: StepPlan, seq_ids: Mapping[int, Hashable], fence: int | None) -> StepPlan:
-        return plan  # every sequence holds its whole reservation
+        # every sequence holds its whole reservation; token trees need forks of paged state
+        return replace(plan, branches={}) if plan.branches else plan
 
     def segment_fields(self, seq_id: Hashable) -> tuple:
         return ()
@@ -167,6 +169,7 @@ class PagedMemory:
         # the most positions one prefill append adds (bounds a sliding group's live pages)
         self.chunk_bound = config.chunk_size or config.chunk_cap
         self._copies: dict[Hashable, tuple[PageCopy, ...]] = {}  # sequence -> copies for the fitted plan
+        self._branches: dict[Hashable, list[Hashable]] = {}  # token trees: sequence -> its paths' forks
         self._num_preemptions = 0  # since the previous step_stats()
         layout = runner.state_layout
         P = layout.page_size
@@ -178,7 +181,14 @@ class PagedMemory:
         # why), so a pool sized for more sliding pages than the slots can use would be memory the
         # global groups never get: the measured capacity cost of sizing every group alike.
         chunk_pages = -(-self.chunk_bound // P) + 1
-        sliding = {g.name: config.max_concurrency * layout.max_live_pages(g.name, capacity) + chunk_pages
+        # token trees: each alternative path's fork takes a copy of the partial last page and the
+        # pages its rows reach, in every group (a sliding group's pool is sized tight: these too)
+        spec = config.speculation
+        fork_pages = 0
+        if spec is not None and spec.tree is not None:
+            alternatives = min(MAX_PATHS, spec.tree) - 1
+            fork_pages = config.max_concurrency * alternatives * (1 + -(-(spec.k + 1) // P))
+        sliding = {g.name: config.max_concurrency * layout.max_live_pages(g.name, capacity) + chunk_pages + fork_pages
                    for g in layout.groups if g.sliding}
         tokens = config.kv_resident_tokens
         if tokens is None:
@@ -186,7 +196,7 @@ class PagedMemory:
             # activations, at most every slot's full context: more would never be used
             rows = runner.bytes_per_prefill_row * (self.chunk_bound + config.max_concurrency)
             room = max(budget_bytes - fixed - rows, 0)
-            most = config.max_concurrency * -(-capacity // P)
+            most = config.max_concurrency * -(-capacity // P) + fork_pages
             global_page_bytes = sum(layout.page_bytes(g.name) for g in layout.groups if not g.sliding)
             # the sliding pools first, at most half the room (short of that they shrink alike)
             side = sum(k * layout.page_bytes(g) for g, k in sliding.items())
@@ -348,14 +358,61 @@ class PagedMemory:
             grow[slot] = n
         if not grow:
             return None
+        # token trees: each alternative path of a slot whose draft kept its rows, where its fork
+        # fits in what the step's own rows left (oldest admission first; a path is optional)
+        branches = {}
+        P = alloc.page_size
+        for slot, rid in seq_ids.items():
+            paths = plan.branches.get(slot, ()) if slot in drafts and grow.get(slot) == 1 + len(drafts[slot]) else ()
+            L, ok = alloc.sequence(rid).length, []
+            for path in paths:
+                need = -(-(L + 1 + len(path)) // P) - L // P  # the partial page's copy and the new pages
+                if not alloc.can_fork(rid, L) or any(need > avail[g] for g in avail):
+                    break
+                for g in avail:
+                    avail[g] -= need
+                ok.append(path)
+            if ok:
+                branches[slot] = tuple(ok)
+        # the forks first: each copies the partial last page as the context left it, before the
+        # step's own append may move that page (copy-on-write) or its rows are written
+        for slot, paths in branches.items():
+            rid = seq_ids[slot]
+            L = alloc.sequence(rid).length
+            for b, path in enumerate(paths, 1):
+                child = _branch_id(rid, b)
+                copies = alloc.fork(rid, child, L)
+                copies += alloc.append(child, 1 + len(path), fence)
+                self._copies[child] = tuple(copies)
+                self._branches.setdefault(rid, []).append(child)
         for slot, n in grow.items():
             copies = alloc.append(seq_ids[slot], n, fence)
             if copies:
                 self._copies[seq_ids[slot]] = tuple(copies)
         kept = tuple(replace(c, length=grow[c.slot_id]) for c in plan.prefill_chunks if c.slot_id in grow)
-        if kept == plan.prefill_chunks and drafts == plan.drafts:
+        if kept == plan.prefill_chunks and drafts == plan.drafts and branches == plan.branches:
             return plan
-        return replace(plan, prefill_chunks=kept, fused=plan.fused and bool(kept), drafts=drafts)
+        return replace(plan, prefill_chunks=kept, fused=plan.fused and bool(kept), drafts=drafts, branches=branches)
+
+    # -- token trees: each alternative path's fork (speculator.py) ------------------------------
+
+    def branch_fields(self, seq_id: Hashable, b: int) -> tuple:
+        """Segment fields (block tables, copies) of path b >= 1 of `seq_id`'s tree this step."""
+        return self.segment_fields(_branch_id(seq_id, b))
+
+    def settle_branches(self, seq_id: Hashable, winner: int, fence: int | None) -> None:
+        """After the verify: path `winner`'s fork becomes the sequence's pages (0: the
+        sequence's own stay), and every other fork is freed under `fence`."""
+        for child in self._branches.pop(seq_id, ()):
+            if child == _branch_id(seq_id, winner):
+                self.allocator.adopt(seq_id, child, fence)
+            else:
+                self.allocator.free(child, fence)
+
+    def drop_branches(self, fence: int | None) -> None:
+        """Free every fork still held (a plan discarded before its commit)."""
+        for rid in list(self._branches):
+            self.settle_branches(rid, 0, fence)
 
     def segment_fields(self, seq_id: Hashable) -> tuple:
         tables = {g: tuple(self.allocator.block_table(seq_id, g).ids()) for g in self.allocator.layout.group_names}
@@ -368,6 +425,7 @@ class PagedMemory:
         self.allocator.truncate(seq_id, new_len, fence)
 
     def release(self, seq_id: Hashable, fence: int | None, *, preempted: bool = False) -> None:
+        self.settle_branches(seq_id, 0, fence)
         if self._waiting.pop(seq_id, None) is None:  # (one admitted waiting holds nothing)
             self.allocator.free(seq_id, fence)
         self._targets.pop(seq_id, None)
@@ -463,3 +521,8 @@ class PagedMemory:
         self._swaps, self._bytes = [0, 0], [0, 0]
         out["paged_out_seqs"] = self.num_paged_out
         return out
+
+
+def _branch_id(seq_id: Hashable, b: int) -> tuple:
+    """The allocator's id of path b's fork of `seq_id` (token trees)."""
+    return ("tree-path", seq_id, b)

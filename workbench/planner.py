@@ -75,6 +75,9 @@ class StepPlan:
     # speculation: decoding slot -> the draft tokens it verifies after its next token (its
     # segment then scores 1 + len(draft) rows); slots without a draft decode one row
     drafts: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    # token trees: decoding slot (one with a draft) -> its alternative paths, each verified as a
+    # segment of its own on a fork of the slot's pages (1 + len(path) rows; speculator.py)
+    branches: Mapping[int, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
 
     @property
     def num_prefill_rows(self) -> int:
@@ -82,8 +85,12 @@ class StepPlan:
 
     @property
     def num_decode_rows(self) -> int:
-        """Rows of the decoding slots: one each, plus their draft tokens."""
-        return sum(len(g.slot_ids) for g in self.decode_groups) + self.num_draft_tokens
+        """Rows of the decoding slots: one each, plus their draft tokens and tree paths."""
+        return sum(len(g.slot_ids) for g in self.decode_groups) + self.num_draft_tokens + self.num_branch_rows
+
+    @property
+    def num_branch_rows(self) -> int:
+        return sum(1 + len(p) for paths in self.branches.values() for p in paths)
 
     @property
     def num_draft_tokens(self) -> int:

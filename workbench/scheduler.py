@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Hashable, Mapping, Protocol, Sequence
 
 from .engine_config import EngineConfig
@@ -47,6 +47,7 @@ from .errors import WorkbenchError
 from .memory import CacheMemory, PagedMemory, ReservedMemory
 from .planner import BatchPlanner, ChunkSizer, PrefillChunk, SlotView, StepPlan, format_bytes
 from .slots import SlotTable
+from .spec.config import MAX_PATHS
 from .state import PageAllocator, PageCopy
 
 
@@ -213,6 +214,7 @@ class Scheduler:
         self._arriving: set[int] = set()  # slots paged in by this schedule(): they run from the next step
         self._moves = ()  # the pending plan's page moves
         self._drafts: Mapping[Hashable, Sequence[int]] = {}  # this schedule()'s drafts, by request id
+        self._branch_paths: Mapping[Hashable, Sequence[Sequence[int]]] = {}  # and token trees' other paths
         self.paged = bool(getattr(runner_info, "paged", False))
         self.memory: CacheMemory = (
             PagedMemory(config, runner_info, self.budget_bytes, self.capacity) if self.paged
@@ -347,6 +349,8 @@ class Scheduler:
             raise WorkbenchError(f"request {request_id!r} already {self._done[request_id]}")
         if request_id not in self._known:
             raise WorkbenchError(f"unknown request {request_id!r}")
+        if self._pending is not None and self.paged:  # (its token trees' forks go with it)
+            self.memory.drop_branches(self._step_id)
         self._pending = None
         slot = self.slots.slot_of(request_id)
         if slot is None:
@@ -366,16 +370,22 @@ class Scheduler:
     # -- the step --------------------------------------------------------------------------
 
     def schedule(self, step_id: int | None = None,
-                 drafts: Mapping[Hashable, Sequence[int]] | None = None) -> StepPlan | None:
+                 drafts: Mapping[Hashable, Sequence[int]] | None = None,
+                 branches: Mapping[Hashable, Sequence[Sequence[int]]] | None = None) -> StepPlan | None:
         """Admit what fits, then plan the next step; None when nothing is running. `step_id`:
         the engine's id of the step (increasing; default: one more than the previous one),
         the fence of whatever the step's commit releases. Paged: every planned segment has
         its pages when this returns (preempting the newest requests where a decode row cannot
         get one). `drafts` (speculation): request id -> draft tokens to verify after its next
         token; a decoding request's draft is cut to what it may still emit (`draft_room`) and,
-        where pages are short, to what fits (`plan.drafts` holds what is verified)."""
+        where pages are short, to what fits (`plan.drafts` holds what is verified). `branches`
+        (token trees): request id -> alternative paths beside its draft, each cut alike, kept
+        where their forks' pages fit (`plan.branches`)."""
+        if self._pending is not None and self.paged:  # (a plan discarded before its commit)
+            self.memory.drop_branches(self._step_id)
         self._pending = None
         self._drafts = drafts or {}
+        self._branch_paths = branches or {}
         if step_id is None:
             step_id = 0 if self._step_id is None else self._step_id + 1
         self._arriving = set()
@@ -496,7 +506,7 @@ class Scheduler:
             bytes_per_prefill_row=self.runner.bytes_per_prefill_row,
             decode_rows=decode_rows,
         )
-        return self.planner.plan(
+        plan = self.planner.plan(
             views,
             chunk_size=chunk,
             max_batch_rows=self.config.max_batch_rows,
@@ -505,6 +515,17 @@ class Scheduler:
             fuse=self._fuse,
             drafts=drafts,
         )
+        branches = {}
+        for slot, d in plan.drafts.items():
+            room = self.draft_room(slot)
+            kept = [d]
+            for p in self._branch_paths.get(self._running[slot].request.request_id, ()):
+                p = tuple(int(t) for t in p[:room])
+                if p and not any(q[: len(p)] == p for q in kept):  # (cut, it may verify nothing new)
+                    kept.append(p)
+            if len(kept) > 1:
+                branches[slot] = tuple(kept[1:])
+        return replace(plan, branches=branches) if branches else plan
 
     def draft_room(self, slot: int) -> int:
         """The most draft tokens slot `slot` may verify in a step: a burst emits at most one
@@ -528,17 +549,24 @@ class Scheduler:
         self._check_pending(plan)
         out = []
         for fwd in plan.forwards():
-            segs = [self._decode_segment(slot, plan.drafts.get(slot, ())) for slot in fwd.decode_slot_ids]
+            segs = []
+            for slot in fwd.decode_slot_ids:
+                segs.append(self._decode_segment(slot, plan.drafts.get(slot, ())))
+                segs += [self._branch_segment(slot, b, path) for b, path in enumerate(plan.branches.get(slot, ()), 1)]
             segs += [self._prefill_segment(c) for c in fwd.prefill_chunks]
             out.append(segs)
         return out
 
-    def commit(self, plan: StepPlan, sampled: Mapping[int, int]) -> list[RequestEvent]:
+    def commit(self, plan: StepPlan, sampled: Mapping[int, int],
+               paths: Mapping[int, int] | None = None) -> list[RequestEvent]:
         """Advance the bookkeeping by the step's results: `sampled` maps slot id -> the token
         sampled from that slot's last row (needed for decode rows and final prefill chunks),
-        or for a slot that verified a draft (`plan.drafts`) the tokens its burst emits."""
+        or for a slot that verified a draft (`plan.drafts`) the tokens its burst emits.
+        `paths` (token trees): slot -> the path its burst followed (0: its draft, b >= 1:
+        `plan.branches[slot][b - 1]`, whose fork then becomes the slot's pages)."""
         self._check_pending(plan)
         self._pending = None
+        paths = paths or {}
         events = []
         for group in plan.decode_groups:
             for slot in group.slot_ids:
@@ -549,6 +577,15 @@ class Scheduler:
                     self.memory.commit(s.request.request_id, s.output_ids[-1:])  # the fed token's KV
                     events += self._append(slot, token)
                     continue
+                b = paths.get(slot, 0)
+                if slot in plan.branches:
+                    if not 0 <= b <= len(plan.branches[slot]):
+                        raise ValueError(f"slot {slot}: path {b} of a tree of {1 + len(plan.branches[slot])} "
+                                         f"(allowed 0..{len(plan.branches[slot])})")
+                    self.memory.settle_branches(s.request.request_id, b, self._step_id)
+                    draft = plan.branches[slot][b - 1] if b else draft
+                elif b:
+                    raise ValueError(f"slot {slot}: path {b} but the plan verified no tree for it (allowed 0)")
                 events += self._commit_burst(slot, draft, list(token))
         for chunk in plan.prefill_chunks:
             s = self._running[chunk.slot_id]
@@ -653,6 +690,14 @@ class Scheduler:
         return Segment(slot, s.request.request_id, (s.output_ids[-1],) + draft, s.context_len, True,
                        *self.memory.segment_fields(s.request.request_id), scored=1 + len(draft))
 
+    def _branch_segment(self, slot: int, b: int, path: tuple[int, ...]) -> Segment:
+        """Token trees: path b's rows (the fed token, then the path), on its fork of the slot's
+        pages, under its own id `branch_slot(slot, b)`."""
+        s = self._running[slot]
+        rid = s.request.request_id
+        return Segment(branch_slot(slot, b), rid, (s.output_ids[-1],) + path, s.context_len, True,
+                       *self.memory.branch_fields(rid, b), scored=1 + len(path))
+
     def _prefill_segment(self, chunk: PrefillChunk) -> Segment:
         s = self._running[chunk.slot_id]
         end = chunk.start + chunk.length
@@ -675,6 +720,17 @@ class Scheduler:
                 "plan is not the pending one: it was committed, replaced by a later schedule(), "
                 "or discarded by cancel(); call schedule() again"
             )
+
+
+def branch_slot(slot: int, b: int) -> int:
+    """The id a tree's path b >= 1 of slot `slot` runs under (negative: no real slot has it);
+    `branch_of` inverts it."""
+    return -(slot * MAX_PATHS + b)
+
+
+def branch_of(vslot: int) -> tuple[int, int]:
+    """(slot, path) of a `branch_slot` id."""
+    return divmod(-vslot, MAX_PATHS)
 
 
 def _event(kind: str, s: _Sequence, slot: int | None, reason: str) -> RequestEvent:

@@ -29,13 +29,18 @@ __all__ = ["PROPOSERS", "SpecConfig", "VERIFIES", "proposer_fields"]
 PROPOSERS = ("ngram", "suffix", "self", "draft")
 VERIFIES = ("exact", "rejection")
 MAX_K = 16  # draft tokens per slot per step: the verify rows stay within the chunk graphs' buckets
+MAX_TREE = 128  # a token tree's node budget per slot per step (a step's rows stay within the graphs')
+MAX_PATHS = 8  # a tree's paths per slot per step: the main draft and up to 7 alternatives
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     proposer: str = "ngram"
     k: int = 4  # the most draft tokens a slot verifies in a step, 1..MAX_K
-    # token trees (a node budget per step) are a later slice: only linear chains now (None)
+    # token trees: None (a linear chain), or the node budget N (k+1..MAX_TREE): the draft tokens
+    # a slot verifies per step across its tree's paths (the main draft and alternatives, each a
+    # root-to-leaf path of at most k, verified on its own fork of the slot's pages, so shared
+    # prefixes count once per path; see speculator.py)
     tree: int | None = None
     verify: str = "exact"
     # the yield guard: per slot, a draft length 0..k from its acceptance and the verify rows'
@@ -65,8 +70,12 @@ class SpecConfig:
             raise ConfigError(f"speculation proposer={self.proposer!r} is not allowed: allowed {', '.join(PROPOSERS)}")
         _int("k", self.k, 1, MAX_K)
         if self.tree is not None:
-            raise ConfigError(f"speculation tree={self.tree!r} is not allowed: allowed None (linear chains; "
-                              f"token trees are not built yet)")
+            if isinstance(self.tree, bool) or not isinstance(self.tree, int) or not self.k < self.tree <= MAX_TREE:
+                raise ConfigError(f"speculation tree={self.tree!r} is out of range: allowed None (a linear chain) "
+                                  f"or a node budget {self.k + 1}..{MAX_TREE} (more than k={self.k})")
+            if self.verify != "exact":
+                raise ConfigError(f"speculation tree={self.tree} with verify={self.verify!r} is not allowed: "
+                                  f"allowed verify='exact' (rejection sampling verifies one chain)")
         if self.verify not in VERIFIES:
             raise ConfigError(f"speculation verify={self.verify!r} is not allowed: allowed {', '.join(VERIFIES)}")
         if not isinstance(self.guard, bool):

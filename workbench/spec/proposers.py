@@ -4,12 +4,20 @@
     p.start(rid, prompt_ids)
     draft = p.propose(rid, context_ids, k)     # at most k tokens, maybe none
     p.finish(rid, context_ids, num_prompt)     # the request is done (suffix: learn its output)
+    paths = p.propose_tree(rid, context_ids, k, budget)   # optional: token trees (SpecConfig.tree)
 
 A proposal is only a guess: verification (verify.py) keeps the output exact whatever comes
 back, so a proposer is judged by its yield alone. Plain Python, no torch: the model-based
 proposers (model_proposer.py: the target's first layers, a draft GGUF; an MTP head later)
 implement the same four methods, and may add `propose_many({rid: (context, k)})`, which the
 speculator then calls once a step for all requests (a model drafts them in one batch).
+
+Token trees (`SpecConfig.tree`): a proposer may add `propose_tree(rid, context, k, budget)`,
+the tree as its root-to-leaf paths, the main draft (`propose`'s) first, each at most k tokens,
+together at most `budget` tokens, none a prefix of another (`tree_paths` keeps them so). A
+proposer without it drafts a chain. The n-gram proposer's alternatives are the continuations
+of the matched suffix's earlier occurrences, latest first; the suffix proposer's branch at the
+first token, the next most frequent continuations, each then followed greedily.
 
 * `NgramProposer` (prompt lookup, as vLLM's `ngram` and llama.cpp's lookup decoding): the
   longest suffix of the context, ngram_max tokens down to ngram_min, that occurred earlier in
@@ -31,7 +39,7 @@ from typing import Hashable, Protocol, Sequence
 
 from .config import SpecConfig
 
-__all__ = ["NgramProposer", "Proposer", "SuffixProposer", "make_proposer"]
+__all__ = ["NgramProposer", "Proposer", "SuffixProposer", "make_proposer", "tree_paths"]
 
 
 class Proposer(Protocol):
@@ -57,35 +65,58 @@ def make_proposer(config: SpecConfig, model=None, runner=None) -> Proposer:
 
         return build_model_proposer(config, model, runner)
     if config.proposer == "ngram":
-        return NgramProposer(config.ngram_max, config.ngram_min)
+        return NgramProposer(config.ngram_max, config.ngram_min, tree=config.tree is not None)
     return SuffixProposer(config.suffix_depth, config.ngram_min)
 
 
-class _NgramIndex:
-    """n -> {the n tokens ending at j: j}, the latest j, for every end j registered so far."""
+def tree_paths(candidates, k: int, budget: int, most: int) -> tuple[tuple[int, ...], ...]:
+    """A tree's paths from candidate continuations in order of preference: each cut to k tokens,
+    empty ones and those a kept path already starts with (they would verify nothing new) passed
+    over, at most `most` paths and `budget` tokens in all (the last one cut to fit)."""
+    out: list[tuple[int, ...]] = []
+    left = budget
+    for c in candidates:
+        c = tuple(c[: min(k, left)])
+        if not c or any(p[: len(c)] == c for p in out):
+            continue
+        out.append(c)
+        left -= len(c)
+        if left <= 0 or len(out) >= most:
+            break
+    return tuple(out)
 
-    def __init__(self, n_max: int, n_min: int):
+
+class _NgramIndex:
+    """n -> {the n tokens ending at j: j}, the latest j, for every end j registered so far; with
+    `every`, also n -> {those n tokens: every such j, in order} (token trees' alternatives)."""
+
+    def __init__(self, n_max: int, n_min: int, every: bool = False):
         self.sizes = range(n_max, n_min - 1, -1)
         self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self.every: dict[int, dict[tuple[int, ...], list[int]]] | None = (
+            {n: defaultdict(list) for n in self.sizes} if every else None)
         self.upto = 0  # ends 1..upto are registered
 
     def register(self, context: Sequence[int], upto: int) -> None:
         for j in range(self.upto + 1, upto + 1):
             for n in self.sizes:
                 if j >= n:
-                    self.ends[n][tuple(context[j - n : j])] = j
+                    key = tuple(context[j - n : j])
+                    self.ends[n][key] = j
+                    if self.every is not None:
+                        self.every[n][key].append(j)
         self.upto = max(self.upto, upto)
 
 
 class NgramProposer:
     name = "ngram"
 
-    def __init__(self, n_max: int = 4, n_min: int = 2):
-        self.n_max, self.n_min = n_max, n_min
+    def __init__(self, n_max: int = 4, n_min: int = 2, tree: bool = False):
+        self.n_max, self.n_min, self.tree = n_max, n_min, tree
         self._index: dict[Hashable, _NgramIndex] = {}
 
     def start(self, rid: Hashable, prompt_ids: Sequence[int]) -> None:
-        self._index[rid] = _NgramIndex(self.n_max, self.n_min)
+        self._index[rid] = _NgramIndex(self.n_max, self.n_min, every=self.tree)
 
     def propose(self, rid: Hashable, context: Sequence[int], k: int) -> tuple[int, ...]:
         L = len(context)
@@ -98,6 +129,24 @@ class NgramProposer:
             if j is not None:
                 return tuple(context[j : j + k])
         return ()
+
+    def propose_tree(self, rid: Hashable, context: Sequence[int], k: int, budget: int,
+                     most: int = 8) -> tuple[tuple[int, ...], ...]:
+        """The main draft, then what followed the longest matched suffix's earlier occurrences,
+        latest first, then shorter suffixes' (needs the proposer built with tree=True)."""
+        main = self.propose(rid, context, k)
+        index, L = self._index[rid], len(context)
+        if index.every is None:
+            raise RuntimeError("propose_tree needs NgramProposer(tree=True)")
+
+        def candidates():
+            yield main
+            for n in index.sizes:
+                if n <= L:
+                    for j in reversed(index.every[n].get(tuple(context[L - n :]), ())):
+                        yield context[j : j + k]
+
+        return tree_paths(candidates(), k, budget, most) if main else ()
 
     def finish(self, rid: Hashable, context: Sequence[int], num_prompt: int) -> None:
         self._index.pop(rid, None)
@@ -147,9 +196,43 @@ class SuffixProposer:
             tail = (tail + [nxt])[-self.depth :]
         return tuple(out)
 
-    def _next(self, local: _Counts, tail: list[int]) -> int | None:
-        """The most frequent next token after the longest suffix of `tail` seen (local and
-        corpus counts together; ties to the lower token id, so a proposal is deterministic)."""
+    def propose_tree(self, rid: Hashable, context: Sequence[int], k: int, budget: int,
+                     most: int = 8) -> tuple[tuple[int, ...], ...]:
+        """The main draft, then, at each of its positions from the first, a path for each
+        other next token seen after the context there (the longest matched suffix's, most
+        frequent first, then shorter suffixes'), each continued greedily: a tree branching
+        along the main draft."""
+        main = self.propose(rid, context, k)
+        if not main:
+            return ()
+        local, _ = self._local[rid]
+        tail = list(context[-self.depth :])
+
+        def follow(path: list[int], t: list[int]) -> list[int]:
+            while len(path) < k:
+                nxt = self._next(local, t)
+                if nxt is None:
+                    break
+                path.append(nxt)
+                t = (t + [nxt])[-self.depth :]
+            return path
+
+        def candidates():
+            yield main
+            for i in range(len(main)):
+                t = (tail + list(main[:i]))[-self.depth :]
+                seen = [main[i]]
+                for n in range(min(self.depth, len(t)), self.min_match - 1, -1):
+                    for alt in self._ranked(local, t[-n:]):
+                        if alt not in seen:
+                            seen.append(alt)
+                            yield follow(list(main[:i]) + [alt], (t + [alt])[-self.depth :])
+
+        return tree_paths(candidates(), k, budget, most)
+
+    def _ranked(self, local: _Counts, tail: list[int]) -> list[int]:
+        """The next tokens after the longest suffix of `tail` seen (local and corpus counts
+        together), most frequent first, ties to the lower token id: deterministic."""
         for n in range(min(self.depth, len(tail)), self.min_match - 1, -1):
             suffix = tuple(tail[-n:])
             rows = [r for r in (local.get(suffix), self.corpus.get(suffix)) if r]
@@ -158,8 +241,13 @@ class SuffixProposer:
                 for r in rows:
                     for t, c in r.items():
                         counts[t] = counts.get(t, 0) + c
-                return min(counts, key=lambda t: (-counts[t], t))
-        return None
+                return sorted(counts, key=lambda t: (-counts[t], t))
+        return []
+
+    def _next(self, local: _Counts, tail: list[int]) -> int | None:
+        """The most frequent next token after the longest suffix of `tail` seen."""
+        ranked = self._ranked(local, tail)
+        return ranked[0] if ranked else None
 
     def finish(self, rid: Hashable, context: Sequence[int], num_prompt: int) -> None:
         self._local.pop(rid, None)

@@ -5,6 +5,17 @@ Per step the engine asks `drafts(contexts)` for every decoding request's draft (
 length, then the proposer's tokens), schedules them, runs the verify rows, accepts with
 verify.py's rule, and reports back with `observe` (per verify) and `record_step` (the step's
 rows and wall time, which the guard's cost model learns from).
+
+Token trees (`SpecConfig.tree`, a node budget N): a proposer with `propose_tree` gives each
+slot its main draft and alternatives (`branches`, request id -> the alternative paths). Each
+path is verified as a linear chain of its own: its rows run on a fork of the slot's pages (the
+committed context shared, the partial last page copied: PagedMemory.fit), so sibling nodes
+have their own KV rows and every row reduces over its own context's keys in plain decoding's
+order, bitwise a decode step there, by the same construction as a chain's. A path's shared
+prefix is computed again in each path (the cost of that construction: rows, not exactness).
+After the forward the path that keeps the most draft tokens wins (the first of equals): its
+fork becomes the slot's pages, the others are freed. The guard's length applies to the tree:
+a slot granted j of k draft tokens gets a budget of N * j // k.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ class SpecStats:
     """One request's speculation counters."""
 
     verify_steps: int = 0  # steps it verified a draft in
-    drafted: int = 0  # draft tokens verified
+    drafted: int = 0  # draft tokens verified (the winning path's, with token trees)
     accepted: int = 0  # of those, kept
     emitted: int = 0  # tokens its verify steps emitted (kept + the target's own)
     guard_skips: int = 0  # steps the guard chose no draft for it
@@ -33,6 +44,9 @@ class SpecStats:
     hist: list[int] = field(default_factory=list)  # hist[a]: verify steps that kept a draft tokens
     position_drafted: list[int] = field(default_factory=list)  # per draft position i: drafted
     position_accepted: list[int] = field(default_factory=list)  # and kept
+    tree_paths: int = 0  # token trees: alternative paths verified beside the main draft
+    tree_tokens: int = 0  # and their draft tokens
+    tree_wins: int = 0  # verify steps an alternative kept more than the main draft
 
     @property
     def draft_yield(self) -> float | None:
@@ -88,6 +102,9 @@ class Speculator:
         self.draft_cost = DraftCost()
         self._draft_ms = 0.0  # the proposer's time in the latest drafts() call
         self.stats: dict[Hashable, SpecStats] = {}
+        # token trees: request id -> the alternative paths of the latest drafts() call
+        self.branches: dict[Hashable, tuple[tuple[int, ...], ...]] = {}
+        self.tree = config.tree is not None and hasattr(self.proposer, "propose_tree")
 
     def forget_proposals(self) -> None:
         """A fresh proposer of the config's kind, keeping the guard's measured step cost (an
@@ -131,7 +148,10 @@ class Speculator:
                 asks[rid] = (ctx, k)
         many = getattr(self.proposer, "propose_many", None)
         t0 = time.perf_counter()
-        if many is not None:
+        self.branches = {}
+        if self.tree:
+            got = self._trees(asks, len(contexts) + sum(lengths.values()))
+        elif many is not None:
             got = many(asks) if asks else {}
         else:
             got = {rid: self.proposer.propose(rid, ctx, k) for rid, (ctx, k) in asks.items()}
@@ -148,10 +168,40 @@ class Speculator:
         self.guard.tick()
         return out
 
-    def observe(self, rid: Hashable, drafted: int, kept: int, emitted: int) -> None:
-        """A verify of `drafted` tokens kept `kept` and emitted `emitted` tokens."""
+    def _trees(self, asks: Mapping[Hashable, tuple[Sequence[int], int]], rows: int) -> dict[Hashable, tuple[int, ...]]:
+        """Each ask's tree: its main draft is returned, its alternatives go to `branches`, while
+        the step's rows (`rows` so far: every decode row and main draft token) stay within the
+        runner's fastest form; a path costs its tokens and its fed token's row."""
+        k_max, budget = self.config.k, self.config.tree
+        room = None if self.max_step_rows is None else self.max_step_rows - rows
+        got = {}
+        for rid, (ctx, k) in asks.items():
+            paths = self.proposer.propose_tree(rid, ctx, k, max(k, budget * k // k_max))
+            if not paths:
+                continue
+            got[rid] = paths[0]
+            alts = []
+            for p in paths[1:]:
+                if room is not None and room < 1 + len(p):
+                    break
+                alts.append(p)
+                if room is not None:
+                    room -= 1 + len(p)
+            if alts:
+                self.branches[rid] = tuple(alts)
+        return got
+
+    def observe(self, rid: Hashable, drafted: int, kept: int, emitted: int, *, alternatives: int = 0,
+                alternative_tokens: int = 0, won: bool = False) -> None:
+        """A verify of `drafted` tokens kept `kept` and emitted `emitted` tokens (token trees:
+        those of the winning path, beside `alternatives` other paths of `alternative_tokens`
+        tokens; `won`: an alternative kept more than the main draft)."""
         self.guard.observe(rid, drafted, kept)
-        self.stats[rid].record(drafted, kept, emitted)
+        st = self.stats[rid]
+        st.record(drafted, kept, emitted)
+        st.tree_paths += alternatives
+        st.tree_tokens += alternative_tokens
+        st.tree_wins += int(won)
 
     def record_step(self, rows: int, wall_ms: float) -> None:
         """A step that ran only decode and verify rows (`rows` of them) took `wall_ms`, its

@@ -8,6 +8,8 @@ before it changes anything, so a refusal never leaves half an operation behind.
 * `commit(seq, token_ids)`: those tokens' KV is written; full pages join the prefix cache;
 * `truncate(seq, new_len)`: drop positions past new_len (speculation's rollback);
 * `fork(parent, child, n)`: the child shares the parent's first n positions;
+* `adopt(parent, child)`: the parent takes the child's pages and tokens (token trees: the
+  winning path's fork becomes the sequence), and the child is gone;
 * `free(seq)`: the sequence is finished, cancelled or preempted;
 * `swap_out(seq)` / `swap_in(seq)`: its private pages to the host store and back (host.py).
 
@@ -378,6 +380,26 @@ class PageAllocator:
             copies.append(SlotCopy(self.state.slots(parent_id)[0], self.state.slots(child_id)[0]))
         self._seqs[child_id] = child
         return copies
+
+    def adopt(self, parent_id: Hashable, child_id: Hashable, fence: int | None = None) -> None:
+        """`parent_id` becomes what `child_id` is (its tables, length, floor, tokens, hashes),
+        its own pages released under `fence`; `child_id` is gone. The two must agree on the
+        committed tokens they share (a fork and its parent do)."""
+        parent, child = self.sequence(parent_id), self.sequence(child_id)
+        self._check_resident(parent, "adopt")
+        self._check_resident(child, "be adopted")
+        if parent.has_state or child.has_state:
+            raise WorkbenchError(f"adopt {child_id!r} into {parent_id!r}: sequences with state slots are not "
+                                 f"adopted (allowed: a layout without per-sequence state)")
+        n = min(parent.num_committed, child.num_committed)
+        if parent.token_ids[:n] != child.token_ids[:n]:
+            raise WorkbenchError(f"adopt {child_id!r} into {parent_id!r}: their committed tokens differ")
+        for name, pool in self.pools.items():
+            for page in parent.tables[name].truncate(0):
+                pool.decref(page, fence)
+        parent.tables, parent.length, parent.floor = child.tables, child.length, child.floor
+        parent.token_ids, parent.hashes = child.token_ids, child.hashes
+        del self._seqs[child_id]
 
     def free(self, seq_id: Hashable, fence: int | None = None) -> None:
         """Hand back every page of a finished, cancelled or preempted sequence. Hashed pages stay
