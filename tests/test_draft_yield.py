@@ -28,10 +28,26 @@ def test_the_real_model_copies_a_function_and_ngram_drafts_are_kept(real_model_b
     assert r["generated_tokens"] == r["ar_generated_tokens"] == 64
 
 
+def test_token_trees_on_the_real_model_verify_alternatives_and_stay_identical(real_model_bf16):
+    """Agentic tool calls with n-gram trees (a node budget of 12 at k=4): a schema's repeated
+    keys recur with other values after them, so the matched suffix's earlier occurrences give
+    alternative paths, verified beside the main draft; tokens are the plain run's, and the row
+    carries the tree's counters. (Code editing gives almost none: with Gemma's 262K vocabulary
+    even a 2-token suffix of copied code occurs once.)"""
+    rows = draft_yield.measure_draft_yield(real_model_bf16, workloads=["agentic"], proposers=["ngram"], ks=[4],
+                                           trees=[12], concurrency=[2], guards=["off"], max_tokens=32,
+                                           progress=False)
+    (r,) = rows.iter_rows(named=True)
+    assert r["tokens_identical"] and r["activation_ok"] and r["tree"] == 12 and r["arm"] == "ngram k=4 tree=12 guard off"
+    assert r["tree_paths"] > 0 and r["tree_rows"] > r["tree_paths"] and r["verify_steps"] > 0
+
+
 def test_activation_flags_a_run_that_verified_nothing():
     assert draft_yield.activation(0) == (False, "speculation asked but no draft was verified (the proposer found "
                                              "nothing, or the guard kept every slot at k=0)")
     assert draft_yield.activation(3) == (True, None)
+    assert draft_yield.activation(3, tree=True, tree_paths=0)[0] is False
+    assert draft_yield.activation(3, tree=True, tree_paths=2) == (True, None)
 
 
 def test_differing_names_the_rows_and_require_identical_refuses():

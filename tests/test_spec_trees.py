@@ -198,3 +198,22 @@ def test_triton_tree_paths_are_bitwise_its_decode_steps(tiny_model, temperature)
     _no_page_left(e)
     if TRITON_GRAPHS:
         assert any(sel > 1 for _, sel, _ in e.runner.graphs.chunk_keys)
+
+
+def test_bench_spec_tree_rows_carry_the_tree_and_bad_budgets_are_one_line(tiny_gguf, tmp_path, capsys):
+    import polars as pl
+
+    from workbench.cli import main
+
+    base = ["bench", "--model", str(tiny_gguf("llama")), "--concurrency", "2", "--prompt-len", "24", "--gen", "8",
+            "--data-dir", str(tmp_path), "--no-progress", "--spec", "ngram", "--spec-k", "3", "--no-spec-guard"]
+    assert main([*base, "--spec-tree", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "speculation tree=3 is out of range" in err[0] and "4..128" in err[0]
+    assert main([*base, "--spec-tree", "9"]) == 0
+    [summary] = list(tmp_path.glob("runs/*/summary.parquet"))
+    row = pl.read_parquet(summary).row(0, named=True)
+    assert row["speculation"] == "ngram:k3+tree9+noguard"
+    # the activation proof: a tree that never branched is flagged, one that did is not
+    flagged = row["flag"] is not None and "token trees asked" in row["flag"]
+    assert flagged == (row["spec_verify_steps"] > 0 and row["spec_tree_paths"] == 0)

@@ -304,6 +304,7 @@ def _draft_yield() -> Ablation:
     from workbench.draft_yield import GUARDS
     from workbench.engine_config import BACKENDS
     from workbench.spec import MAX_K
+    from workbench.spec.config import MAX_TREE
     from workbench.workloads import WORKLOADS
 
     return Ablation(
@@ -323,6 +324,8 @@ def _draft_yield() -> Ablation:
             Param("concurrencies", "int_list", [1, 4, 16], "requests submitted together (a row's concurrency; "
                   "at most 32: the shipped sets hold 32 prompts)", lo=1, hi=32),
             Param("guards", "word_list", ["on"], "the yield guard (SpecConfig.guard; a row's guard)", words=GUARDS),
+            Param("trees", "int_list", [0], "token-tree node budgets (SpecConfig.tree, more than k; 0: a linear "
+                  "chain; a row's tree)", lo=0, hi=MAX_TREE),
             Param("temperatures_pct", "int_list", [0], "sampling temperatures in hundredths (0: greedy; 80: "
                   "temperature 0.8, top-p 0.95, seeded; a row's temperature)", lo=0, hi=200),
             Param("max_tokens", "int", None, "a cap on each prompt's own max_tokens (None: the prompt's)", lo=1,

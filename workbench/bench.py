@@ -163,6 +163,9 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
         "spec_verify_steps": sum(r.spec.verify_steps for r in results) if speculation else None,
         "spec_drafted": sum(r.spec.drafted for r in results) if speculation else None,
         "spec_accepted": sum(r.spec.accepted for r in results) if speculation else None,
+        # token trees: alternative paths verified, and verifies an alternative won (0 with chains)
+        "spec_tree_paths": sum(r.spec.tree_paths for r in results) if speculation else None,
+        "spec_tree_wins": sum(r.spec.tree_wins for r in results) if speculation else None,
         "draft_yield": (sum(r.spec.emitted for r in results) / max(1, sum(r.spec.verify_steps for r in results))
                         if speculation else None),
         # a draft model's forwards and their wall time (self / draft proposers; None otherwise)
@@ -278,6 +281,7 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
                                               prompt_compression=config.prompt_compression,
                                               host_backing=kv_host_tokens is not None,
                                               speculation=speculation is not None,
+                                              tree=speculation is not None and speculation.tree is not None,
                                               qsa_boundary=None if qsa is None else qsa.dense_positions)
                 rows.append(row)
                 if row["flag"]:
@@ -299,7 +303,7 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
 
 def activation_flag(row: dict, *, prefix_cache: bool, shared_prefix_len: int,
                     prompt_compression: str | float = "off", host_backing: bool = False,
-                    speculation: bool = False, qsa_boundary: int | None = None) -> str | None:
+                    speculation: bool = False, tree: bool = False, qsa_boundary: int | None = None) -> str | None:
     """Why a measurement that asked for a feature shows none of it (None when each asked-for
     feature ran; each feature's reason, joined by "; ", when several did not): a shared prefix
     with the cache on must show prefix-hit tokens, on a paged runner; prompt compression must
@@ -323,6 +327,9 @@ def activation_flag(row: dict, *, prefix_cache: bool, shared_prefix_len: int,
     if speculation and not row.get("spec_verify_steps"):
         why.append("speculation asked, but no draft was verified (the proposer found nothing, or the guard kept "
                    "every slot at k=0)")
+    if tree and row.get("spec_verify_steps") and not row.get("spec_tree_paths"):
+        why.append("token trees asked, but no alternative path was verified (the proposer offered one path "
+                   "only, or the forks' pages did not fit)")
     if speculation and row.get("draft_forwards") == 0:
         why.append("a draft model asked, but it ran no forward (the guard kept every slot at k=0, or its KV "
                    "pool had no room: raise SpecConfig.draft_kv_tokens)")
@@ -333,11 +340,13 @@ def activation_flag(row: dict, *, prefix_cache: bool, shared_prefix_len: int,
 
 
 def spec_text(spec) -> str:
-    """'off', or the speculation's proposer and k ("ngram:k4", "+noguard" with the guard off)."""
+    """'off', or the speculation's proposer and k ("ngram:k4"; "+tree12" with a node budget,
+    "+noguard" with the guard off)."""
     if spec is None:
         return "off"
     name = {"self": f"self:{spec.draft_layers}", "draft": f"draft:{os.path.basename(spec.draft_model or '')}"}
-    return f"{name.get(spec.proposer, spec.proposer)}:k{spec.k}" + ("" if spec.guard else "+noguard")
+    return (f"{name.get(spec.proposer, spec.proposer)}:k{spec.k}" + ("" if spec.tree is None else f"+tree{spec.tree}")
+            + ("" if spec.guard else "+noguard"))
 
 
 def compression_text(mode: str | float) -> str:
@@ -555,7 +564,8 @@ def register_cli(sub) -> None:
     p.add_argument("--spec-k", type=int_range(1, MAX_K), default=SpecConfig.k, metavar="K",
                    help=f"--spec: the most draft tokens a slot verifies per step, 1..{MAX_K}")
     p.add_argument("--spec-tree", type=int_range(1), default=None, metavar="N",
-                   help="--spec: a token-tree node budget per step (not built yet: refused)")
+                   help="--spec: token trees with a node budget of N draft tokens per slot per step across "
+                        "its paths (more than --spec-k; default: linear chains)")
     p.add_argument("--no-spec-guard", dest="spec_guard", action="store_false",
                    help="--spec: every slot drafts what its proposer offers, up to K (default: the yield guard)")
     p.add_argument("--qsa", type=_qsa, default=None, metavar="on|NAME=VALUE,...",

@@ -3,8 +3,9 @@
 outputs.
 
 For every workload and concurrency C, C prompts of the workload (workbench/workloads.py) are
-submitted together on a plain engine: the reference. Then, for every proposer, k and guard
-setting, the same prompts on an engine with that speculation. A row says what the proposer
+submitted together on a plain engine: the reference. Then, for every proposer, k, token-tree
+budget (`trees`: 0 for a linear chain) and guard setting, the same prompts on an engine with
+that speculation. A row says what the proposer
 drafted and the target kept (verify steps, draft tokens, acceptance, the acceptance-length
 histogram, draft yield: tokens emitted per verify step), the goodput (tokens generated over
 the run's wall, from the first submit to the last token) against the reference's, and
@@ -41,6 +42,7 @@ def measure_draft_yield(
     ks: Sequence[int],
     concurrency: Sequence[int],
     guards: Sequence[str] = ("on",),
+    trees: Sequence[int] = (0,),
     temperatures: Sequence[float] = (0.0,),
     max_tokens: int | None = None,
     backend: str = "torch",
@@ -49,8 +51,8 @@ def measure_draft_yield(
     progress: bool = True,
     timed_passes: int = 1,
 ):
-    """One row per (workload, temperature, concurrency, proposer, k, guard), each beside its AR
-    reference.
+    """One row per (workload, temperature, concurrency, proposer, k, tree, guard), each beside
+    its AR reference. `trees`: token-tree node budgets (SpecConfig.tree; 0: a linear chain).
     `max_tokens`: a cap on each prompt's own suggestion (None: the suggestion).
     `timed_passes`: each engine runs the prompts this many times after its warm-up pass; a row
     reports the pass of median goodput (on the GPU a step shape first met in a timed pass
@@ -66,11 +68,11 @@ def measure_draft_yield(
     bad = [g for g in guards if g not in GUARDS]
     if bad:
         raise WorkbenchError(f"guard={bad[0]!r} is not allowed: allowed {', '.join(GUARDS)}")
-    specs = [(p, k, g) for p in proposers for k in ks for g in guards]
-    for p, k, g in specs:  # (a bad value: one line, before any work)
-        SpecConfig(**proposer_fields(p), k=k, guard=g == "on")
-    labels = [f"{w} T={t:g} C={c} " + (f"{p} k={k} guard {g}" if p else "AR")
-              for w in workloads for t in temperatures for c in concurrency for p, k, g in [(None, 0, None)] + specs]
+    specs = [(p, k, n, g) for p in proposers for k in ks for n in trees for g in guards]
+    for p, k, n, g in specs:  # (a bad value: one line, before any work)
+        SpecConfig(**proposer_fields(p), k=k, tree=n or None, guard=g == "on")
+    labels = [f"{w} T={t:g} C={c} " + (_arm(p, k, n, g) if p else "AR")
+              for w in workloads for t in temperatures for c in concurrency for p, k, n, g in [(None, 0, 0, None)] + specs]
     rows = []
     with measurement_bar(labels, enabled=progress) as bar:
         for w in workloads:
@@ -83,11 +85,11 @@ def measure_draft_yield(
                     base = dict(max_concurrency=c, dtype=model.dtype_name, backend=backend, prefix_cache=False)
                     ref = _run(model, EngineConfig(**base), timed, sampling, timed_passes)
                     next_measurement(bar, labels)
-                    for p, k, g in specs:
-                        spec = SpecConfig(**proposer_fields(p), k=k, guard=g == "on")
+                    for p, k, n, g in specs:
+                        spec = SpecConfig(**proposer_fields(p), k=k, tree=n or None, guard=g == "on")
                         got = _run(model, EngineConfig(**base, speculation=spec), timed, sampling, timed_passes)
-                        rows.append(_row(model, got, ref, workload=w, concurrency=c, proposer=p, k=k, guard=g,
-                                         backend=backend, temperature=t))
+                        rows.append(_row(model, got, ref, workload=w, concurrency=c, proposer=p, k=k, tree=n,
+                                         guard=g, backend=backend, temperature=t))
                         next_measurement(bar, labels)
     return pl.DataFrame(rows, infer_schema_length=None)
 
@@ -97,7 +99,8 @@ def measure_from_config(model, config: dict):
     what the notebook and scripts/draft_yield_run.py both run."""
     return measure_draft_yield(
         model, workloads=config["workloads"], proposers=config["proposers"], ks=config["ks"],
-        concurrency=config["concurrencies"], guards=config["guards"], max_tokens=config["max_tokens"],
+        concurrency=config["concurrencies"], guards=config["guards"], trees=config["trees"],
+        max_tokens=config["max_tokens"],
         temperatures=[t / 100 for t in config["temperatures_pct"]],
         backend=config["backend"], seed=config["seed"], data_dir=config["data_dir"], progress=config["progress"],
         timed_passes=config["timed_passes"])
@@ -193,25 +196,34 @@ def _pass(engine, prompts, sampling: dict, tag: str) -> dict:
         "position_acceptance": [a / d for a, d in zip(pos_a + [0] * (len(pos_d) - len(pos_a)), pos_d)] if spec else None,
         "row_cost": float(last["row_cost"][0]) if spec and last.height and last["row_cost"][0] is not None else None,
         "draft_rows": int(steps["draft_tokens"].fill_null(0).sum()) if spec else None,
+        # token trees: alternative paths verified, their rows, verifies an alternative won
+        "tree_paths": sum(s.tree_paths for s in spec) if spec else None,
+        "tree_rows": int(steps["tree_rows"].fill_null(0).sum()) if spec else None,
+        "tree_wins": sum(s.tree_wins for s in spec) if spec else None,
     }
 
 
-def _row(model, got: dict, ref: dict, *, workload, concurrency, proposer, k, guard, backend, temperature) -> dict:
+def _arm(proposer, k, tree, guard) -> str:
+    return f"{proposer} k={k}" + (f" tree={tree}" if tree else "") + f" guard {guard}"
+
+
+def _row(model, got: dict, ref: dict, *, workload, concurrency, proposer, k, tree, guard, backend, temperature) -> dict:
     same = [a.token_ids == b.token_ids for results in got.get("all_results", [got["results"]])
             for a, b in zip(results, ref["results"])]
-    ok, flag = activation(got["verify_steps"] or 0)
+    ok, flag = activation(got["verify_steps"] or 0, tree=bool(tree), tree_paths=got["tree_paths"] or 0)
     keep = ("wall_s", "generated_tokens", "goodput_tok_s", "num_steps", "verify_steps", "drafted", "accepted",
             "emitted_in_verify", "acceptance", "draft_yield", "guard_skips", "empty_proposals", "acceptance_hist",
-            "position_acceptance", "row_cost", "draft_rows")
+            "position_acceptance", "row_cost", "draft_rows", "tree_paths", "tree_rows", "tree_wins")
     return {
         "workload": workload,
         "concurrency": concurrency,
         "proposer": proposer,
         "k": k,
+        "tree": tree,
         "guard": guard,
         "temperature": temperature,
         "backend": backend,
-        "arm": f"{proposer} k={k} guard {guard}",
+        "arm": _arm(proposer, k, tree, guard),
         **{key: got[key] for key in keep},
         "ar_goodput_tok_s": ref["goodput_tok_s"],
         "ar_wall_s": ref["wall_s"],
@@ -230,11 +242,15 @@ def _row(model, got: dict, ref: dict, *, workload, concurrency, proposer, k, gua
     }
 
 
-def activation(verify_steps: int) -> tuple[bool, str | None]:
-    """Whether a speculation row verified anything (one line when not)."""
+def activation(verify_steps: int, *, tree: bool = False, tree_paths: int = 0) -> tuple[bool, str | None]:
+    """Whether a speculation row verified anything, and with a tree asked an alternative path
+    (one line when not)."""
     if verify_steps == 0:
         return False, ("speculation asked but no draft was verified (the proposer found nothing, or the guard "
                        "kept every slot at k=0)")
+    if tree and tree_paths == 0:
+        return False, ("token trees asked but no alternative path was verified (the proposer offered one path "
+                       "only, or the forks' pages did not fit)")
     return True, None
 
 
