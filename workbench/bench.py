@@ -569,7 +569,7 @@ def register_cli(sub) -> None:
     p.add_argument("--no-spec-guard", dest="spec_guard", action="store_false",
                    help="--spec: every slot drafts what its proposer offers, up to K (default: the yield guard)")
     p.add_argument("--qsa", type=_qsa, default=None, metavar="on|NAME=VALUE,...",
-                   help="QSA sparse attention (workbench/qsa.py; torch backend): 'on' (top 512 blocks of 4, one "
+                   help="QSA sparse attention (workbench/qsa.py; both backends): 'on' (top 512 blocks of 4, one "
                         "sink and one local block) or options, e.g. 'top_k=256,block=8,summary=minmax' (default: off)")
     add_model_args(p)
     p.set_defaults(func=_cmd_bench)
