@@ -364,7 +364,10 @@ class PagedMemory:
         P = alloc.page_size
         for slot, rid in seq_ids.items():
             paths = plan.branches.get(slot, ()) if slot in drafts and grow.get(slot) == 1 + len(drafts[slot]) else ()
-            L, ok = alloc.sequence(rid).length, []
+            seq, ok = alloc.sequence(rid), []
+            L = seq.length
+            if L != seq.num_committed:  # (positions a discarded plan appended: no tree this step)
+                paths = ()
             for path in paths:
                 need = -(-(L + 1 + len(path)) // P) - L // P  # the partial page's copy and the new pages
                 if not alloc.can_fork(rid, L) or any(need > avail[g] for g in avail):
