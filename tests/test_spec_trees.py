@@ -6,12 +6,15 @@ won), so none can pass with chains alone."""
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from workbench.errors import ConfigError, WorkbenchError
 from workbench.spec import SpecConfig
 from workbench.spec.proposers import NgramProposer, SuffixProposer, tree_paths
 from workbench.state import KVGroup, PageAllocator, StateLayout
 
+from engine_drive import serve_arrivals
 from test_paged_engine import _no_page_left, _reference, _same
 from test_speculation import TRITON_GRAPHS, _engine, _ids, _refs, _run, _triton
 
@@ -136,6 +139,43 @@ def test_trees_under_a_small_pool_give_way_and_stay_exact(tiny_model):
     # some verifies ran their main draft alone (no pages for the forks) or were preempted
     assert sum(r.num_preemptions for r in out) > 0 or any(
         r.spec.tree_paths < 2 * r.spec.verify_steps for r in out)
+    _no_page_left(e)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_soak_trees_with_arrivals_cancels_preemptions_and_prefix_hits(tiny_model, data):
+    """Random arrivals, cancels, pools small enough to preempt, the prefix cache on or off,
+    greedy and seeded requests, n-gram trees of random budgets: every request that finishes is
+    bitwise its reference, and no page or fork is left behind."""
+    m = tiny_model()
+    n_slots = data.draw(st.integers(1, 4))
+    k = data.draw(st.integers(1, 4))
+    spec = SpecConfig(k=k, tree=data.draw(st.integers(k + 1, 3 * k + 2)), guard=data.draw(st.booleans()),
+                      measure_cost=False)
+    e = _engine(m, n_slots, spec, kv_resident_tokens=256 * data.draw(st.integers(2, 5)),
+                prefix_cache=data.draw(st.booleans()), chunk_size=data.draw(st.sampled_from([None, 16])))
+    shared = _ids(120, 77, period=6)
+    specs = []
+    for i in range(data.draw(st.integers(1, 6))):
+        n = data.draw(st.integers(2, 110))
+        base = shared[:n] if data.draw(st.booleans()) else _ids(n, 500 + i, period=data.draw(st.integers(3, 7)))
+        prompt = [t if j % 5 else (t + i + 1) % 390 for j, t in enumerate(base)] + [4 + i]
+        specs.append((prompt, data.draw(st.integers(1, 40)), data.draw(st.sampled_from([0.0, 0.8]))))
+    arrive = [data.draw(st.integers(0, 6)) for _ in specs]
+    cancel_at = [data.draw(st.one_of(st.none(), st.integers(0, 20))) for _ in specs]
+
+    def submit(i):
+        prompt, mt, temp = specs[i]
+        return e.submit(prompt, max_tokens=mt, temperature=temp, top_k=40 if temp else None, seed=3, index=i,
+                        ignore_eos=True)
+
+    handles = serve_arrivals(e, submit, arrive, cancel_at, 300, after_cancel=e.scheduler.allocator.check)
+    for i, h in handles.items():
+        r = h.result()
+        if r.finish_reason != "cancelled":
+            prompt, mt, temp = specs[i]
+            _same(r, _reference(m, prompt, mt, temp, 3, i))
     _no_page_left(e)
 
 
