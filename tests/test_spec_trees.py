@@ -179,6 +179,42 @@ def test_soak_trees_with_arrivals_cancels_preemptions_and_prefix_hits(tiny_model
     _no_page_left(e)
 
 
+def test_the_tree_guard_drops_alternatives_that_never_win_and_keeps_those_that_do(tiny_model):
+    """Guard on: a tree whose main draft is right and whose alternatives are wrong branches for
+    a trial window, then drafts chains for a growing wait; one whose right path is an
+    alternative keeps branching. Both outputs are bitwise AR."""
+    m = tiny_model()
+    prompts = [_ids(12, 90)]
+    refs = _refs(m, prompts, 60)
+    spec = SpecConfig(k=3, tree=9, guard=True, row_cost=0.1, measure_cost=False)
+    never = TreeOracle({tuple(prompts[0]): refs[0][0]}, wrong_from=99)  # (main right: alternatives never win)
+    [r] = _run(_engine(m, 1, spec, never), prompts, 60)
+    _same(r, refs[0])
+    assert r.spec.tree_wins == 0 and 0 < r.spec.tree_paths <= 2 * (4 + 4) and r.spec.verify_steps >= 12
+    [w] = _run(_engine(m, 1, spec, _oracle(prompts, refs, wrong_from=1)), prompts, 60)
+    _same(w, refs[0])
+    assert w.spec.tree_wins == w.spec.verify_steps > 10
+
+
+def test_tree_guard_units():
+    from workbench.spec.guard import TreeGuard
+
+    g = TreeGuard(trials=2, wait=3, wait_max=6)
+    seen = []
+    for _ in range(16):
+        ok = g.allows("r")
+        seen.append(ok)
+        if ok:
+            g.observe("r", rows=4, gained=0, cost=0.1)
+    # 2 trials, 3 chains, 2 trials, 6 chains, 2 trials, then 6 again (at wait_max)
+    assert seen == [True] * 2 + [False] * 3 + [True] * 2 + [False] * 6 + [True] * 2 + [False]
+    g = TreeGuard(trials=2)
+    for _ in range(6):
+        assert g.allows("w")
+        g.observe("w", rows=4, gained=1, cost=0.1)  # 1 token per 4 rows > 0.1: it pays
+    assert TreeGuard(enabled=False).allows("x")
+
+
 def test_tree_paths_proposals_and_adoption_units():
     assert tree_paths([(1, 2, 3), (1, 2), (4, 5, 6), (), (7,)], k=2, budget=5, most=8) == ((1, 2), (4, 5), (7,))
     assert tree_paths([(1, 2, 3), (4, 5, 6)], k=3, budget=4, most=8) == ((1, 2, 3), (4,))

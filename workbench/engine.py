@@ -362,7 +362,7 @@ class Engine:
             live = self._live[running[slot]]
             draft = plan.drafts[slot]
             burst, rows = self._verify(live, draft, out)
-            kept = num_accepted(draft, burst)
+            kept = main_kept = num_accepted(draft, burst)
             alts = plan.branches.get(slot, ())
             for b, path in enumerate(alts, 1):  # the path that keeps the most wins (the first of equals)
                 got, got_rows = self._verify(live, path, on_paths[branch_slot(slot, b)])
@@ -370,7 +370,8 @@ class Engine:
                     draft, burst, rows, kept, chosen[slot] = path, got, got_rows, num_accepted(path, got), b
             burst = burst[: self.scheduler.num_taken(slot, burst)]  # (a stop token mid-burst ends it)
             self.speculator.observe(live.rid, len(draft), kept, len(burst), alternatives=len(alts),
-                                    alternative_tokens=sum(map(len, alts)), won=slot in chosen)
+                                    alternative_tokens=sum(map(len, alts)), won=slot in chosen,
+                                    main_kept=main_kept)
             num_kept += kept
             bursts[slot] = burst
             if self.keep_logits:

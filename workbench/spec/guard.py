@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable
 
-__all__ = ["DraftCost", "StepCost", "YieldGuard"]
+__all__ = ["DraftCost", "StepCost", "TreeGuard", "YieldGuard"]
 
 
 class StepCost:
@@ -165,3 +165,48 @@ class YieldGuard:
 
     def forget(self, rid: Hashable) -> None:
         self._slots.pop(rid, None)
+
+
+class TreeGuard:
+    """Token trees' guard, per slot: whether this step's tree may carry alternative paths.
+
+    An alternative path's rows are worth the draft tokens an alternative keeps beyond what the
+    main draft kept, when it wins. After `trials` verifies with alternatives, a slot whose
+    gained tokens per alternative row are below the row cost c (a token is worth a slot's
+    share of a decode step, a row c of it) drafts chains only, for `wait` verifies, doubled
+    each time a new trial window fails too (up to `wait_max`); a window that pays resets it.
+    So a tree that never wins costs about `trials` verifies' rows per wait, and one that wins
+    keeps branching."""
+
+    def __init__(self, enabled: bool = True, trials: int = 4, wait: int = 8, wait_max: int = 256):
+        self.enabled, self.trials, self.wait0, self.wait_max = enabled, trials, wait, wait_max
+        self._slots: dict[Hashable, list] = {}  # rid -> [verifies, rows, gained, chains left, wait]
+
+    def allows(self, rid: Hashable) -> bool:
+        if not self.enabled:
+            return True
+        st = self._slots.setdefault(rid, [0, 0, 0, 0, self.wait0])
+        if st[3] > 0:
+            st[3] -= 1
+            return False
+        return True
+
+    def observe(self, rid: Hashable, rows: int, gained: int, cost: float) -> None:
+        """A verify whose alternatives took `rows` rows and kept `gained` tokens beyond the
+        main draft; `cost` is a verify row's cost (YieldGuard's c)."""
+        if not self.enabled or rows == 0:
+            return
+        st = self._slots.setdefault(rid, [0, 0, 0, 0, self.wait0])
+        st[0] += 1
+        st[1] += rows
+        st[2] += gained
+        if st[0] >= self.trials:
+            if st[2] < cost * st[1]:
+                st[3], st[4] = st[4], min(2 * st[4], self.wait_max)
+            else:
+                st[4] = self.wait0
+            st[0] = st[1] = st[2] = 0
+
+    def forget(self, rid: Hashable) -> None:
+        self._slots.pop(rid, None)
+

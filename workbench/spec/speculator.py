@@ -15,7 +15,9 @@ order, bitwise a decode step there, by the same construction as a chain's. A pat
 prefix is computed again in each path (the cost of that construction: rows, not exactness).
 After the forward the path that keeps the most draft tokens wins (the first of equals): its
 fork becomes the slot's pages, the others are freed. The guard's length applies to the tree:
-a slot granted j of k draft tokens gets a budget of N * j // k.
+a slot granted j of k draft tokens gets a budget of N * j // k; and with the guard on, the
+tree guard (guard.py's TreeGuard) drops a slot's alternatives for a while when the tokens
+they gained do not pay for their rows.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
 from .config import SpecConfig
-from .guard import DraftCost, StepCost, YieldGuard
+from .guard import DraftCost, StepCost, TreeGuard, YieldGuard
 from .proposers import Proposer, make_proposer
 
 __all__ = ["SpecStats", "Speculator"]
@@ -105,6 +107,8 @@ class Speculator:
         # token trees: request id -> the alternative paths of the latest drafts() call
         self.branches: dict[Hashable, tuple[tuple[int, ...], ...]] = {}
         self.tree = config.tree is not None and hasattr(self.proposer, "propose_tree")
+        self.tree_guard = TreeGuard(enabled=config.guard)
+        self._cost = config.row_cost  # the latest drafts() call's row cost (the tree guard's too)
 
     def forget_proposals(self) -> None:
         """A fresh proposer of the config's kind, keeping the guard's measured step cost (an
@@ -115,6 +119,7 @@ class Speculator:
         if self.config.proposer in ("ngram", "suffix"):  # (a draft model learns nothing across requests)
             self.proposer = make_proposer(self.config)
         self.guard = YieldGuard(self.config.k, enabled=self.config.guard)
+        self.tree_guard = TreeGuard(enabled=self.config.guard)
 
     def start(self, rid: Hashable, prompt_ids: Sequence[int]) -> None:
         self.proposer.start(rid, prompt_ids)
@@ -135,7 +140,7 @@ class Speculator:
     def drafts(self, contexts: Mapping[Hashable, Sequence[int]]) -> dict[Hashable, tuple[int, ...]]:
         """Request id -> its draft for this step, for the decoding requests `contexts` (request
         id -> prompt and output so far); requests without one decode plainly."""
-        cost = self.row_cost(len(contexts))
+        cost = self._cost = self.row_cost(len(contexts))
         lengths = {rid: self.guard.length(rid, cost) for rid in contexts}
         if self.max_step_rows is not None:
             _fit(lengths, self.max_step_rows - len(contexts))
@@ -181,7 +186,7 @@ class Speculator:
                 continue
             got[rid] = paths[0]
             alts = []
-            for p in paths[1:]:
+            for p in paths[1:] if self.tree_guard.allows(rid) else ():
                 if room is not None and room < 1 + len(p):
                     break
                 alts.append(p)
@@ -192,11 +197,14 @@ class Speculator:
         return got
 
     def observe(self, rid: Hashable, drafted: int, kept: int, emitted: int, *, alternatives: int = 0,
-                alternative_tokens: int = 0, won: bool = False) -> None:
+                alternative_tokens: int = 0, won: bool = False, main_kept: int | None = None) -> None:
         """A verify of `drafted` tokens kept `kept` and emitted `emitted` tokens (token trees:
         those of the winning path, beside `alternatives` other paths of `alternative_tokens`
-        tokens; `won`: an alternative kept more than the main draft)."""
+        tokens; `won`: an alternative kept more than the main draft, which kept `main_kept`)."""
         self.guard.observe(rid, drafted, kept)
+        if alternatives:
+            gained = kept - (kept if main_kept is None else main_kept) if won else 0
+            self.tree_guard.observe(rid, alternatives + alternative_tokens, gained, self._cost)
         st = self.stats[rid]
         st.record(drafted, kept, emitted)
         st.tree_paths += alternatives
@@ -212,4 +220,5 @@ class Speculator:
     def finish(self, rid: Hashable, context: Sequence[int], num_prompt: int) -> SpecStats:
         self.proposer.finish(rid, context, num_prompt)
         self.guard.forget(rid)
+        self.tree_guard.forget(rid)
         return self.stats.pop(rid)
