@@ -420,8 +420,10 @@ def _topk_config(max_blocks: int) -> dict:
 
 def qsa_select_ref(q, summ, block_table, seq, pos, block: int, top_k: int, sink_blocks: int, local_blocks: int,
                    summary: str, sel: torch.Tensor) -> torch.Tensor:
-    """Reference: the torch path's scores (sparse_attention._scores: float32 products per
-    query head, the group's heads added in order) and stable sort, per sparse row, into sel."""
+    """Reference: float32 scores per query head (each block's product summed over D on its own,
+    as the kernel scores a block: identical blocks then score identically on any BLAS, where a
+    batched product may round a block by its position in the batch), the group's heads added
+    in order, and a stable sort, per sparse row, into sel."""
     R, Hq, D = q.shape
     Hkv = summ.shape[3]
     g = Hq // Hkv
@@ -437,10 +439,10 @@ def qsa_select_ref(q, summ, block_table, seq, pos, block: int, top_k: int, sink_
         first = torch.arange(lo, hi) * block
         t = bt[int(seq[r])]
         sm = summ[t[first // page], (first % page) // block]  # [n, S, Hkv, D]
-        qg = q[r].float().view(Hkv, g, D)
-        s = torch.bmm(qg, sm[:, 0].permute(1, 2, 0))  # [Hkv, G, n]
+        qg = q[r].float().view(Hkv, g, 1, D)
+        s = (qg * sm[:, 0].permute(1, 0, 2)[:, None]).sum(-1)  # [Hkv, G, n]
         if summary == "minmax":
-            s = s + torch.bmm(qg.abs(), sm[:, 1].permute(1, 2, 0))
+            s = s + (qg.abs() * sm[:, 1].permute(1, 0, 2)[:, None]).sum(-1)
         acc = s[:, 0]
         for i in range(1, g):
             acc = acc + s[:, i]

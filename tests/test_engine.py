@@ -131,9 +131,9 @@ def test_step_wall_time_includes_its_bookkeeping(tiny_model, monkeypatch):
     e = _engine(m, 2)
     commit = e.scheduler.commit
 
-    def slow_commit(plan, sampled):
+    def slow_commit(plan, sampled, *rest):
         time.sleep(0.02)
-        return commit(plan, sampled)
+        return commit(plan, sampled, *rest)
 
     monkeypatch.setattr(e.scheduler, "commit", slow_commit)
     e.generate([_prompt(6, seed=i) for i in range(2)], max_tokens=3, ignore_eos=True)
