@@ -212,6 +212,16 @@ def _attend_block(q, k, v, jmask, m_i, l_i, acc, qk_scale_log2, USE_DOT: tl.cons
 
 
 @triton.jit
+def _first_segment(lo, SEG: tl.constexpr, REL: tl.constexpr):
+    """The segment a row's workspace slot 0 holds: its first (lo // SEG) in a grid as wide as a
+    row's keys span (REL, ``attention_rows(span=)``), segment 0 in one as wide as the context."""
+    if REL:
+        return lo // SEG
+    else:
+        return lo * 0
+
+
+@triton.jit
 def _finish_item(r, kvh, sg, m_i, l_i, acc, lo, hi, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, o_ptr,
                  stride_or, stride_oh, D, Hkv, num_seg,
                  GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, SEG: tl.constexpr, FUSED: tl.constexpr,
@@ -252,10 +262,7 @@ def attention_item(
     row's lo // SEG + sg (the same keys, the same arithmetic, as the absolute grid's program of
     that segment)."""
     lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
-    if REL:
-        sga = sg + lo // SEG
-    else:
-        sga = sg
+    sga = sg + _first_segment(lo, SEG, REL)
     seg_lo = tl.maximum(lo, sga * SEG)
     seg_hi = tl.minimum(hi, (sga + 1) * SEG)  # empty segments run no block; the combine skips them
     table = bt_ptr + tl.load(row_seq_ptr + r).to(tl.int64) * stride_bt
@@ -295,10 +302,7 @@ def _segment_kv_before(r, kvh, sg, k_ptr, v_ptr, row_seq_ptr, row_pos_ptr, row_w
     takes."""
     tl.static_assert(SEG == BLOCK_N, "the preloaded form takes one-block segments")
     lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r)
-    if REL:
-        first = (sg + lo // SEG) * SEG
-    else:
-        first = sg * SEG
+    first = (sg + _first_segment(lo, SEG, REL)) * SEG
     seen = (first < hi) & (first + SEG > lo)  # (else the table may have no entry here)
     page = tl.load(bt_ptr + tl.load(row_seq_ptr + r).to(tl.int64) * stride_bt + first // PAGE, mask=seen,
                    other=0).to(tl.int64)
@@ -325,10 +329,7 @@ def attention_item_preloaded(
     (``_segment_kv_before``, with the row's key range [lo, hi) and the segment's page): the row's
     current K/V row (the position, just stored) is read from the pools and put in its lane; then
     the same block step and finish, so the same values."""
-    if REL:
-        sga = sg + lo // SEG
-    else:
-        sga = sg
+    sga = sg + _first_segment(lo, SEG, REL)
     seg_lo = tl.maximum(lo, sga * SEG)
     seg_hi = tl.minimum(hi, (sga + 1) * SEG)
     d = tl.arange(0, D_P)
@@ -363,11 +364,9 @@ def _combine_row(ws_m_ptr, ws_l_ptr, ws_acc_ptr, o_ptr, r, kvh, lo, hi, stride_o
     m_i = tl.full([QROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([QROWS], dtype=tl.float32)
     acc = tl.zeros([QROWS, D_P], dtype=tl.float32)
+    first = _first_segment(lo, SEG, REL)
     for sg in range(lo // SEG, tl.cdiv(hi, SEG)):
-        if REL:
-            slot = ((r * Hkv + kvh) * num_seg + sg - lo // SEG) * QROWS + g
-        else:
-            slot = ((r * Hkv + kvh) * num_seg + sg) * QROWS + g
+        slot = ((r * Hkv + kvh) * num_seg + sg - first) * QROWS + g
         m_s = tl.load(ws_m_ptr + slot, cache_modifier=CACHE)
         m_new = tl.maximum(m_i, m_s)
         a = tl.exp2(m_i - m_new)

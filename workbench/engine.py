@@ -366,8 +366,9 @@ class Engine:
             alts = plan.branches.get(slot, ())
             for b, path in enumerate(alts, 1):  # the path that keeps the most wins (the first of equals)
                 got, got_rows = self._verify(live, path, on_paths[branch_slot(slot, b)])
-                if num_accepted(path, got) > kept:
-                    draft, burst, rows, kept, chosen[slot] = path, got, got_rows, num_accepted(path, got), b
+                got_kept = num_accepted(path, got)
+                if got_kept > kept:
+                    draft, burst, rows, kept, chosen[slot] = path, got, got_rows, got_kept, b
             burst = burst[: self.scheduler.num_taken(slot, burst)]  # (a stop token mid-burst ends it)
             self.speculator.observe(live.rid, len(draft), kept, len(burst), alternatives=len(alts),
                                     alternative_tokens=sum(map(len, alts)), won=slot in chosen,

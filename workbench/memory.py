@@ -363,12 +363,13 @@ class PagedMemory:
         branches = {}
         P = alloc.page_size
         for slot, rid in seq_ids.items():
-            paths = plan.branches.get(slot, ()) if slot in drafts and grow.get(slot) == 1 + len(drafts[slot]) else ()
+            if slot not in plan.branches or slot not in drafts or grow.get(slot) != 1 + len(drafts[slot]):
+                continue  # (no tree, or its draft was cut for pages)
             seq, ok = alloc.sequence(rid), []
             L = seq.length
             if L != seq.num_committed:  # (positions a discarded plan appended: no tree this step)
-                paths = ()
-            for path in paths:
+                continue
+            for path in plan.branches[slot]:
                 need = -(-(L + 1 + len(path)) // P) - L // P  # the partial page's copy and the new pages
                 if not alloc.can_fork(rid, L) or any(need > avail[g] for g in avail):
                     break
@@ -381,7 +382,7 @@ class PagedMemory:
         # step's own append may move that page (copy-on-write) or its rows are written
         for slot, paths in branches.items():
             rid = seq_ids[slot]
-            L = alloc.sequence(rid).length
+            L = alloc.sequence(rid).length  # (no append has run yet: the length checked above)
             for b, path in enumerate(paths, 1):
                 child = _branch_id(rid, b)
                 copies = alloc.fork(rid, child, L)

@@ -167,6 +167,18 @@ class YieldGuard:
         self._slots.pop(rid, None)
 
 
+@dataclass
+class _TreeTrial:
+    """One slot's trial window (verifies with alternatives, their rows, the tokens they gained)
+    and its chains-only wait."""
+
+    verifies: int = 0
+    rows: int = 0
+    gained: int = 0
+    chains_left: int = 0  # verifies still to draft chains only
+    wait: int = 0  # the next failed window's chains-only wait
+
+
 class TreeGuard:
     """Token trees' guard, per slot: whether this step's tree may carry alternative paths.
 
@@ -180,14 +192,17 @@ class TreeGuard:
 
     def __init__(self, enabled: bool = True, trials: int = 4, wait: int = 8, wait_max: int = 256):
         self.enabled, self.trials, self.wait0, self.wait_max = enabled, trials, wait, wait_max
-        self._slots: dict[Hashable, list] = {}  # rid -> [verifies, rows, gained, chains left, wait]
+        self._slots: dict[Hashable, _TreeTrial] = {}
+
+    def _trial(self, rid: Hashable) -> _TreeTrial:
+        return self._slots.setdefault(rid, _TreeTrial(wait=self.wait0))
 
     def allows(self, rid: Hashable) -> bool:
         if not self.enabled:
             return True
-        st = self._slots.setdefault(rid, [0, 0, 0, 0, self.wait0])
-        if st[3] > 0:
-            st[3] -= 1
+        st = self._trial(rid)
+        if st.chains_left > 0:
+            st.chains_left -= 1
             return False
         return True
 
@@ -196,17 +211,16 @@ class TreeGuard:
         main draft; `cost` is a verify row's cost (YieldGuard's c)."""
         if not self.enabled or rows == 0:
             return
-        st = self._slots.setdefault(rid, [0, 0, 0, 0, self.wait0])
-        st[0] += 1
-        st[1] += rows
-        st[2] += gained
-        if st[0] >= self.trials:
-            if st[2] < cost * st[1]:
-                st[3], st[4] = st[4], min(2 * st[4], self.wait_max)
+        st = self._trial(rid)
+        st.verifies += 1
+        st.rows += rows
+        st.gained += gained
+        if st.verifies >= self.trials:
+            if st.gained < cost * st.rows:
+                st.chains_left, st.wait = st.wait, min(2 * st.wait, self.wait_max)
             else:
-                st[4] = self.wait0
-            st[0] = st[1] = st[2] = 0
+                st.wait = self.wait0
+            st.verifies = st.rows = st.gained = 0
 
     def forget(self, rid: Hashable) -> None:
         self._slots.pop(rid, None)
-

@@ -186,15 +186,18 @@ class SuffixProposer:
         local, done = self._local[rid]
         local.add(context, done[0], len(context))
         done[0] = len(context)
-        tail = list(context[-self.depth :])
-        out: list[int] = []
-        while len(out) < k:
+        return tuple(self._follow(local, [], list(context[-self.depth :]), k))
+
+    def _follow(self, local: _Counts, path: list[int], tail: list[int], k: int) -> list[int]:
+        """`path` extended, up to k tokens, by the most frequent next token after `tail` (the
+        context's last tokens, then the path's), token by token."""
+        while len(path) < k:
             nxt = self._next(local, tail)
             if nxt is None:
                 break
-            out.append(nxt)
+            path.append(nxt)
             tail = (tail + [nxt])[-self.depth :]
-        return tuple(out)
+        return path
 
     def propose_tree(self, rid: Hashable, context: Sequence[int], k: int, budget: int,
                      most: int = 8) -> tuple[tuple[int, ...], ...]:
@@ -208,15 +211,6 @@ class SuffixProposer:
         local, _ = self._local[rid]
         tail = list(context[-self.depth :])
 
-        def follow(path: list[int], t: list[int]) -> list[int]:
-            while len(path) < k:
-                nxt = self._next(local, t)
-                if nxt is None:
-                    break
-                path.append(nxt)
-                t = (t + [nxt])[-self.depth :]
-            return path
-
         def candidates():
             yield main
             for i in range(len(main)):
@@ -226,7 +220,7 @@ class SuffixProposer:
                     for alt in self._ranked(local, t[-n:]):
                         if alt not in seen:
                             seen.append(alt)
-                            yield follow(list(main[:i]) + [alt], (t + [alt])[-self.depth :])
+                            yield self._follow(local, list(main[:i]) + [alt], (t + [alt])[-self.depth :], k)
 
         return tree_paths(candidates(), k, budget, most)
 
