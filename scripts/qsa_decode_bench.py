@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=4)
     ap.add_argument("--summary", default="mean")
     ap.add_argument("--out", default="/tmp/out")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="after timing, profile this many graphed steps per row: device time by kernel into "
+                         "qsa_profile.json (where a step's time goes; 0: off)")
     ap.add_argument("--dry-run", action="store_true",
                     help="without a GPU: a tiny random model under the interpreter, emulated graphs (checks the script)")
     a = ap.parse_args(argv)
@@ -84,6 +87,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
+    profiles = {}
     weights = None
     g = torch.Generator().manual_seed(0)
     for L in contexts:
@@ -141,6 +145,9 @@ def main(argv=None) -> int:
                            qsa=cfg.text() if arm == "qsa" else "off", boundary=cfg.dense_positions,
                            launches=r.launches, tokens_head=toks[:4, 0].tolist(),
                            model=f"random {a.shapes} shapes" if a.shapes else Path(a.model).name)
+                if a.profile and cuda:
+                    profiles[f"L={L} C={C} {arm}"] = _profile(lambda: r.decode_loop(seg(L), a.profile), a.profile)
+                    (out / "qsa_profile.json").write_text(json.dumps(profiles, indent=1))
                 print("QSA_BENCH", json.dumps(row), flush=True)
                 rows.append(row)
                 del r, pre, pages
@@ -155,6 +162,32 @@ def main(argv=None) -> int:
     if a.shapes or a.dry_run:
         (out / Path(a.model).name).unlink(missing_ok=True)
     return 0
+
+
+def _profile(run, steps: int) -> dict:
+    """Device time per step by kernel name over `steps` graphed steps (kernels inside CUDA graphs
+    are traced by CUPTI), largest first, and the step's total."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    run()  # (warm)
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+    except Exception as e:  # a profile is a diagnosis: its failure must not lose the timings
+        return {"error": f"{type(e).__name__}: {e}"}
+    by = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            t, n = by.get(e.name, (0.0, 0))
+            by[e.name] = (t + e.device_time, n + 1)
+    total = sum(t for t, _ in by.values())
+    kernels = sorted(by.items(), key=lambda kv: -kv[1][0])
+    return {"device_us_per_step": total / steps,
+            "kernels": [{"name": k[:120], "us_per_step": t / steps, "launches_per_step": n / steps}
+                        for k, (t, n) in kernels[:30]]}
 
 
 if __name__ == "__main__":

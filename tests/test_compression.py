@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from workbench import Engine, EngineConfig
-from workbench.compression import (CompressionOptions, candidate_blocks, compress, load_scorer, run_layers,
-                                   select_blocks, window_scores)
+from workbench.compression import (CompressionOptions, DeviceScorer, candidate_blocks, compress, load_scorer,
+                                   run_layers, scorer_device, scoring_layers, select_blocks, window_scores)
 from workbench.compression_quality import compare, needle_prompt, needle_trial
 from workbench.errors import ConfigError, WorkbenchError
 from workbench.linear import linear
@@ -66,6 +66,7 @@ def test_engine_config_refuses_bad_compression(kw, message):
     (dict(pool="sum"), "compression.pool='sum' is not allowed: allowed mean, max"),
     (dict(score_layers="sliding"), "compression.score_layers='sliding' is not allowed: allowed global, all"),
     (dict(auto_kept_tokens=9000), "compression.auto_kept_tokens=9000 is out of range: allowed 36..8192"),
+    (dict(device="tpu"), "compression.device='tpu' is not allowed: allowed auto, cpu, cuda"),
 ])
 def test_options_refuse_bad_values(kw, message):
     with pytest.raises(ConfigError) as e:
@@ -184,6 +185,50 @@ def test_window_scores_are_probabilities_of_the_window(tiny_model):
     assert torch.equal(window_scores(m, ids, (0, 1), 16, chunk_size=37), s)
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_the_device_scorer_scores_as_the_cpu_scorer_to_rounding(tiny_model, arch):
+    """DeviceScorer's own loop (SDPA attention, chunks of its own size, sliding windows) run on
+    the CPU: the same scores as the reference path to float rounding, and so the same blocks."""
+    m = tiny_model(arch, "float32")
+    ids = _prompt(600, 5)
+    layers = tuple(range(m.config.n_layers))
+    ref = window_scores(m, ids, layers, 16)
+    for chunk in (64, 2048):
+        got = DeviceScorer(m, m.config.n_layers, "cpu", chunk_rows=chunk).window_scores(ids, layers, 16)
+        assert got.dtype == torch.float64 and got.shape == ref.shape
+        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-6), float((got - ref).abs().max())
+    opts = CompressionOptions(window=16, block_size=8, sink_tokens=2, score_layers="all")
+    kept = compress(m, ids, 0.25, opts, DeviceScorer(m, m.config.n_layers, "cpu"))
+    assert kept.kept_ids == compress(m, ids, 0.25, opts).kept_ids and kept.compressed
+
+
+def test_the_scorer_device_resolves_and_cuda_is_refused_without_one(tiny_model):
+    cpu_only = not torch.cuda.is_available()
+    assert scorer_device(CompressionOptions(), "torch") == "cpu"
+    assert scorer_device(CompressionOptions(device="cpu"), "triton") == "cpu"
+    assert scorer_device(CompressionOptions(), "triton") == ("cpu" if cpu_only else "cuda")
+    if cpu_only:
+        with pytest.raises(ConfigError) as e:
+            Engine(tiny_model("llama", "float32"), EngineConfig(prompt_compression="auto",
+                                                                compression=CompressionOptions(device="cuda")))
+        assert str(e.value) == ("compression.device='cuda' needs a CUDA device, and this machine has none: "
+                                "allowed 'cpu' or 'auto' here")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device")
+def test_the_cuda_scorer_keeps_the_cpu_scorers_blocks(tiny_model):
+    m = tiny_model("gemma3", "float32")
+    ids = _prompt(900, 9)
+    opts = CompressionOptions(window=16, block_size=8, sink_tokens=2, score_layers="all")
+    layers = scoring_layers(m.config, opts)
+    on = DeviceScorer(m, max(layers) + 1, "cuda")
+    got, ref = on.window_scores(ids, layers, 16), window_scores(m, ids, layers, 16)
+    assert torch.allclose(got, ref, rtol=1e-3, atol=1e-5), float((got - ref).abs().max())
+    eng = Engine(m, EngineConfig(backend="triton", prompt_compression=0.25, compression=opts, max_context=1024))
+    assert eng.compressor.device == "cuda"
+    assert eng.compressor.compress(ids).kept_ids == compress(m, ids, 0.25, opts, on).kept_ids
+
+
 # -- the engine ----------------------------------------------------------------------------
 
 def test_off_and_nothing_compressed_leave_the_engine_bitwise_unchanged(tiny_model):
@@ -236,7 +281,7 @@ def test_triton_backend_compressed_is_the_kept_prompt(tiny_model):
     from workbench.runners.triton_options import TritonOptions
 
     m = tiny_model("llama", "float32")
-    opts = CompressionOptions(window=8, block_size=4, sink_tokens=2)
+    opts = CompressionOptions(window=8, block_size=4, sink_tokens=2, device="cpu")
     cfg = dict(backend="triton", dtype="float32", max_concurrency=2, max_context=64,
                memory_budget_bytes=1 << 30, triton=TritonOptions(graphs=False))
     ids = _prompt(48, 11)

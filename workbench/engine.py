@@ -203,10 +203,10 @@ class Engine:
             self.runner.init_kv_pool(self.scheduler.kv_pool_pages)
             if self.scheduler.kv_host_pages:
                 self.runner.init_host_store(self.scheduler.kv_host_pages)
-        # prompt compression (PFlash): the scorer is loaded once; it runs on the CPU torch path
-        # whatever the backend (a device scorer is future work: workbench/compression.py)
+        # prompt compression (PFlash): the scorer is loaded once, on the CPU or, by default with
+        # the Triton backend, on the GPU (CompressionOptions.device, workbench/compression.py)
         self.compressor = (None if config.prompt_compression == "off"
-                           else PromptCompressor(model, config.prompt_compression, config.compression))
+                           else PromptCompressor(model, config.prompt_compression, config.compression, config.backend))
         if proposer is not None and config.speculation is None:
             raise WorkbenchError("a proposer was given but speculation is off: allowed with "
                                  "EngineConfig(speculation=SpecConfig(...)) only")

@@ -39,6 +39,10 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     dtype = w.dtype
     m = x.shape[0]
     xs = x.to(dtype)
+    if xs.device.type != "cpu":
+        # the row tiling is a CPU BLAS policy; off the CPU only the compression scorer
+        # (compression.DeviceScorer) calls this, which promises no bits, so one product
+        return (xs @ w.T).float()
     tile, min_rows = ROW_TILE[dtype], MIN_ROWS[dtype]
     if RAGGED[dtype] and m <= tile:
         if m >= min_rows:

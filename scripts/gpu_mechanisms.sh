@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The mechanisms' device calls (issues 20-22), on the real model: after scripts/gpu_upload_model.sh's
+# parts are in /tmp/bundle.tar (the bundle is unpacked once a lease; later calls on the same warm
+# machine reuse it):
+#   STAGES=qsa,tests bash scripts/gpu_mechanisms.sh
+#   STAGES=pflash,yield bash scripts/gpu_mechanisms.sh
+# NO_BUNDLE=1: random weights in Gemma 3 270M's shapes for the QSA stage (the gguf wheel in .whl/).
+# Stages, each under its own timeout (seconds in QSA_S, TESTS_S, PFLASH_S, YIELD_S):
+#   qsa     scripts/qsa_decode_bench.py: dense vs QSA graphed decode at long context, with a kernel
+#           profile of each row; then the QSA kernels' tests and the Triton runner's QSA tests
+#   tests   the token-tree tests on the Triton runner and the CUDA compression scorer's test, natively
+#   pflash  the paging-cliff ablation with PFlash on 32K-token prompts and an 8K-token pool
+#   yield   the draft-yield ablation, token trees against chains
+# Logs and the run store are tarred into $OUT (at most three files).
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 SLOTLAB_CACHE=/tmp/slotlab-cache
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs"
+SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
+t0=$(date +%s)
+stamp() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
+if [ -n "${NO_BUNDLE:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  MODEL_ARGS="--shapes gemma3-270m"
+else
+  if [ ! -f /tmp/bundle/model.gguf ]; then
+    mkdir -p /tmp/bundle && tar -C /tmp/bundle -xf /tmp/bundle.tar || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/bundle/whl/*.whl || exit 1
+  fi
+  MODEL=/tmp/bundle/model.gguf
+  echo "$SHA  $MODEL" | sha256sum -c || exit 1
+  MODEL_ARGS="--model $MODEL"
+  mkdir -p $SLOTLAB_CACHE/tokenizers; cp /tmp/bundle/tok/*.json $SLOTLAB_CACHE/tokenizers/ 2>/dev/null
+  export SLOTLAB_MODEL=$MODEL
+fi
+export PYTHONPATH=/tmp/site:$PWD
+ln -sfn ../kernels workbench/kernels
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+mkdir -p /tmp/wbruns
+for stage in ${STAGES//,/ }; do
+  stamp "$stage"
+  case $stage in
+    qsa)
+      timeout ${QSA_S:-300} python3 scripts/qsa_decode_bench.py $MODEL_ARGS --out "$OUT" --profile ${PROFILE_STEPS:-8} \
+          --contexts ${CONTEXTS:-8192,32512} --concurrency ${SLOTS:-1,16} > "$OUT/logs/qsa_bench.log" 2>&1; echo "rc $?"
+      grep "L=" "$OUT/logs/qsa_bench.log"; tail -3 "$OUT/logs/qsa_bench.log"
+      timeout ${KT_S:-90} python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_qsa_kernels.py \
+          > "$OUT/logs/qsa_kernel_tests.log" 2>&1; tail -2 "$OUT/logs/qsa_kernel_tests.log"
+      timeout ${TR_S:-100} python3 -m pytest -q -p no:cacheprovider tests/test_qsa.py -k "triton or sparse_rows_match" \
+          > "$OUT/logs/qsa_runner_tests.log" 2>&1; tail -3 "$OUT/logs/qsa_runner_tests.log" ;;
+    tests)
+      timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_spec_trees.py tests/test_compression.py \
+          -k "triton or cuda" > "$OUT/logs/native_tests.log" 2>&1; tail -4 "$OUT/logs/native_tests.log" ;;
+    pflash)
+      timeout ${PFLASH_S:-240} python3 scripts/paging_cliff_run.py --data-dir /tmp/wbruns -p backend=triton -p model="$MODEL" \
+          -p concurrencies=${PFLASH_C:-1,4,8,16} -p resident_pools=8192 -p prompt_lens=32000 -p pflash_modes=on \
+          -p gen_tokens=64 -p preemptions=swap,recompute > "$OUT/logs/pflash_cliff.log" 2>&1; echo "rc $?"
+      tail -${PFLASH_TAIL:-16} "$OUT/logs/pflash_cliff.log" | cut -c1-400 ;;
+    yield)
+      timeout ${YIELD_S:-300} python3 scripts/draft_yield_run.py --data-dir /tmp/wbruns -p backend=triton -p model="$MODEL" \
+          -p workloads=agentic,extraction -p trees=0,12 -p concurrencies=1,4,16 -p timed_passes=3 \
+          > "$OUT/logs/draft_yield_trees.log" 2>&1; echo "rc $?"
+      tail -${YIELD_TAIL:-24} "$OUT/logs/draft_yield_trees.log" | cut -c1-400 ;;
+    *) echo "unknown stage $stage: allowed qsa, tests, pflash, yield" ;;
+  esac
+done
+stamp done
+(cd /tmp/wbruns && tar czf "$OUT/wbruns.tgz" .) 2>/dev/null
+(cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
