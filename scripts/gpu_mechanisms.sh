@@ -11,6 +11,8 @@
 #   tests   the token-tree tests on the Triton runner and the CUDA compression scorer's test, natively
 #   pflash  the paging-cliff ablation with PFlash on 32K-token prompts and an 8K-token pool
 #   yield   the draft-yield ablation, token trees against chains
+#   family  essays at 16 slots, n-gram k=8: verify graph families on (the default) and off
+#           (scripts/spec_overhead.py, three alternating timed passes after a warm-up)
 # Logs and the run store are tarred into $OUT (at most three files).
 set -u
 cd "$(dirname "$0")/.."
@@ -61,7 +63,11 @@ for stage in ${STAGES//,/ }; do
           -p workloads=agentic,extraction -p trees=0,12 -p concurrencies=1,4,16 -p timed_passes=3 \
           > "$OUT/logs/draft_yield_trees.log" 2>&1; echo "rc $?"
       tail -${YIELD_TAIL:-24} "$OUT/logs/draft_yield_trees.log" | cut -c1-400 ;;
-    *) echo "unknown stage $stage: allowed qsa, tests, pflash, yield" ;;
+    family)
+      timeout ${FAMILY_S:-200} python3 scripts/spec_overhead.py --model "$MODEL" --workload essay --concurrency 16 \
+          --spec ngram:8 --repeats 3 --variant verify_graph_family=false > "$OUT/logs/verify_family.log" 2>&1; echo "rc $?"
+      tail -12 "$OUT/logs/verify_family.log" | cut -c1-300 ;;
+    *) echo "unknown stage $stage: allowed qsa, tests, pflash, yield, family" ;;
   esac
 done
 stamp done

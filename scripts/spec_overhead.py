@@ -5,6 +5,8 @@ plain decode steps, and the CUDA graphs captured during the pass (a capture insi
 is time no steady state pays).
 
     python3 scripts/spec_overhead.py --workload essay --concurrency 1 --spec ngram:4
+    python3 scripts/spec_overhead.py --workload essay --concurrency 16 --spec ngram:8 \
+        --variant verify_graph_family=false     (a third engine: speculation with these TritonOptions)
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--prompts-dir", default="data")
+    ap.add_argument("--variant", default=None, metavar="NAME=VALUE,...",
+                    help="also time speculation on an engine with these TritonOptions (bench's --triton-options form)")
     args = ap.parse_args(argv)
     try:
         import workbench
@@ -64,6 +68,11 @@ def main(argv=None) -> int:
         base = dict(max_concurrency=args.concurrency, dtype=m.dtype_name, backend=args.backend, prefix_cache=False)
         engines = {"AR": workbench.Engine(m, EngineConfig(**base)),
                    args.spec: workbench.Engine(m, EngineConfig(**base, speculation=spec))}
+        if args.variant:
+            from workbench.runners.triton_options import TritonOptions
+
+            engines[f"{args.spec} {args.variant}"] = workbench.Engine(
+                m, EngineConfig(**base, speculation=spec, triton=TritonOptions.parse(args.variant)))
         for tag, e in engines.items():
             _pass(e, prompts, f"warm-{tag}")
         ref = None

@@ -82,3 +82,47 @@ def test_chunk_graph_rows_is_checked(rows):
         TritonOptions(chunk_graph_rows=rows)
     assert str(e.value) == (f"chunk_graph_rows={rows!r} is not allowed: allowed 0 (off) or one of "
                             + ", ".join(map(str, CHUNK_BUCKETS)))
+
+
+def _verify_steps(r: TritonRunner, toks: list[int]) -> list[dict]:
+    """Prompts of three sequences, then verify-shaped forwards (every row scored): three slots
+    of 3 rows, then of 1 / 5 / 2 rows, then one slot of 2 rows."""
+    pages = DirectPages(r, tokens_per_group=12 * P)
+    r.kv.poison()
+    ctx = {sl: 4 * P for sl in range(3)}
+    seg = pages.segment
+    out = []
+    steps = [[seg(sl, f"s{sl}", toks[40 * sl : 40 * sl + 30], 0) for sl in range(3)],
+             [seg(sl, f"s{sl}", toks[40 * sl + 30 : 40 * sl + 33], 30, scored=3) for sl in range(3)],
+             [seg(sl, f"s{sl}", toks[40 * sl + 33 : 40 * sl + 33 + n], 33, scored=n) for sl, n in enumerate((1, 5, 2))],
+             [seg(0, "s0", toks[34:36], 34, scored=2)]]
+    for forward in steps:
+        got = r.run(forward, ctx, argmax=frozenset())
+        out.append({k: v.clone() for k, v in got.items()})
+    return out
+
+
+@pytest.mark.parametrize("family", [True, False])
+def test_a_verify_captures_its_family_up_front_with_the_same_bits(tiny_model, family):
+    """The first all-scored forward at a segment bucket captures the chunk graph of every verify
+    row count from its segment count up (a later verify of fewer segments extends it down), so a
+    draft length that changes captures nothing new; logits bitwise the eager runner's either way."""
+    m = tiny_model("llama", "float32", "Q8_0", n_layers=1, n_embd=64, n_heads=2, n_kv_heads=1, n_ff=128)
+    toks = torch.randint(4, m.config.vocab_size, (200,), generator=torch.Generator().manual_seed(6)).tolist()
+    graphed = TritonRunner(m, 4 * P, TritonOptions(graphs=GRAPHS, page_size=P, chunk_graph_rows=64,
+                                                   verify_graph_family=family))
+    eager = TritonRunner(m, 4 * P, TritonOptions(graphs=False, page_size=P))
+    got, want = _verify_steps(graphed, toks), _verify_steps(eager, toks)
+    for g, w in zip(got, want):
+        assert sorted(g) == sorted(w)
+        for slot, v in w.items():
+            assert torch.isfinite(v).all() and torch.equal(g[slot], v), slot
+    # (the prompts' 90-row chunk is above chunk_graph_rows: eager; every position is below 64:
+    # one 64-key segment)
+    keys = graphed.graphs.chunk_keys
+    if family:
+        # rows 4..64 for the first verify's three segments, then 2..3 for the 1-slot one
+        assert keys == [(8, 2, 1), (8, 4, 1), (8, 8, 1), (16, 16, 1), (24, 32, 1), (32, 32, 1),
+                        (48, 64, 1), (64, 64, 1)], keys
+    else:
+        assert keys == [(8, 2, 1), (8, 8, 1), (16, 16, 1)], keys

@@ -30,6 +30,13 @@ where an eager forward is bound by its ~150 launches rather than by the device.
   rows, with every shape fixed by the weights and not by the row count, so each row's logits
   are bitwise the eager ones (tests/test_chunk_graphs.py). On an H200, a 64-row chunk took
   11-18 ms eager against 1.07 ms on the device (session 14, run 73): the prefix-hit TTFT.
+* Verify families (``verify_family``): a speculative verify scores every row, and its row count
+  moves with each slot's draft length, so an adaptive guard keeps meeting new (row bucket,
+  sampled bucket) keys. The first all-scored forward at a segment bucket captures every key a
+  verify of at least as many segments can take at that bucket (rows from its segment count up to
+  the scored-row cap: about ten graphs), so captures happen once, up front, not inside the
+  steps a benchmark times (H200 run 84: essays at 16 slots captured 1-6 graphs in every timed
+  pass, about 40 ms each, and ran at 0.85-0.92x plain decoding with a draft yield of 4.4-6.9).
 * "emulate": the same paths replayed eagerly, so that the CPU tests cover buckets, padding, the
   scratch table row, the sampled-row input and the device-fed tokens.
 """
@@ -89,7 +96,7 @@ class StepGraphs:
     (0: none, `TritonOptions.chunk_graph_rows`)."""
 
     def __init__(self, loop, kv, device: torch.device, *, emulate: bool, share_pool: bool, segment: int,
-                 history: int, width: int, chunk_rows: int = 0):
+                 history: int, width: int, chunk_rows: int = 0, verify_family: bool = False):
         self.loop, self.kv, self.device = loop, kv, device
         self.width = width
         self.positions = width * kv.page_size  # the most positions a row's table can address
@@ -98,6 +105,8 @@ class StepGraphs:
         self.segment = segment
         self.history = history
         self.chunk_rows = chunk_rows
+        self.verify_family = verify_family
+        self._family_floor: dict[int, int] = {}  # per segment bucket: the fewest rows its verify family covers
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._chunk_graphs: dict[tuple[int, int, int], _Graph] = {}  # (row bucket, sampled bucket, segments)
         self._pool = None
@@ -182,6 +191,8 @@ class StepGraphs:
         rows = sum(len(s.token_ids) for s in forward)
         sampled = sum(s.num_scored for s in forward)
         max_pos = max(s.start_pos + len(s.token_ids) - 1 for s in forward)
+        if self.verify_family and sampled == rows:
+            self.capture_verify_family(len(forward), max_pos)
         g = self.chunk_graph_for(rows, sampled, max_pos)
         self.fill_chunk(forward, g.bucket)
         g.replay()
@@ -233,6 +244,22 @@ class StepGraphs:
             body = lambda: self._chunk_body(bucket, sel, nseg * self.segment - 1)
             g = self._chunk_graphs[key] = self._capture(body, lambda: self._pad(max(bucket, sel)), bucket, nseg)
         return g
+
+    def capture_verify_family(self, segments: int, max_pos: int) -> int:
+        """Capture the chunk graphs an all-scored forward of at least ``segments`` segments may
+        take at ``max_pos``'s segment bucket: one per distinct (row bucket, sampled bucket) of
+        ``segments`` + 1 .. the scored-row cap rows (module docstring; one row a segment is a
+        decode step, a decode graph's). Returns how many it captured."""
+        nseg = self._nseg(max_pos)
+        floor = self._family_floor.get(nseg)
+        low, top = segments + 1, min(SCORED_ROWS, self.chunk_rows)
+        if floor is not None and floor <= low or low > top:
+            return 0
+        before = len(self._chunk_graphs)
+        for rows in range(low, top + 1 if floor is None else floor):
+            self.chunk_graph_for(rows, rows, max_pos)
+        self._family_floor[nseg] = low
+        return len(self._chunk_graphs) - before
 
     def _capture(self, body, pad, bucket: int, nseg: int) -> _Graph:
         """A graph of ``body`` (its launch count its return), captured on padded inputs (every row

@@ -113,6 +113,12 @@ class TritonOptions:
     # cached: TTFT 3 / 9-10 ms at 1 / 4 requests against 20-22 / 11-19 ms eager (cold 48 ms);
     # above 512 rows the device time covers the launches.
     chunk_graph_rows: int = 512
+    # The first speculative verify (every row scored) at an attention-segment bucket captures
+    # the chunk graphs of every verify row count at that bucket at once (triton_graphs: "verify
+    # families"), not one by one as an adaptive draft length meets them. Predicted from H200
+    # run 84 (essays, 16 slots: 1-6 captures of ~40 ms inside each timed pass, 0.85-0.92x plain
+    # decoding at a draft yield of 4.4-6.9); to be measured on and off (docs/GPU_NOTES.md).
+    verify_graph_family: bool = True
 
     def __post_init__(self):
         if not (isinstance(self.graphs, bool) or self.graphs == "emulate"):
@@ -128,7 +134,8 @@ class TritonOptions:
         P = self.page_size
         if isinstance(P, bool) or not isinstance(P, int) or not 1 <= P <= 4096 or P % seg:
             _fail(f"page_size={P!r} is not allowed: allowed multiples of attn_segment={seg} up to 4096")
-        for name in ("pdl", "fuse_combine", "fuse_glu", "pair_launch", "rope_in_attention", "argmax_in_head"):
+        for name in ("pdl", "fuse_combine", "fuse_glu", "pair_launch", "rope_in_attention", "argmax_in_head",
+                     "verify_graph_family"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"{name}={getattr(self, name)!r} is not allowed: allowed True, False")
         r = self.chunk_graph_rows

@@ -178,7 +178,8 @@ class TritonRunner:
         self.graphs = StepGraphs(self.loop, self.kv, self.device, emulate=self._emulate,
                                  share_pool=self.products == "quant", segment=self.attn_segment,
                                  history=self.options.graph_history, width=self.table_width,
-                                 chunk_rows=self.options.chunk_graph_rows) if self._use_graphs else None
+                                 chunk_rows=self.options.chunk_graph_rows,
+                                 verify_family=self.options.verify_graph_family) if self._use_graphs else None
 
     def init_host_store(self, num_pages: dict[str, int]) -> None:
         """Allocate the host store (`kv_host_pages`): pinned host memory on CUDA (triton_kv.HostPages)."""
