@@ -226,7 +226,8 @@ def test_the_cuda_scorer_keeps_the_cpu_scorers_blocks(tiny_model):
     assert torch.allclose(got, ref, rtol=1e-3, atol=1e-5), float((got - ref).abs().max())
     eng = Engine(m, EngineConfig(backend="triton", prompt_compression=0.25, compression=opts, max_context=1024))
     assert eng.compressor.device == "cuda"
-    assert eng.compressor.compress(ids).kept_ids == compress(m, ids, 0.25, opts, on).kept_ids
+    kept = eng.compressor.compress(ids)
+    assert kept.kept_ids == compress(m, ids, 0.25, opts, on).kept_ids and kept.scores.device == "cuda"
 
 
 # -- the engine ----------------------------------------------------------------------------
@@ -264,6 +265,7 @@ def test_compressed_request_is_the_kept_prompt_submitted_directly(tiny_model):
     assert rows["prompt_tokens"].to_list() == [len(p) for p in prompts]  # usage bills raw
     assert rows["effective_prompt_tokens"].to_list() == [len(k) for k in kept]
     assert rows["compressed"].to_list() == [True] * 3 and rows["compress_s"].min() > 0
+    assert rows["compress_device"].to_list() == ["cpu"] * 3 and eng.compressor.on_device is None
 
 
 def test_compression_lets_a_prompt_longer_than_the_context_in(tiny_model):

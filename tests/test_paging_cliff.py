@@ -27,7 +27,7 @@ ROW_COLUMNS = {
     "decode_tok_s_aggregate", "ttft_s_p50", "ttft_s_max", "pages_out", "pages_in", "bytes_out", "bytes_in", "swaps",
     "recomputes", "transfer_ms", "max_wait_steps", "effective_prompt_tokens", "raw_prompt_tokens",
     "outputs_identical", "activation_ok", "activation_flag", "throughput_vs_resident", "resident_pages",
-    "live_kv_pages", "resident_decode_tok_s_aggregate", "arm",
+    "live_kv_pages", "resident_decode_tok_s_aggregate", "arm", "compress_s_mean", "compress_device",
 }
 
 

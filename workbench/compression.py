@@ -153,6 +153,7 @@ class ScoreSummary:
     num_kept_blocks: int
     kept_mass: float  # share of the window's attention on the candidates that the kept blocks hold
     scorer_s: float  # seconds the scorer took
+    device: str = "cpu"  # where it ran (CompressionOptions.device, resolved)
 
 
 @dataclass(frozen=True)
@@ -245,7 +246,8 @@ def compress(model, prompt_ids: Sequence[int], ratio_or_auto: str | float,
     positions = list(range(sinks)) + [p for b in chosen for p in range(*blocks[b])] + list(range(n - tail, n))
     summary = ScoreSummary(
         layers=layers, window=min(options.window, n), num_blocks=len(blocks), num_kept_blocks=num_keep,
-        kept_mass=sum(mass[b] for b in chosen) / sum(mass) if sum(mass) > 0 else 0.0, scorer_s=scorer_s)
+        kept_mass=sum(mass[b] for b in chosen) / sum(mass) if sum(mass) > 0 else 0.0, scorer_s=scorer_s,
+        device="cpu" if on_device is None else on_device.device.type)
     return CompressedPrompt(tuple(ids[p] for p in positions), tuple(positions), n, len(positions), True, asked, summary)
 
 

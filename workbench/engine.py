@@ -487,6 +487,7 @@ class Engine:
             "prompt_compression": "off" if cp is None else cp.asked,
             "compressed": cp is not None and cp.compressed,
             "compress_s": None if cp is None or cp.scores is None else cp.scores.scorer_s,
+            "compress_device": None if cp is None or cp.scores is None else cp.scores.device,
             # speculation (None when off): verify steps, draft tokens verified and kept, the
             # tokens those steps emitted, the guard's skips, the acceptance-length histogram
             "spec_verify_steps": None if spec is None else spec.verify_steps,

@@ -202,6 +202,9 @@ def _run(model, config, prompts, gen_tokens: int) -> dict:
         "effective_prompt_tokens": int(reqs["effective_prompt_tokens"].sum()),
         "effective_prompt_lens": reqs["effective_prompt_tokens"].to_list(),
         "num_compressed": int(reqs["compressed"].sum()),
+        # the scorer's seconds per compressed request (in its TTFT), and where it ran
+        "compress_s_mean": reqs["compress_s"].mean(),
+        "compress_device": next((d for d in reqs["compress_device"].to_list() if d is not None), None),
     }
 
 
@@ -220,7 +223,8 @@ def _row(model, got: dict, ref: dict, *, prompt_len, concurrency, pool, pflash, 
                           num_compressed=got["num_compressed"])
     keep = ("wall_s", "generated_tokens", "decode_tok_s_aggregate", "ttft_s_p50", "ttft_s_max", "pages_out",
             "pages_in", "bytes_out", "bytes_in", "swaps", "recomputes", "recomputed_tokens", "transfer_ms",
-            "max_wait_steps", "raw_prompt_tokens", "effective_prompt_tokens", "num_compressed")
+            "max_wait_steps", "raw_prompt_tokens", "effective_prompt_tokens", "num_compressed", "compress_s_mean",
+            "compress_device")
     return {
         "prompt_len": prompt_len,
         "concurrency": concurrency,
