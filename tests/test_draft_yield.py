@@ -42,6 +42,17 @@ def test_token_trees_on_the_real_model_verify_alternatives_and_stay_identical(re
     assert r["tree_paths"] > 0 and r["tree_rows"] > r["tree_paths"] and r["verify_steps"] > 0
 
 
+def test_seed_002s_cohort_rule_beside_the_yield_guard_on_the_real_model(real_model_bf16):
+    """The ablation's guards=cohort (seed 002's rule): a chain of k=4 emits at most 5 tokens a
+    request on its first verify step, fewer than the rule's 6, so the run verifies once and then
+    decodes plainly; the row says so (cohort_decision), its tokens are the plain run's."""
+    rows = draft_yield.measure_draft_yield(real_model_bf16, workloads=["code-edit"], proposers=["ngram"], ks=[4],
+                                           concurrency=[2], guards=["cohort"], max_tokens=24, progress=False)
+    (r,) = rows.iter_rows(named=True)
+    assert r["tokens_identical"] and r["activation_ok"] and r["arm"] == "ngram k=4 guard cohort"
+    assert r["cohort_decision"] == "off" and r["verify_steps"] == 2 and r["guard_skips"] > 30
+
+
 def test_activation_flags_a_run_that_verified_nothing():
     assert draft_yield.activation(0) == (False, "speculation asked but no draft was verified (the proposer found "
                                              "nothing, or the guard kept every slot at k=0)")

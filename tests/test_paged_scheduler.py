@@ -118,3 +118,21 @@ def test_soak(workload, concurrency, pool_pages, policy, chunk_size, prefix_cach
     alloc.check()
     assert alloc.num_sequences == 0 and sched.slots.num_used == 0 and not sched.has_work()
     assert all(p.num_used == 0 and p.num_quarantined == 0 for p in alloc.pools.values())
+
+
+def test_a_prompt_sharing_a_cached_prefix_is_admitted_by_a_small_sliding_pool():
+    """The soak's find: a finished request leaves two cached pages of zeros; the next prompt
+    starts with them, and its sliding group's need was counted as the hit's two pages beside a
+    full window's new ones, 6 pages of a 5-page pool, so it waited at the head of the queue for
+    ever. The hit's pages are among those it holds at once: it is admitted and runs."""
+    zeros = lambda n: (0,) * n  # noqa: E731
+    first = Request(0, zeros(32), 1)
+    second = Request(2, zeros(40) + (10,), 40)
+    third = Request(3, (15,), 1)
+    sched, runner = paged(16 * 7, max_concurrency=1, policy="decode-first", chunk_size=11, chunk_cap=32,
+                          prefix_cache=True, admission_headroom_tokens=40)
+    result = drive(sched, runner, arrivals={0: [first, second, third]}, check=check_paged, max_steps=2_000)
+    assert {rid: ev.kind for rid, ev in result.events.items()} == {0: "finished", 2: "finished", 3: "finished"}
+    for r in (first, second, third):
+        assert (list(result.events[r.request_id].output_ids), result.events[r.request_id].reason) == \
+            solo_reference(r, 400)

@@ -14,6 +14,7 @@ import torch
 from workbench.errors import ConfigError, WorkbenchError
 from workbench.sampling import token_generator
 from workbench.spec import MAX_K, NgramProposer, SpecConfig, StepCost, SuffixProposer, YieldGuard
+from workbench.spec.guard import CohortGuard
 from workbench.spec.verify import accept_exact, accept_rejection, num_accepted
 
 
@@ -356,6 +357,21 @@ def test_guard_off_always_drafts_k_max():
     for c in (0.0, 0.5, 1.0):
         assert guard.length("r", c) == 6
         assert guard.length("new", c) == 6
+
+
+def test_the_cohort_guard_decides_once_on_its_first_sample():
+    guard = CohortGuard(8, min_emitted=6)
+    assert guard.length("a", 1.0) == 8 and guard.decision is None
+    guard.observe("a", 0, 0, 1)  # (a request that verified nothing is not in the sample)
+    assert guard.length("a", 1.0) == 8 and guard.decision is None
+    guard.observe("a", 8, 3, 4)
+    guard.observe("b", 8, 6, 7)  # 11 emitted by 2 requests: 5.5 each, fewer than 6
+    assert guard.length("a", 0.0) == 0 and guard.decision == "off"
+    guard.observe("a", 8, 8, 9)  # (after the decision nothing changes it)
+    assert guard.length("b", 0.0) == guard.length("new", 0.0) == 0
+    on = CohortGuard(4, min_emitted=5)
+    on.observe("a", 4, 4)  # emitted defaults to kept + 1
+    assert on.length("a", 1.0) == on.length("z", 1.0) == 4 and on.decision == "on"
 
 
 def _rule_only(k_max, **kw):

@@ -216,6 +216,27 @@ def test_the_guard_turns_an_always_wrong_proposer_off(tiny_model):
     assert r.spec.hist == [r.spec.verify_steps]  # (its probes included: one row each, never kept)
 
 
+@pytest.mark.parametrize("k, min_emitted, decision", [(4, 6, "off"), (8, 6, "on"), (4, 5, "on")])
+def test_seed_002s_cohort_rule_decides_on_the_first_verify_and_changes_no_bit(tiny_model, k, min_emitted, decision):
+    """guard="cohort": every slot drafts k until the first verify step; an oracle then emits k + 1
+    a request, so with fewer than 6 (k = 4) speculation is off for the rest of the run and with
+    k = 8, or a threshold of 5, it stays on at k. Tokens and logits bitwise plain decoding's."""
+    m = tiny_model()
+    prompts = [_ids(n, s) for n, s in ((10, 60), (21, 61))]
+    refs = _refs(m, prompts, 30)
+    spec = SpecConfig(k=k, guard="cohort", cohort_min_emitted=min_emitted)
+    e = _engine(m, 2, spec, Oracle({tuple(p): r[0] for p, r in zip(prompts, refs)}))
+    out = _run(e, prompts, 30)
+    for r, ref in zip(out, refs):
+        _same(r, ref)
+    assert e.speculator.guard.decision == decision
+    if decision == "off":  # the sample was the only verify step; every later one plain decoding
+        assert [r.spec.verify_steps for r in out] == [1, 1] and all(r.spec.guard_skips > 20 for r in out)
+    else:  # every draft kept, k at a time, to the end
+        assert all(r.spec.guard_skips == 0 and r.spec.accepted == r.spec.drafted >= 20 for r in out)
+    _no_page_left(e)
+
+
 def test_steps_and_requests_carry_the_activation_proof(tiny_model):
     m = tiny_model()
     prompts = [_ids(16, 50, period=4), _ids(16, 51, period=4)]
@@ -231,7 +252,8 @@ def test_steps_and_requests_carry_the_activation_proof(tiny_model):
 def test_speculation_bad_input_is_refused_in_one_line():
     for kw, word in (({"proposer": "mtp"}, "allowed ngram, suffix"), ({"k": 0}, "1..16"), ({"k": 17}, "1..16"),
                      ({"tree": 4}, "allowed None"), ({"verify": "lossy"}, "allowed exact, rejection"),
-                     ({"row_cost": 2.0}, "0..1"), ({"ngram_min": 5}, "1..4")):
+                     ({"row_cost": 2.0}, "0..1"), ({"ngram_min": 5}, "1..4"),
+                     ({"guard": "seed002"}, "allowed True, False or 'cohort'"), ({"cohort_min_emitted": 0}, "1..17")):
         with pytest.raises(ConfigError, match=word):
             SpecConfig(**kw)
     with pytest.raises(ConfigError, match="allowed None or a SpecConfig"):

@@ -247,9 +247,10 @@ def test_pages_for_prompt_counts_the_hit_and_the_peak():
     assert m.num_tokens == 16
     # global: 4 cached pages leave the LRU, 5 new (positions 16..32); sliding: 2 cached pages
     # plus the 5 new (positions 9..32 span 7 pages in one append); one position an append:
-    # at most 3 live pages
+    # at most 3 live pages, the two hit pages among them (pages 2 and 3, then page 4 for
+    # position 16; page 2 dies as page 5 is taken)
     assert a.pages_for_prompt(33, m) == {"global": 4 + 5, "sliding": 2 + 5}
-    assert a.pages_for_prompt(33, m, chunk=1) == {"global": 9, "sliding": 2 + 3}
+    assert a.pages_for_prompt(33, m, chunk=1) == {"global": 9, "sliding": 3}
     assert a.pages_for_prompt(33) == {"global": 9, "sliding": 9}
 
 

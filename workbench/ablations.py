@@ -323,7 +323,8 @@ def _draft_yield() -> Ablation:
                   lo=1, hi=MAX_K),
             Param("concurrencies", "int_list", [1, 4, 16], "requests submitted together (a row's concurrency; "
                   "at most 32: the shipped sets hold 32 prompts)", lo=1, hi=32),
-            Param("guards", "word_list", ["on"], "the yield guard (SpecConfig.guard; a row's guard)", words=GUARDS),
+            Param("guards", "word_list", ["on"], "the yield guard on or off, or seed 002's cohort rule (SpecConfig.guard "
+                  "True / False / 'cohort'; a row's guard)", words=GUARDS),
             Param("trees", "int_list", [0], "token-tree node budgets (SpecConfig.tree, more than k; 0: a linear "
                   "chain; a row's tree)", lo=0, hi=MAX_TREE),
             Param("temperatures_pct", "int_list", [0], "sampling temperatures in hundredths (0: greedy; 80: "

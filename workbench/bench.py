@@ -341,12 +341,12 @@ def activation_flag(row: dict, *, prefix_cache: bool, shared_prefix_len: int,
 
 def spec_text(spec) -> str:
     """'off', or the speculation's proposer and k ("ngram:k4"; "+tree12" with a node budget,
-    "+noguard" with the guard off)."""
+    "+noguard" with the guard off, "+cohort" with seed 002's rule)."""
     if spec is None:
         return "off"
     name = {"self": f"self:{spec.draft_layers}", "draft": f"draft:{os.path.basename(spec.draft_model or '')}"}
     return (f"{name.get(spec.proposer, spec.proposer)}:k{spec.k}" + ("" if spec.tree is None else f"+tree{spec.tree}")
-            + ("" if spec.guard else "+noguard"))
+            + {True: "", False: "+noguard", "cohort": "+cohort"}[spec.guard])
 
 
 def compression_text(mode: str | float) -> str:

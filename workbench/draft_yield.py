@@ -31,7 +31,9 @@ from collections.abc import Sequence
 
 from workbench.errors import WorkbenchError
 
-GUARDS = ("on", "off")
+# the yield guard on or off, or seed 002's cohort rule (SpecConfig.guard True / False / "cohort")
+GUARDS = ("on", "off", "cohort")
+GUARD_VALUES = {"on": True, "off": False, "cohort": "cohort"}
 
 
 def measure_draft_yield(
@@ -70,7 +72,7 @@ def measure_draft_yield(
         raise WorkbenchError(f"guard={bad[0]!r} is not allowed: allowed {', '.join(GUARDS)}")
     specs = [(p, k, n, g) for p in proposers for k in ks for n in trees for g in guards]
     for p, k, n, g in specs:  # (a bad value: one line, before any work)
-        SpecConfig(**proposer_fields(p), k=k, tree=n or None, guard=g == "on")
+        SpecConfig(**proposer_fields(p), k=k, tree=n or None, guard=GUARD_VALUES[g])
     labels = [f"{w} T={t:g} C={c} " + (_arm(p, k, n, g) if p else "AR")
               for w in workloads for t in temperatures for c in concurrency for p, k, n, g in [(None, 0, 0, None)] + specs]
     rows = []
@@ -86,7 +88,7 @@ def measure_draft_yield(
                     ref = _run(model, EngineConfig(**base), timed, sampling, timed_passes)
                     next_measurement(bar, labels)
                     for p, k, n, g in specs:
-                        spec = SpecConfig(**proposer_fields(p), k=k, tree=n or None, guard=g == "on")
+                        spec = SpecConfig(**proposer_fields(p), k=k, tree=n or None, guard=GUARD_VALUES[g])
                         got = _run(model, EngineConfig(**base, speculation=spec), timed, sampling, timed_passes)
                         rows.append(_row(model, got, ref, workload=w, concurrency=c, proposer=p, k=k, tree=n,
                                          guard=g, backend=backend, temperature=t))
@@ -200,6 +202,8 @@ def _pass(engine, prompts, sampling: dict, tag: str) -> dict:
         "tree_paths": sum(s.tree_paths for s in spec) if spec else None,
         "tree_rows": int(steps["tree_rows"].fill_null(0).sum()) if spec else None,
         "tree_wins": sum(s.tree_wins for s in spec) if spec else None,
+        # seed 002's cohort rule (guard "cohort"): what its first verify step decided, "on" or "off"
+        "cohort_decision": getattr(engine.speculator.guard, "decision", None) if engine.speculator else None,
     }
 
 
@@ -213,7 +217,7 @@ def _row(model, got: dict, ref: dict, *, workload, concurrency, proposer, k, tre
     ok, flag = activation(got["verify_steps"] or 0, tree=bool(tree), tree_paths=got["tree_paths"] or 0)
     keep = ("wall_s", "generated_tokens", "goodput_tok_s", "num_steps", "verify_steps", "drafted", "accepted",
             "emitted_in_verify", "acceptance", "draft_yield", "guard_skips", "empty_proposals", "acceptance_hist",
-            "position_acceptance", "row_cost", "draft_rows", "tree_paths", "tree_rows", "tree_wins")
+            "position_acceptance", "row_cost", "draft_rows", "tree_paths", "tree_rows", "tree_wins", "cohort_decision")
     return {
         "workload": workload,
         "concurrency": concurrency,

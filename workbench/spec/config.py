@@ -44,8 +44,11 @@ class SpecConfig:
     tree: int | None = None
     verify: str = "exact"
     # the yield guard: per slot, a draft length 0..k from its acceptance and the verify rows'
-    # cost (guard.py); off: every slot drafts what its proposer offers, up to k
-    guard: bool = True
+    # cost (guard.py); False: every slot drafts what its proposer offers, up to k; "cohort":
+    # seed 002's rule for comparison (guard.py's CohortGuard: fewer than cohort_min_emitted
+    # tokens emitted per request on the first verify step turns speculation off for the run)
+    guard: bool | str = True
+    cohort_min_emitted: int = 6
     # the cost of one verify row beside a slot's share of a decode step, as a fraction of it:
     # the guard's value until it has measured one from the run's own steps (guard.py), or
     # always with measure_cost off (decisions then do not depend on timing: reproducible)
@@ -78,8 +81,9 @@ class SpecConfig:
                                   f"allowed verify='exact' (rejection sampling verifies one chain)")
         if self.verify not in VERIFIES:
             raise ConfigError(f"speculation verify={self.verify!r} is not allowed: allowed {', '.join(VERIFIES)}")
-        if not isinstance(self.guard, bool):
-            raise ConfigError(f"speculation guard={self.guard!r} is not allowed: allowed True or False")
+        if not (isinstance(self.guard, bool) or self.guard == "cohort"):
+            raise ConfigError(f"speculation guard={self.guard!r} is not allowed: allowed True, False or 'cohort'")
+        _int("cohort_min_emitted", self.cohort_min_emitted, 1, MAX_K + 1)
         if not isinstance(self.measure_cost, bool):
             raise ConfigError(f"speculation measure_cost={self.measure_cost!r} is not allowed: allowed True or False")
         if isinstance(self.row_cost, bool) or not isinstance(self.row_cost, (int, float)) or not 0 <= self.row_cost <= 1:

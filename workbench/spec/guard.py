@@ -20,8 +20,12 @@ fraction of the same share, and takes it out of the step times StepCost fits. On
 the weights and a few more rows are nearly free (c near 0: draft long); on a CPU at 16 slots a
 row costs nearly what a slot's share does (c near 1: draft only what is very likely kept).
 
-Seed 002's rule, for comparison (the draft-yield ablation runs both): fewer than 6 tokens
-emitted per request on the first packed sample turns speculation off for the rest of the run.
+Seed 002's rule, for comparison (`SpecConfig(guard="cohort")`, `CohortGuard`; the draft-yield
+ablation's `guards=cohort`): fewer than `cohort_min_emitted` (6) tokens emitted per request on
+the first packed sample turns speculation off for the rest of the run; otherwise every slot
+drafts k for the rest of it. Nothing is measured after that first step and nothing probes.
+(A chain of k < 5 draft tokens emits at most k + 1 < 6 a step, so with seed 002's threshold the
+rule always turns such runs off after one verify step: seed 002 verified deeper trees.)
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable
 
-__all__ = ["DraftCost", "StepCost", "TreeGuard", "YieldGuard"]
+__all__ = ["CohortGuard", "DraftCost", "StepCost", "TreeGuard", "YieldGuard"]
 
 
 class StepCost:
@@ -224,3 +228,35 @@ class TreeGuard:
 
     def forget(self, rid: Hashable) -> None:
         self._slots.pop(rid, None)
+
+
+class CohortGuard:
+    """Seed 002's cohort-yield rule, YieldGuard's interface: every slot drafts k_max until the
+    first step that verified drafts (the packed sample) has been observed; then, if the requests
+    verified in it emitted fewer than `min_emitted` tokens each on average, every slot decodes
+    plainly for the rest of the run (k = 0, no probes), else every slot keeps drafting k_max.
+    `decision`: None before the sample, "on" or "off" after it."""
+
+    def __init__(self, k_max: int, *, min_emitted: int = 6):
+        self.k_max = k_max
+        self.min_emitted = min_emitted
+        self.decision: str | None = None
+        self._emitted = 0
+        self._requests = 0
+
+    def length(self, rid: Hashable, row_cost: float) -> int:
+        if self.decision is None and self._requests:
+            self.decision = "on" if self._emitted >= self.min_emitted * self._requests else "off"
+        return 0 if self.decision == "off" else self.k_max
+
+    def observe(self, rid: Hashable, drafted: int, kept: int, emitted: int | None = None) -> None:
+        """A verify of `drafted` tokens kept `kept` and emitted `emitted` (default kept + 1)."""
+        if self.decision is None and drafted:
+            self._emitted += kept + 1 if emitted is None else emitted
+            self._requests += 1
+
+    def tick(self) -> None:
+        pass
+
+    def forget(self, rid: Hashable) -> None:
+        pass

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
 from .config import SpecConfig
-from .guard import DraftCost, StepCost, TreeGuard, YieldGuard
+from .guard import CohortGuard, DraftCost, StepCost, TreeGuard, YieldGuard
 from .proposers import Proposer, make_proposer
 
 __all__ = ["SpecStats", "Speculator"]
@@ -99,7 +99,7 @@ class Speculator:
         # a step's rows stay within what the runner verifies fastest (TritonRunner: its chunk
         # graphs' scored rows; None: no such limit)
         self.max_step_rows = getattr(runner, "graphed_verify_rows", None)
-        self.guard = YieldGuard(config.k, enabled=config.guard)
+        self.guard = _guard(config)
         self.cost = StepCost()
         self.draft_cost = DraftCost()
         self._draft_ms = 0.0  # the proposer's time in the latest drafts() call
@@ -107,7 +107,7 @@ class Speculator:
         # token trees: request id -> the alternative paths of the latest drafts() call
         self.branches: dict[Hashable, tuple[tuple[int, ...], ...]] = {}
         self.tree = config.tree is not None and hasattr(self.proposer, "propose_tree")
-        self.tree_guard = TreeGuard(enabled=config.guard)
+        self.tree_guard = TreeGuard(enabled=config.guard is True)
         self._cost = config.row_cost  # the latest drafts() call's row cost (the tree guard's too)
 
     def forget_proposals(self) -> None:
@@ -118,8 +118,8 @@ class Speculator:
             raise RuntimeError("forget_proposals with requests in flight")
         if self.config.proposer in ("ngram", "suffix"):  # (a draft model learns nothing across requests)
             self.proposer = make_proposer(self.config)
-        self.guard = YieldGuard(self.config.k, enabled=self.config.guard)
-        self.tree_guard = TreeGuard(enabled=self.config.guard)
+        self.guard = _guard(self.config)
+        self.tree_guard = TreeGuard(enabled=self.config.guard is True)
 
     def start(self, rid: Hashable, prompt_ids: Sequence[int]) -> None:
         self.proposer.start(rid, prompt_ids)
@@ -201,7 +201,10 @@ class Speculator:
         """A verify of `drafted` tokens kept `kept` and emitted `emitted` tokens (token trees:
         those of the winning path, beside `alternatives` other paths of `alternative_tokens`
         tokens; `won`: an alternative kept more than the main draft, which kept `main_kept`)."""
-        self.guard.observe(rid, drafted, kept)
+        if isinstance(self.guard, CohortGuard):
+            self.guard.observe(rid, drafted, kept, emitted)
+        else:
+            self.guard.observe(rid, drafted, kept)
         if alternatives:
             gained = kept - (kept if main_kept is None else main_kept) if won else 0
             self.tree_guard.observe(rid, alternatives + alternative_tokens, gained, self._cost)
@@ -222,3 +225,10 @@ class Speculator:
         self.guard.forget(rid)
         self.tree_guard.forget(rid)
         return self.stats.pop(rid)
+
+
+def _guard(config: SpecConfig):
+    """The config's draft-length guard: the yield guard (on or off), or seed 002's cohort rule."""
+    if config.guard == "cohort":
+        return CohortGuard(config.k, min_emitted=config.cohort_min_emitted)
+    return YieldGuard(config.k, enabled=config.guard)

@@ -509,7 +509,12 @@ class PageAllocator:
     def pages_for_prompt(self, num_tokens: int, match: PrefixMatch | None = None, chunk: int | None = None) -> dict[str, int]:
         """Group -> an upper bound on the available pages a new sequence takes to prefill
         `num_tokens` positions in appends of at most `chunk` (default: one append): the hit's
-        pages that leave the LRU plus the new pages at the peak of the prefill."""
+        pages that leave the LRU plus the new pages, at most the pages it holds at once (a
+        sliding group's hit pages are among those: counting them beside a full window's new
+        pages asked a sliding pool for more than it holds, and a request whose prompt shared a
+        cached prefix waited at the head of the queue for ever: tests/test_paged_scheduler.py's
+        soak found it). Never more than `max_live_pages`, which `add` checks against the pool,
+        so an empty pool always admits."""
         h = match.num_tokens if match else 0
         chunk = chunk or max(1, num_tokens - h)
         out = {}
@@ -518,7 +523,7 @@ class PageAllocator:
             claimed = sum(1 for p in hit if pool.refcount[p] == 0)
             new = self.layout.num_pages(num_tokens) - h // self.page_size
             live = self.layout.max_live_pages(name, num_tokens, chunk, self.max_rollback)
-            out[name] = claimed + max(0, min(new, live))
+            out[name] = min(claimed + max(0, new), live)
         return out
 
     def read_stats(self) -> AllocatorStats:
