@@ -127,6 +127,7 @@ def attend(
     scale: float,
     tiles: list[RowPass] | None = None,  # plan_tiles(positions, window), if precomputed
     table: torch.Tensor | None = None,  # int64 block table: logical block -> page (None: identity)
+    mass: torch.Tensor | None = None,  # float64 [pages]: each page's attention mass is added here
 ) -> torch.Tensor:
     c, h, d = q.shape
     hkv = k_cache.shape[1]
@@ -186,6 +187,11 @@ def attend(
         m = s.amax(dim=(1, 4), keepdim=True)
         p = torch.exp(s - m)
         l = p.sum(dim=-1, keepdim=True).cumsum(1)[:, -1]  # [n, hkv, g, 1], blocks added in order
+        if mass is not None:  # (read only: the output's bits do not depend on it)
+            # each block's share of every row's and query head's softmax: the probability mass
+            # the page received (eviction="scored", state/pages.py)
+            share = (p.sum(dim=-1) / l[..., 0].unsqueeze(1)).sum(dim=(0, 2, 3))  # [nb]
+            mass.index_add_(0, torch.tensor(pages, dtype=torch.int64), share.double())
         if n == 1:
             o = torch.cat([torch.bmm(p[0, b0 : b0 + L].reshape(-1, g, KV_BLOCK),
                                      (stale[b0].unsqueeze(0) if b0 in stale else v_src[p0 : p0 + L])

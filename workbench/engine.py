@@ -201,6 +201,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.runner, budget_bytes=budget)
         if self.scheduler.paged:
             self.runner.init_kv_pool(self.scheduler.kv_pool_pages)
+            if config.eviction == "scored":
+                self.runner.track_page_mass()
             if self.scheduler.kv_host_pages:
                 self.runner.init_host_store(self.scheduler.kv_host_pages)
         # prompt compression (PFlash): the scorer is loaded once, on the CPU or, by default with

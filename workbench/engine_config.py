@@ -25,7 +25,7 @@ BACKENDS = ("torch", "triton")
 DTYPES = ("bfloat16", "float32")
 # "lru": the resident sequence paged in longest ago whose quantum has run. (Scoring pages by the
 # attention mass they received is issue 20's next slice: it needs partial residency.)
-EVICTIONS = ("lru",)
+EVICTIONS = ("lru", "scored")
 PREEMPTIONS = ("swap", "recompute")
 
 
@@ -48,7 +48,12 @@ class EngineConfig:
     # store (a sliding group's holds what every slot's window spans); None: no host store, a
     # preempted request is recomputed
     kv_host_tokens: int | None = None
-    # which resident sequence is paged out for one waiting to page in (EVICTIONS)
+    # which pages leave the device first (EVICTIONS). A resident sequence paged out for one
+    # waiting to page in is the one paged in longest ago, either way (each step reads all of a
+    # live sequence's pages, so no page of one is worth less than another). Cached prefix pages
+    # (refcount 0, kept for later hits): "lru", the least recently used first; "scored", the
+    # one that received the least attention mass while it was read (every holder's rows, a
+    # shared page counted once; the torch backend measures it in its dense attention)
     eviction: str = "lru"
     # a request preempted for pages: "swap" (to the host store while it has room, else
     # recompute) or "recompute" (re-prefill it later)
@@ -88,6 +93,12 @@ class EngineConfig:
         _int_in_range("admission_headroom_tokens", self.admission_headroom_tokens, 0, None)
         _int_in_range("kv_host_tokens", self.kv_host_tokens, 1, None, optional=True)
         _choice("eviction", self.eviction, EVICTIONS)
+        if self.eviction == "scored" and self.backend != "torch":
+            raise ConfigError(f"eviction='scored' with backend={self.backend!r} is not allowed: the attention mass "
+                              f"it evicts by is measured on backend='torch' only; allowed eviction='lru' here")
+        if self.eviction == "scored" and not self.prefix_cache:
+            raise ConfigError("eviction='scored' orders the prefix cache's pages, and prefix_cache is off: allowed "
+                              "eviction='lru', or prefix_cache=True")
         _choice("preemption", self.preemption, PREEMPTIONS)
         _int_in_range("residency_quantum", self.residency_quantum, 1, None)
         if not isinstance(self.prefix_cache, bool):

@@ -231,9 +231,12 @@ class PagedMemory:
         self._waiting: dict[Hashable, tuple] = {}
         self._swaps = [0, 0]  # sequences paged out, paged in since the previous step_stats()
         self._bytes = [0, 0]  # bytes paged out, paged in since then
+        # eviction="scored": cached prefix pages leave by the attention mass they received, which
+        # the runner measures (take_page_mass); "lru": the least recently used first
         self.allocator = PageAllocator(layout, self.pool_pages, prefix_cache=config.prefix_cache,
                                        cache_key=runner.kv_cache_key,
-                                       num_host_pages=self.host_pages or None)
+                                       num_host_pages=self.host_pages or None,
+                                       mass_reader=runner.take_page_mass if config.eviction == "scored" else None)
 
     @property
     def reserved_bytes(self) -> int:

@@ -54,10 +54,25 @@ class KVPages:
         # layer -> (its group, its index within the group's layers)
         self.where = {li: (g.name, j) for g in layout.groups for j, li in enumerate(g.layers)}
         self.index = None  # the QSA indexer's block summaries, page by page (sparse_attention.py)
+        # group -> float64 [pages]: the attention mass each page received since it was last read
+        # (eviction="scored"; `track_mass`); empty: not measured
+        self.mass: dict[str, torch.Tensor] = {}
         if qsa is not None:
             from .sparse_attention import QSAIndex
 
             self.index = QSAIndex(qsa[0], qsa[1], layout, num_pages, n_kv_heads, head_dim)
+
+    def track_mass(self) -> None:
+        """Measure each page's attention mass from now on (dense attention rows; a QSA layer's
+        sparse rows add none)."""
+        self.mass = {name: torch.zeros(k.shape[0], dtype=torch.float64) for name, k in self.k.items()}
+
+    def take_mass(self, group: str, pages) -> list[float]:
+        """The mass `pages` of `group` received since their last read; zeroed by the read."""
+        idx = torch.as_tensor(list(pages), dtype=torch.int64)
+        got = self.mass[group][idx].tolist()
+        self.mass[group][idx] = 0.0
+        return got
 
     @property
     def nbytes(self) -> int:
@@ -306,7 +321,7 @@ class Model:
                     continue
                 attn[r0 : r0 + n] = attend(
                     q[r0 : r0 + n], kc, vc, positions[r0 : r0 + n], window, c.attn_scale, tiles[window][si],
-                    seg.state.tables[group],
+                    seg.state.tables[group], mass=seg.state.pages.mass.get(group),
                 )
             x = self.layer_out(li, x, attn)
         for seg, (r0, n, start) in zip(segments, spans):

@@ -74,6 +74,15 @@ class TorchRunner:
         """Allocate the pages: `num_pages` per KV group (the scheduler's `kv_pool_pages`)."""
         self.pages = self.model.new_pages(num_pages, self.qsa)
 
+    def track_page_mass(self) -> None:
+        """eviction="scored": measure the attention mass each KV page receives (attention.py)."""
+        self.pages.track_mass()
+
+    def take_page_mass(self, group: str, pages) -> list[float]:
+        """The attention mass `pages` of `group` received since their last read (zeroed by it):
+        the allocator's `mass_reader` (state/pages.py)."""
+        return self.pages.take_mass(group, pages)
+
     def init_host_store(self, num_pages: dict[str, int]) -> None:
         """Allocate the host store (`kv_host_pages`); on the CPU it is a second pool in memory."""
         self.host = self.model.new_pages(num_pages, self.qsa)

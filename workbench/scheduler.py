@@ -26,7 +26,7 @@ host store, it keeps its slot, and it waits in the paged-out queue (FIFO). Each 
 anything is planned, the head of that queue is paged back in when its pages (and one more in
 every group) are available; when they are not, resident requests that have run at least
 `residency_quantum` steps since their own page-in are paged out for it, the one paged in
-longest ago first (`eviction="lru"`), but only when that makes it fit (decoding ones only: each turn then gains every request at least a
+longest ago first (either `eviction`: that one orders the prefix cache's pages), but only when that makes it fit (decoding ones only: each turn then gains every request at least a
 token, even recomputed). So the resident set turns over every quantum and every admitted
 request makes progress, waiting about a quantum per turn: the wait is bounded
 (tests/test_residency.py asserts it). Only resident requests are

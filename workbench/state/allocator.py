@@ -119,6 +119,7 @@ class PageAllocator:
         num_state_slots: int = 0,
         state_versions: int = 1,
         num_host_pages: Mapping[str, int] | None = None,
+        mass_reader=None,
     ):
         """`num_pages`: pages per KV group. `cache_key`: model identity + KV dtype
         (prefix_cache.cache_key). `num_state_slots`: sequences that can hold per-sequence state
@@ -133,7 +134,8 @@ class PageAllocator:
             raise WorkbenchError(f"num_state_slots={num_state_slots!r}: the layout has per-sequence state, allowed >= 1")
         self.layout = layout
         self.page_size = layout.page_size
-        self.pools = {name: PagePool(name, num_pages[name]) for name in layout.group_names}
+        # mass_reader: scored eviction of cached pages (pages.py), else LRU
+        self.pools = {name: PagePool(name, num_pages[name], mass_reader) for name in layout.group_names}
         self.prefix_cache = bool(prefix_cache)
         self.max_rollback = max_rollback
         self.root = root_hash(bytes(cache_key), layout.page_size)

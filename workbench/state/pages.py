@@ -23,7 +23,15 @@ are kept as maximal runs of consecutive ids (`FreeRuns`):
   at page 0 (nothing precedes it), else halfway along, leaving the first half to whatever
   sequence ends just before it (concurrent sequences each grow into pages of their own, as in
   a file system that spreads new files); a run of several pages that fits is placed whole;
-* with no free page, the least recently used cached page is evicted (its hash dropped).
+* with no free page, the least recently used cached page is evicted (its hash dropped), or with
+  a `mass_reader` (eviction="scored") the cached page that received the least attention mass.
+
+Scored eviction (`mass_reader`: (group, pages) -> the attention mass each page received since
+its last read, which the read zeroes; the runner keeps it). A page whose refcount falls to 0
+joins `_unscored`; before any allocation the pool reads those pages' mass in one call and adds
+it to each hashed one's score (a shared page's mass from every holder, counted once, as one
+page), so a page is read, and its mass zeroed, before it can be handed out again. A hashed
+page taken back by a prefix hit keeps its score and adds what it receives next.
 
 Cost per page: O(log r) amortised, r the number of free runs (a heap of runs by length with
 stale entries skipped and rebuilt when they outnumber the live ones; dicts by start and end).
@@ -153,14 +161,16 @@ class FreeRuns:
 
 
 class PagePool:
-    def __init__(self, name: str, num_pages: int):
+    def __init__(self, name: str, num_pages: int, mass_reader=None):
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
             raise WorkbenchError(f"num_pages={num_pages!r} for group {name!r} is out of range: allowed >= 1")
         self.name = name
         self.num_pages = num_pages
         self.refcount = [0] * num_pages
         self._free = FreeRuns(num_pages)
-        self.cache = PrefixCache()
+        self.cache = PrefixCache(scored=mass_reader is not None)
+        self._mass_reader = mass_reader
+        self._unscored: set[int] = set()  # pages released since their mass was last read (scored)
         self.quarantine = Quarantine()
         self._num_used = 0
         self._allocated = self._freed = self._evicted = 0
@@ -208,7 +218,9 @@ class PagePool:
         """A blank page with refcount 1: the page right after `after` (the last page the
         caller's sequence holds) when it is free, else the first page of a new run with room
         for `want` pages (the caller's pages still to come, this one included), else the LRU
-        cached page."""
+        cached page (or, scored, the least attended one)."""
+        if self._unscored:
+            self.read_mass()
         if after is not None and self._free.starts_at(after + 1):
             page = after + 1
             self._free.take(page)
@@ -246,10 +258,20 @@ class PagePool:
             return
         self._num_used -= 1
         self._freed += 1
+        if self._mass_reader is not None:
+            self._unscored.add(page)
         if self.quarantine.is_pending(fence):
             self.quarantine.hold(fence, page)
         else:
             self._settle(page)
+
+    def read_mass(self) -> None:
+        """Scored: the released pages' attention mass, read (and zeroed) in one call, added to
+        each hashed one's score."""
+        pages, self._unscored = sorted(self._unscored), set()
+        for page, mass in zip(pages, self._mass_reader(self.name, pages)):
+            if self.cache.hash_of(page) is not None:
+                self.cache.rescore(page, self.cache.score.get(page, 0.0) + float(mass))
 
     def retire(self, step_id: int) -> None:
         for page in self.quarantine.retire(step_id):

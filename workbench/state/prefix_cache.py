@@ -21,6 +21,7 @@ A hashed page is read-only: its content is the content its hash names, until it 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import struct
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -124,10 +125,20 @@ def check_prefix(pools: Mapping[str, "PagePool"], match: PrefixMatch, page_size:
 
 
 class PrefixCache:
-    def __init__(self) -> None:
+    """scored: evict the evictable page with the least `score` (the attention mass it received,
+    kept by its PagePool), the least recently made evictable first among equal scores; else
+    the least recently used. The scored order is a heap with stale entries skipped (an entry is
+    live while it is the page's latest), rebuilt when stale ones outnumber the live."""
+
+    def __init__(self, scored: bool = False) -> None:
         self._page_of: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # evictable pages, oldest first
+        self.scored = scored
+        self.score: dict[int, float] = {}  # hashed page -> attention mass received (scored)
+        self._heap: list[tuple[float, int, int]] = []  # (score, tick, page)
+        self._entry: dict[int, tuple[float, int, int]] = {}  # evictable page -> its live heap entry
+        self._tick = 0
 
     @property
     def num_hashed(self) -> int:
@@ -159,17 +170,44 @@ class PrefixCache:
         """A hashed page lost its last holder: it becomes the most recently used evictable."""
         assert page in self._hash_of and page not in self._lru
         self._lru[page] = None
+        if self.scored:
+            self._push(page)
+
+    def rescore(self, page: int, score: float) -> None:
+        """A hashed page's attention mass so far (scored): its place in the eviction order."""
+        self.score[page] = score
+        if self.scored and page in self._lru:
+            self._push(page)
+
+    def _push(self, page: int) -> None:
+        self._tick += 1
+        e = self._entry[page] = (self.score.get(page, 0.0), self._tick, page)
+        heapq.heappush(self._heap, e)
+        if len(self._heap) > 2 * len(self._entry) + 16:
+            self._heap = list(self._entry.values())
+            heapq.heapify(self._heap)
 
     def claim(self, page: int) -> None:
         """An evictable page gained a holder (a prefix hit): it leaves the LRU."""
         del self._lru[page]
+        self._entry.pop(page, None)
 
     def evict(self) -> int | None:
-        """Drop the least recently used evictable page's hash; returns the page (now blank)."""
+        """Drop the next evictable page's hash (the least scored, or the least recently used);
+        returns the page (now blank)."""
         if not self._lru:
             return None
-        page, _ = self._lru.popitem(last=False)
+        if self.scored:
+            while True:
+                e = heapq.heappop(self._heap)
+                if self._entry.get(e[2]) == e:
+                    break
+            page = e[2]
+            del self._lru[page], self._entry[page]
+        else:
+            page, _ = self._lru.popitem(last=False)
         del self._page_of[self._hash_of.pop(page)]
+        self.score.pop(page, None)
         return page
 
     def evictable(self) -> list[int]:
@@ -180,3 +218,6 @@ class PrefixCache:
         assert len(self._page_of) == len(self._hash_of)
         assert all(self._hash_of[p] == h for h, p in self._page_of.items()), "hash maps disagree"
         assert all(p in self._hash_of for p in self._lru), "an evictable page has no hash"
+        assert all(p in self._hash_of for p in self.score), "a score outlived its page's hash"
+        if self.scored:
+            assert set(self._entry) == set(self._lru), "an evictable page is missing from the scored order"
