@@ -422,6 +422,7 @@ def attention_rows(
     segment: int | None = None,
     block_table: torch.Tensor | None = None,
     span: int | None = None,
+    mass: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of R query rows, each against its own sequence's cache.
 
@@ -447,6 +448,9 @@ def attention_rows(
     of one program per segment of the context (H200 run 85: at 32K positions and 16 rows the
     sliding layers' empty programs and their workspace stores took most of the step). Which
     program computes a segment changes, what it computes does not: bitwise the same.
+    ``mass`` (float32 [pages], with ``block_table``): each page's share of every row's and query
+    head's softmax is added to it (``segment_mass``, from the partials' (max, sum) after the
+    launches; the output's bits do not depend on it).
     """
     segment = segment or ATTENTION_SEGMENT
     precision = precision or ATTENTION_INPUT_PRECISION
@@ -508,16 +512,43 @@ def attention_rows(
               float(scale) * _LOG2E, D, Hkv, num_seg, counters if fused else ws_m, out, out.stride(0), out.stride(1))
     consts = dict(GROUP=group, QROWS=qrows, D_P=d_p, BLOCK_N=block_n, SEG=segment, PAGE=page, USE_DOT=use_dot,
                   INPUT_PRECISION=precision, FUSED=fused, REL=rel, num_warps=num_warps)
+    if mass is not None and block_table is None:
+        raise ValueError("mass= needs a block_table: it is counted per page")
     if rope is not None:
         _launch_rope(common, consts, rope, q, k_cache, v_cache, num_seg)
-        return out
-    _attention_partial_kernel[(R, Hkv, num_seg)](*common, **consts, **launch_kw(q))
-    if not fused:
-        _attention_combine_kernel[(R, Hkv)](
-            ws_m, ws_l, ws_acc, out, row_pos, row_window, out.stride(0), out.stride(1), D, Hkv, num_seg,
-            GROUP=group, QROWS=qrows, D_P=d_p, SEG=segment, REL=rel, num_warps=4, **launch_kw(q),
-        )
+    else:
+        _attention_partial_kernel[(R, Hkv, num_seg)](*common, **consts, **launch_kw(q))
+        if not fused:
+            _attention_combine_kernel[(R, Hkv)](
+                ws_m, ws_l, ws_acc, out, row_pos, row_window, out.stride(0), out.stride(1), D, Hkv, num_seg,
+                GROUP=group, QROWS=qrows, D_P=d_p, SEG=segment, REL=rel, num_warps=4, **launch_kw(q),
+            )
+    if mass is not None:
+        segment_mass(ws_m, ws_l, group, row_seq, row_pos, row_window, bt, page, segment, rel, mass)
     return out
+
+
+def segment_mass(ws_m, ws_l, group: int, row_seq, row_pos, row_window, block_table, page: int, segment: int,
+                 rel: bool, mass: torch.Tensor) -> None:
+    """Add each page's attention mass to ``mass``: from the partial programs' per-segment
+    (max, sum) of every row and query head (base-2 logits), a segment's share of the row's
+    softmax is sum_s * 2^(max_s - M) / L, M the row's largest max and L the rescaled sums'
+    total; shares of the segments a page holds go to that page through the row's table. Torch
+    ops on the device (no sync, fixed shapes: CUDA graphs capture them); padding rows land on
+    the scratch page, slots outside a row's keys hold a zero share (an empty segment's sum is 0)."""
+    R, _, num_seg, _ = ws_m.shape
+    m, l = ws_m[..., :group], ws_l[..., :group]
+    w = l * torch.exp2(m - m.amax(dim=2, keepdim=True))
+    share = (w / w.sum(dim=2, keepdim=True)).sum(dim=(1, 3))  # [R, num_seg]
+    slots = torch.arange(num_seg, device=ws_m.device)
+    first = torch.zeros_like(row_pos, dtype=torch.int64)
+    if rel:
+        hi = row_pos.long() + 1
+        lo = torch.where(row_window > 0, (hi - row_window.long()).clamp(min=0), torch.zeros_like(hi))
+        first = lo // segment
+    logical = ((first[:, None] + slots[None, :]) * segment // page).clamp(max=block_table.shape[1] - 1)
+    pages = block_table.long()[row_seq.long()[:, None], logical].clamp(0, mass.shape[0] - 1)
+    mass.index_add_(0, pages.flatten(), share.flatten().to(mass.dtype))
 
 
 def _launch_rope(common: tuple, consts: dict, rope: RopePrologue, q, k_cache, v_cache, num_seg: int) -> None:

@@ -113,10 +113,29 @@ def test_attend_measures_each_pages_share_of_the_softmax_and_changes_no_bit(wind
 
 # -- the engine -----------------------------------------------------------------------------
 
-def _engine(m, eviction):
-    cfg = workbench.EngineConfig(max_concurrency=1, dtype=m.dtype_name, kv_resident_tokens=4 * 256,
-                                 admission_headroom_tokens=0, eviction=eviction)
+def _engine(m, eviction, page=256, **kw):
+    cfg = workbench.EngineConfig(max_concurrency=1, dtype=m.dtype_name, kv_resident_tokens=4 * page,
+                                 admission_headroom_tokens=0, eviction=eviction, **kw)
     return workbench.Engine(m, cfg, keep_logits=True)
+
+
+def _serve(e, prompts):
+    """The prompts one after another; every cache eviction with the scores the cache held then."""
+    evicted = []
+    for pool in e.scheduler.allocator.pools.values():
+        real = pool.cache.evict
+
+        def watch(real=real, cache=pool.cache):
+            before = {p: cache.score.get(p, 0.0) for p in cache.evictable()}
+            page = real()
+            if page is not None:
+                evicted.append((page, before))
+            return page
+
+        pool.cache.evict = watch
+    out = [e.generate([p], max_tokens=3, ignore_eos=True)[0] for p in prompts]
+    steps = e.telemetry.steps()
+    return (out, evicted, int(steps.select(pl_sum("pages_evicted_")).item()), int(steps["prefix_hit_tokens"].sum()))
 
 
 def test_scored_eviction_keeps_the_attended_pages_and_every_bit(tiny_model):
@@ -128,25 +147,7 @@ def test_scored_eviction_keeps_the_attended_pages_and_every_bit(tiny_model):
     m = tiny_model("llama", "float32")
     prompts = [_ids(520, s) for s in range(3)] + [_ids(260, 9)]
     prompts.append(prompts[1][:512] + _ids(10, 10))  # a later hit on the second prompt's pages
-    runs = {}
-    for eviction in ("lru", "scored"):
-        e = _engine(m, eviction)
-        evicted = []
-        for pool in e.scheduler.allocator.pools.values():
-            real = pool.cache.evict
-
-            def watch(real=real, cache=pool.cache):
-                before = {p: cache.score.get(p, 0.0) for p in cache.evictable()}
-                page = real()
-                if page is not None:
-                    evicted.append((page, before))
-                return page
-
-            pool.cache.evict = watch
-        out = [e.generate([p], max_tokens=3, ignore_eos=True)[0] for p in prompts]
-        steps = e.telemetry.steps()
-        runs[eviction] = (out, evicted, int(steps.select(pl_sum("pages_evicted_")).item()),
-                          int(steps["prefix_hit_tokens"].sum()))
+    runs = {ev: _serve(_engine(m, ev), prompts) for ev in ("lru", "scored")}
     (lru_out, lru_ev, lru_n, _), (out, ev, n, hits) = runs["lru"], runs["scored"]
     for a, b in zip(out, lru_out):
         assert a.token_ids == b.token_ids and torch.equal(a.logits, b.logits)
@@ -165,11 +166,30 @@ def pl_sum(prefix: str):
     return pl.sum_horizontal(pl.col(f"^{prefix}.*$").sum())
 
 
+def test_the_triton_runner_measures_the_mass_in_its_graphs_with_the_same_bits(tiny_model):
+    """The Triton runner (under the interpreter: graphs emulated, 64-position pages) measures the
+    mass from its attention partials (kernels/attention.py's segment_mass), in decode graphs and
+    chunk graphs alike; scored and LRU runs give the same bits, and each scored eviction took a
+    least attended page."""
+    from workbench.runners.triton_options import TritonOptions
+
+    m = tiny_model("llama", "float32", "Q8_0", n_layers=1, n_embd=64, n_heads=2, n_kv_heads=1, n_ff=128)
+    prompts = [_ids(70, s) for s in range(3)] + [_ids(35, 9)]
+    prompts.append(prompts[1][:64] + _ids(3, 10))
+    kw = dict(backend="triton", max_context=128, memory_budget_bytes=1 << 30,
+              triton=TritonOptions(graphs=True if torch.cuda.is_available() else "emulate", page_size=32,
+                                   attn_segment=32))
+    runs = {ev: _serve(_engine(m, ev, page=32, **kw), prompts) for ev in ("lru", "scored")}
+    (lru_out, lru_ev, lru_n, _), (out, ev, n, hits) = runs["lru"], runs["scored"]
+    for a, b in zip(out, lru_out):
+        assert a.token_ids == b.token_ids and torch.equal(a.logits, b.logits)
+    assert n == len(ev) > 0 and lru_n == len(lru_ev) > 0
+    for page, before in ev:
+        assert before[page] == min(before.values()) and all(v > 0 for v in before.values())
+    assert [p for p, _ in ev] != [p for p, _ in lru_ev] and hits > runs["lru"][3]
+
+
 def test_scored_eviction_is_refused_where_it_cannot_run():
-    with pytest.raises(ConfigError) as e:
-        workbench.EngineConfig(eviction="scored", backend="triton")
-    assert str(e.value) == ("eviction='scored' with backend='triton' is not allowed: the attention mass it evicts by is "
-                            "measured on backend='torch' only; allowed eviction='lru' here")
     with pytest.raises(ConfigError, match="prefix_cache is off: allowed eviction='lru', or prefix_cache=True"):
         workbench.EngineConfig(eviction="scored", prefix_cache=False)
     with pytest.raises(ConfigError, match="eviction='mru' is not allowed: allowed lru, scored"):

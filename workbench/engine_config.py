@@ -53,7 +53,8 @@ class EngineConfig:
     # live sequence's pages, so no page of one is worth less than another). Cached prefix pages
     # (refcount 0, kept for later hits): "lru", the least recently used first; "scored", the
     # one that received the least attention mass while it was read (every holder's rows, a
-    # shared page counted once; the torch backend measures it in its dense attention)
+    # shared page counted once; both backends measure it in their dense attention layers, a QSA
+    # layer's rows add none)
     eviction: str = "lru"
     # a request preempted for pages: "swap" (to the host store while it has room, else
     # recompute) or "recompute" (re-prefill it later)
@@ -93,9 +94,6 @@ class EngineConfig:
         _int_in_range("admission_headroom_tokens", self.admission_headroom_tokens, 0, None)
         _int_in_range("kv_host_tokens", self.kv_host_tokens, 1, None, optional=True)
         _choice("eviction", self.eviction, EVICTIONS)
-        if self.eviction == "scored" and self.backend != "torch":
-            raise ConfigError(f"eviction='scored' with backend={self.backend!r} is not allowed: the attention mass "
-                              f"it evicts by is measured on backend='torch' only; allowed eviction='lru' here")
         if self.eviction == "scored" and not self.prefix_cache:
             raise ConfigError("eviction='scored' orders the prefix cache's pages, and prefix_cache is off: allowed "
                               "eviction='lru', or prefix_cache=True")

@@ -274,3 +274,35 @@ def test_a_span_grid_is_bitwise_the_context_grid(segment, device):
     for a, b in zip(*got):
         assert torch.equal(a, b)
     assert not counters.any()
+
+
+@pytest.mark.parametrize("span", [None, 40])
+def test_segment_mass_is_each_pages_softmax_share(span, device):
+    """attention_rows(mass=): each page's share of every row's and head's softmax (eviction
+    "scored"), from the partials' (max, sum), through scattered pages, with a window (the span
+    grid's relative slots too) and the fused combine; the output's bits unchanged."""
+    gen = torch.Generator().manual_seed(41)
+    P, W, Hq, Hkv, D = 64, 4, 4, 2, 32
+    pages = _randn(9, P, Hkv, D, device=device, gen=gen), _randn(9, P, Hkv, D, device=device, gen=gen)
+    table = torch.tensor([[3, 7, 0, 5], [8, 1, 2, 6]], dtype=torch.int32, device=device)
+    seq = torch.tensor([0, 1, 0, 1, 1], device=device)
+    pos = torch.tensor([255, 130, 70, 5, 200], device=device)
+    win = torch.tensor([40] * 5 if span else [0, 0, 40, 40, 0], device=device)  # (span: every row within it)
+    q = _randn(5, Hq, D, device=device, gen=gen)
+    counters = torch.zeros(16, dtype=torch.int32, device=device)
+    for c in (None, counters):
+        mass = torch.zeros(10, dtype=torch.float32, device=device)
+        kw = dict(counters=c, block_table=table, span=span, segment=32)
+        got = attention_rows(q, *pages, seq, pos, win, 0.3, mass=mass, **kw)
+        assert torch.equal(got, attention_rows(q, *pages, seq, pos, win, 0.3, **kw))
+        want = torch.zeros(10, dtype=torch.float64)
+        for r in range(5):
+            t = table[int(seq[r])].long().cpu()
+            k = pages[0][t].reshape(W * P, Hkv, D).double().cpu().repeat_interleave(Hq // Hkv, 1)
+            hi = int(pos[r]) + 1
+            lo = max(0, hi - int(win[r])) if int(win[r]) else 0
+            p = (torch.einsum("hd,lhd->hl", q[r].double().cpu(), k[lo:hi]) * 0.3).softmax(-1).sum(0)  # [hi - lo]
+            for j, key in enumerate(range(lo, hi)):
+                want[t[key // P]] += p[j]
+        assert torch.allclose(mass.double().cpu(), want, rtol=1e-4, atol=1e-5), (mass, want)
+        assert abs(float(mass.sum()) - 5 * Hq) < 1e-4

@@ -43,6 +43,9 @@ class DevicePages:
         # layers, pages + 1, PAGE // B, S, Hkv, D] at the KV's page ids (kernels/qsa.py's summ,
         # a layer's view); they move with their pages (copy, host moves)
         self.qsa = qsa
+        # eviction="scored" (`track_mass`): per group (by index) float32 [pages + 1], the attention
+        # mass each page received since its last read (kernels/attention.py's segment_mass)
+        self.mass: list[torch.Tensor] | None = None
         self.summ: dict[str, torch.Tensor] = {}
         self._summ_layer: dict[int, torch.Tensor] = {}
         if qsa is not None:
@@ -58,6 +61,20 @@ class DevicePages:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.k, self.v, self.summ) for t in d.values())
+
+    def track_mass(self) -> None:
+        """Measure each page's attention mass from now on (dense layers; graphs captured after
+        this carry it)."""
+        self.mass = [torch.zeros(self.num_pages[g] + 1, dtype=torch.float32, device=self.device) for g in self.groups]
+
+    def take_mass(self, group: str, pages) -> list[float]:
+        """The mass `pages` of `group` received since their last read, zeroed by the read (a
+        host copy: it waits for the launched steps that may still add to them)."""
+        t = self.mass[self.groups.index(group)]
+        idx = torch.as_tensor(list(pages), dtype=torch.int64).to(self.device)
+        got = t[idx].tolist()
+        t[idx] = 0.0
+        return got
 
     def summaries(self, li: int) -> torch.Tensor | None:
         """Layer li's QSA block summaries [pages + 1, PAGE // B, S, Hkv, D], None if not a QSA layer."""

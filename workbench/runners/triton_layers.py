@@ -148,7 +148,8 @@ class LayerLoop:
             attn = _attn.attention_rows(q, kp, vp, seq, pos, qsa_wins if sparse else wins if c.layer_window(li)
                                         else zeros, c.attn_scale, max_pos=max_pos, use_dot=self.use_dot,
                                         counters=counters, precision=self.attn_prec, num_warps=ATTN_WARPS, rope=rope,
-                                        segment=self.segment, block_table=bt, span=span)
+                                        segment=self.segment, block_table=bt, span=span,
+                                        mass=None if sparse or kv.mass is None else kv.mass[gi])
             self.launches += 1 if counters is not None else 2
             if sparse:
                 self._sparse_attention(q, kp, vp, bt, seq, pos, summ, attn, counters)

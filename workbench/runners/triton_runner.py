@@ -181,6 +181,18 @@ class TritonRunner:
                                  chunk_rows=self.options.chunk_graph_rows,
                                  verify_family=self.options.verify_graph_family) if self._use_graphs else None
 
+    def track_page_mass(self) -> None:
+        """eviction="scored": measure the attention mass each KV page receives (in the graphs
+        too: the pool's graphs are captured after this)."""
+        if self.graphs is not None and (self.graphs.keys or self.graphs.chunk_keys):
+            raise RuntimeError("track_page_mass after graphs were captured: call it right after init_kv_pool")
+        self.kv.track_mass()
+
+    def take_page_mass(self, group: str, pages) -> list[float]:
+        """The attention mass `pages` of `group` received since their last read (zeroed by it):
+        the allocator's `mass_reader` (state/pages.py). A host copy, so it waits for the device."""
+        return self.kv.take_mass(group, pages)
+
     def init_host_store(self, num_pages: dict[str, int]) -> None:
         """Allocate the host store (`kv_host_pages`): pinned host memory on CUDA (triton_kv.HostPages)."""
         self.host = HostPages(self.kv, num_pages)
