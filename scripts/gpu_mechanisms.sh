@@ -8,7 +8,8 @@
 # Stages, each under its own timeout (seconds in QSA_S, TESTS_S, PFLASH_S, YIELD_S):
 #   qsa     scripts/qsa_decode_bench.py: dense vs QSA graphed decode at long context, with a kernel
 #           profile of each row; then the QSA kernels' tests and the Triton runner's QSA tests
-#   tests   the token-tree tests on the Triton runner and the CUDA compression scorer's test, natively
+#   tests   natively: the token-tree tests on the Triton runner, the CUDA compression scorer's test,
+#           scored eviction's (the mass in the graphs), the verify graph families' 
 #   pflash  the paging-cliff ablation with PFlash on 32K-token prompts and an 8K-token pool
 #   yield   the draft-yield ablation, token trees against chains
 #   family  essays at 16 slots, n-gram k=8: verify graph families on (the default) and off
@@ -52,7 +53,8 @@ for stage in ${STAGES//,/ }; do
           > "$OUT/logs/qsa_runner_tests.log" 2>&1; tail -3 "$OUT/logs/qsa_runner_tests.log" ;;
     tests)
       timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_spec_trees.py tests/test_compression.py \
-          -k "triton or cuda" > "$OUT/logs/native_tests.log" 2>&1; tail -4 "$OUT/logs/native_tests.log" ;;
+          tests/test_scored_eviction.py tests/test_chunk_graphs.py tests/kernels/test_attention.py \
+          -k "triton or cuda or segment_mass or family" > "$OUT/logs/native_tests.log" 2>&1; tail -4 "$OUT/logs/native_tests.log" ;;
     pflash)
       timeout ${PFLASH_S:-240} python3 scripts/paging_cliff_run.py --data-dir /tmp/wbruns -p backend=triton -p model="$MODEL" \
           -p concurrencies=${PFLASH_C:-1,4,8,16} -p resident_pools=8192 -p prompt_lens=32000 -p pflash_modes=on \
