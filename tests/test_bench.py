@@ -252,6 +252,26 @@ def test_bench_prompt_compression_flags_a_run_that_compressed_nothing(tiny_gguf,
     assert rows["prompt_compression"].to_list() == ["0.5"]
 
 
+def test_bench_scored_eviction_shows_its_evictions_or_is_flagged(tiny_gguf, tmp_path):
+    """--eviction scored: a shared prefix primes the cache alone (its second full page holds
+    its own tokens past the prefix, so no measured request hits it), then the measured requests
+    need the page that one holds, so it is evicted (pages_evicted); the same run on a pool that
+    holds everything evicts none and is flagged."""
+    from workbench.bench import run_bench
+    from workbench.model import load_model
+
+    m = load_model(tiny_gguf("llama", "Q8_0"), dtype="float32")
+    for pool, evicts in ((5 * 256, True), (16 * 256, False)):
+        _, rows = run_bench(m, concurrency=[2], prompt_len=600, gen=4, chunk=None, repeats=1,
+                            data_dir=str(tmp_path), kv_resident_tokens=pool, shared_prefix_len=260,
+                            eviction="scored", progress=lambda line: None)
+        (r,) = rows
+        assert (r["pages_evicted"] > 0) is evicts and r["prefix_hit_tokens"] > 0
+        assert (r["flag"] is None) is evicts
+        if not evicts:
+            assert r["flag"].startswith("eviction='scored' asked, but no cached page was evicted")
+
+
 def test_activation_flag_names_compression_that_did_not_run():
     from workbench.bench import activation_flag
 

@@ -61,12 +61,15 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
             backend: str = "torch", head_matmul: str | None = None, triton=None, kv_resident_tokens: int | None = None,
             prefix_cache: bool = True, shared_prefix_len: int = 0, prompt_compression: str | float = "off",
             kv_host_tokens: int | None = None, preemption: str = "swap", residency_quantum: int = 32,
-            speculation=None, qsa=None):
+            eviction: str = "lru", speculation=None, qsa=None):
     """One measurement. ``qsa``: EngineConfig's (a QSAConfig, None: dense). ``speculation``: EngineConfig's (a SpecConfig, None: off). ``triton``: the triton backend's ``TritonOptions`` (None: the defaults).
     ``kv_resident_tokens`` / ``prefix_cache``: the paged runners' pool and prefix cache (EngineConfig);
     ``shared_prefix_len``: every prompt starts with the same that many tokens;
     ``prompt_compression``: EngineConfig's ("off", "auto" or a kept ratio); ``kv_host_tokens``,
-    ``preemption``, ``residency_quantum``: host backing's (EngineConfig)."""
+    ``preemption``, ``residency_quantum``: host backing's (EngineConfig); ``eviction``: the prefix
+    cache's ("lru" or "scored", EngineConfig)."""
+    import polars as pl
+
     from .engine import Engine
     from .engine_config import EngineConfig, TritonOptions
 
@@ -75,7 +78,7 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
                        kv_resident_tokens=kv_resident_tokens, prefix_cache=prefix_cache,
                        prompt_compression=prompt_compression, kv_host_tokens=kv_host_tokens,
                        preemption=preemption, residency_quantum=residency_quantum, speculation=speculation,
-                       qsa=qsa)
+                       qsa=qsa, eviction=eviction)
     engine = Engine(model, cfg)
     prompts = bench_prompts(model, concurrency + 1, prompt_len, shared_prefix_len)
     prime, prompts = prompts[-1], prompts[:-1]
@@ -149,6 +152,9 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
         "recomputed_tokens": sum(r.recomputed_tokens for r in results),
         "num_preemptions": total("num_preemptions"),
         "pages_allocated": total("pages_allocated"),
+        # cached prefix pages evicted for new ones (every group; the proof for eviction="scored")
+        "pages_evicted": (int(steps.select(pl.sum_horizontal(pl.col("^pages_evicted_.*$").fill_null(0).sum())).item())
+                          if paged and any(c.startswith("pages_evicted_") for c in steps.columns) else None),
         "pages_used_max": int(steps["pages_used"].max()) if paged else None,
         # host backing (None without a host store): pages and bytes moved, requests paged out,
         # the transfers' time, and the longest run of steps a request waited admitted
@@ -184,7 +190,7 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
               triton=None, kv_resident_tokens: int | None = None, prefix_cache: bool = True,
               shared_prefix_len: int = 0, prompt_compression: str | float = "off",
               kv_host_tokens: int | None = None, preemption: str = "swap", residency_quantum: int = 32,
-              speculation=None, qsa=None, progress=print) -> tuple[object, list[dict]]:
+              eviction: str = "lru", speculation=None, qsa=None, progress=print) -> tuple[object, list[dict]]:
     """``triton``: the triton backend's ``TritonOptions`` for every engine of the run (None: the
     defaults); the run's params record the options that differ from them (``triton_options``).
     ``prompt_compression``: EngineConfig's, for every engine of the run."""
@@ -197,11 +203,12 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
                           kv_resident_tokens=kv_resident_tokens, prefix_cache=prefix_cache,
                           prompt_compression=prompt_compression, kv_host_tokens=kv_host_tokens,
                           preemption=preemption, residency_quantum=residency_quantum, speculation=speculation,
-                          qsa=qsa)
+                          qsa=qsa, eviction=eviction)
     # (head_matmul included in triton: EngineConfig keeps the two in step; the ratio as a float)
     opts = dict(triton=config.triton, kv_resident_tokens=kv_resident_tokens, prefix_cache=prefix_cache,
                 prompt_compression=config.prompt_compression, kv_host_tokens=kv_host_tokens,
-                preemption=preemption, residency_quantum=residency_quantum, speculation=speculation, qsa=qsa)
+                preemption=preemption, residency_quantum=residency_quantum, speculation=speculation, qsa=qsa,
+                eviction=eviction)
     compression = compression_text(config.prompt_compression)
     # the one check of the shared prefix's range (bench_prompts relies on it): here, before the
     # bandwidth probe, the warm-up and the run store, for the CLI and callers alike
@@ -237,6 +244,7 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
         "kv_host_tokens": kv_host_tokens if kv_host_tokens is not None else "none",
         "preemption": preemption,
         "residency_quantum": residency_quantum,
+        "eviction": eviction,
         "speculation": spec_text(speculation),
         "qsa": "off" if qsa is None else qsa.text(),
     }
@@ -282,7 +290,8 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
                                               host_backing=kv_host_tokens is not None,
                                               speculation=speculation is not None,
                                               tree=speculation is not None and speculation.tree is not None,
-                                              qsa_boundary=None if qsa is None else qsa.dense_positions)
+                                              qsa_boundary=None if qsa is None else qsa.dense_positions,
+                                              scored_eviction=eviction == "scored")
                 rows.append(row)
                 if row["flag"]:
                     progress(f"bench: FLAGGED: {row['flag']}")
@@ -303,7 +312,8 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
 
 def activation_flag(row: dict, *, prefix_cache: bool, shared_prefix_len: int,
                     prompt_compression: str | float = "off", host_backing: bool = False,
-                    speculation: bool = False, tree: bool = False, qsa_boundary: int | None = None) -> str | None:
+                    speculation: bool = False, tree: bool = False, qsa_boundary: int | None = None,
+                    scored_eviction: bool = False) -> str | None:
     """Why a measurement that asked for a feature shows none of it (None when each asked-for
     feature ran; each feature's reason, joined by "; ", when several did not): a shared prefix
     with the cache on must show prefix-hit tokens, on a paged runner; prompt compression must
@@ -333,6 +343,9 @@ def activation_flag(row: dict, *, prefix_cache: bool, shared_prefix_len: int,
     if speculation and row.get("draft_forwards") == 0:
         why.append("a draft model asked, but it ran no forward (the guard kept every slot at k=0, or its KV "
                    "pool had no room: raise SpecConfig.draft_kv_tokens)")
+    if scored_eviction and not row.get("pages_evicted"):
+        why.append("eviction='scored' asked, but no cached page was evicted (the pool held every cached page: "
+                   "lower --kv-resident-tokens, or run more distinct prompts than it holds)")
     if qsa_boundary is not None and not row.get("qsa_sparse_rows"):
         why.append(f"QSA asked, but no row attended sparsely (every context stayed within its boundary of "
                    f"{qsa_boundary} positions: raise --prompt-len or lower top_k)")
@@ -410,7 +423,8 @@ def _cmd_bench(args) -> int:
                           kv_resident_tokens=args.kv_resident_tokens, prefix_cache=args.prefix_cache,
                           shared_prefix_len=args.shared_prefix_len, prompt_compression=args.prompt_compression,
                           kv_host_tokens=args.kv_host_tokens, preemption=args.preemption,
-                          residency_quantum=args.residency_quantum, speculation=args.speculation, qsa=args.qsa,
+                          residency_quantum=args.residency_quantum, eviction=args.eviction,
+                          speculation=args.speculation, qsa=args.qsa,
                           progress=progress if args.progress else lambda line: None)
     print(format_table(rows))
     if args.shared_prefix_len:
@@ -505,7 +519,7 @@ def register_cli(sub) -> None:
 
     from .cli import add_model_args, int_list, int_range
     from .compression import CompressionOptions
-    from .engine_config import HEAD_MATMULS, PREEMPTIONS, EngineConfig, TritonOptions
+    from .engine_config import EVICTIONS, HEAD_MATMULS, PREEMPTIONS, EngineConfig, TritonOptions
 
     from .spec import MAX_K, SpecConfig
 
@@ -551,6 +565,9 @@ def register_cli(sub) -> None:
                         "resident pool are admitted and turn over, paged out to it; default: none)")
     p.add_argument("--preemption", default=EngineConfig.preemption, choices=list(PREEMPTIONS),
                    help="host backing: a request evicted for pages is paged out (swap) or recomputed")
+    p.add_argument("--eviction", default=EngineConfig.eviction, choices=list(EVICTIONS),
+                   help="paged: which cached prefix pages leave first, the least recently used or the least "
+                        "attended (scored: by the attention mass each page received)")
     p.add_argument("--residency-quantum", type=int_range(1), default=EngineConfig.residency_quantum, metavar="STEPS",
                    help="host backing: steps a paged-in request runs before it may be paged out for a waiting one")
     p.add_argument("--prompt-compression", type=_prompt_compression, default=EngineConfig.prompt_compression,
