@@ -7,7 +7,8 @@
 # NO_BUNDLE=1: random weights in Gemma 3 270M's shapes for the QSA stage (the gguf wheel in .whl/).
 # Stages, each under its own timeout (seconds in QSA_S, TESTS_S, PFLASH_S, YIELD_S):
 #   qsa     scripts/qsa_decode_bench.py: dense vs QSA graphed decode at long context, with a kernel
-#           profile of each row; then the QSA kernels' tests and the Triton runner's QSA tests
+#           profile of each row (PROFILE_STEPS; 0: none); then the QSA kernels' tests (KT_MORE: more
+#           test files) and the Triton runner's QSA tests
 #   tests   natively: the token-tree tests on the Triton runner, the CUDA compression scorer's test,
 #           scored eviction's (the mass in the graphs), the verify graph families' 
 #   pflash  the paging-cliff ablation with PFlash on 32K-token prompts and an 8K-token pool
@@ -34,7 +35,6 @@ else
   echo "$SHA  $MODEL" | sha256sum -c || exit 1
   MODEL_ARGS="--model $MODEL"
   mkdir -p $SLOTLAB_CACHE/tokenizers; cp /tmp/bundle/tok/*.json $SLOTLAB_CACHE/tokenizers/ 2>/dev/null
-  export SLOTLAB_MODEL=$MODEL
 fi
 export PYTHONPATH=/tmp/site:$PWD
 ln -sfn ../kernels workbench/kernels
@@ -47,7 +47,7 @@ for stage in ${STAGES//,/ }; do
       timeout ${QSA_S:-300} python3 scripts/qsa_decode_bench.py $MODEL_ARGS --out "$OUT" --profile ${PROFILE_STEPS:-8} \
           --contexts ${CONTEXTS:-8192,32512} --concurrency ${SLOTS:-1,16} > "$OUT/logs/qsa_bench.log" 2>&1; echo "rc $?"
       grep "L=" "$OUT/logs/qsa_bench.log"; tail -3 "$OUT/logs/qsa_bench.log"
-      timeout ${KT_S:-90} python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_qsa_kernels.py \
+      timeout ${KT_S:-90} python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_qsa_kernels.py ${KT_MORE:-} \
           > "$OUT/logs/qsa_kernel_tests.log" 2>&1; tail -2 "$OUT/logs/qsa_kernel_tests.log"
       timeout ${TR_S:-100} python3 -m pytest -q -p no:cacheprovider tests/test_qsa.py -k "triton or sparse_rows_match" \
           > "$OUT/logs/qsa_runner_tests.log" 2>&1; tail -3 "$OUT/logs/qsa_runner_tests.log" ;;

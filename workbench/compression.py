@@ -41,8 +41,7 @@ from .errors import ConfigError, WorkbenchError, refuse_unknown_keys
 
 __all__ = ["CompressedPrompt", "CompressionOptions", "DeviceScorer", "PromptCompressor", "ScoreSummary", "check_ratio",
            "compress", "load_scorer", "run_layers", "rank_blocks", "scorer_device", "scoring_layers", "select_blocks",
-           "window_probability",
-           "window_scores"]
+           "window_probability", "window_scores"]
 
 SCORERS = ("target", "draft")
 POOLS = ("mean", "max")

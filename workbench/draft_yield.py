@@ -71,8 +71,9 @@ def measure_draft_yield(
     if bad:
         raise WorkbenchError(f"guard={bad[0]!r} is not allowed: allowed {', '.join(GUARDS)}")
     specs = [(p, k, n, g) for p in proposers for k in ks for n in trees for g in guards]
-    for p, k, n, g in specs:  # (a bad value: one line, before any work)
-        SpecConfig(**proposer_fields(p), k=k, tree=n or None, guard=GUARD_VALUES[g])
+    # (built before any work: a bad value is one line)
+    configs = {(p, k, n, g): SpecConfig(**proposer_fields(p), k=k, tree=n or None, guard=GUARD_VALUES[g])
+               for p, k, n, g in specs}
     labels = [f"{w} T={t:g} C={c} " + (_arm(p, k, n, g) if p else "AR")
               for w in workloads for t in temperatures for c in concurrency for p, k, n, g in [(None, 0, 0, None)] + specs]
     rows = []
@@ -88,8 +89,8 @@ def measure_draft_yield(
                     ref = _run(model, EngineConfig(**base), timed, sampling, timed_passes)
                     next_measurement(bar, labels)
                     for p, k, n, g in specs:
-                        spec = SpecConfig(**proposer_fields(p), k=k, tree=n or None, guard=GUARD_VALUES[g])
-                        got = _run(model, EngineConfig(**base, speculation=spec), timed, sampling, timed_passes)
+                        got = _run(model, EngineConfig(**base, speculation=configs[p, k, n, g]), timed, sampling,
+                                   timed_passes)
                         rows.append(_row(model, got, ref, workload=w, concurrency=c, proposer=p, k=k, tree=n,
                                          guard=g, backend=backend, temperature=t))
                         next_measurement(bar, labels)

@@ -151,8 +151,9 @@ class YieldGuard:
             slot.gap = self.probe_every
         return best_k
 
-    def observe(self, rid: Hashable, drafted: int, kept: int) -> None:
-        """A verify of `drafted` tokens kept `kept` of them."""
+    def observe(self, rid: Hashable, drafted: int, kept: int, emitted: int | None = None) -> None:
+        """A verify of `drafted` tokens kept `kept` of them (`emitted`: CohortGuard's interface;
+        the acceptance rate needs only the kept count)."""
         s = self._slots.setdefault(rid, _Slot())
         s.kept += kept
         s.rejected += int(kept < drafted)

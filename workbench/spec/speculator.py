@@ -201,10 +201,7 @@ class Speculator:
         """A verify of `drafted` tokens kept `kept` and emitted `emitted` tokens (token trees:
         those of the winning path, beside `alternatives` other paths of `alternative_tokens`
         tokens; `won`: an alternative kept more than the main draft, which kept `main_kept`)."""
-        if isinstance(self.guard, CohortGuard):
-            self.guard.observe(rid, drafted, kept, emitted)
-        else:
-            self.guard.observe(rid, drafted, kept)
+        self.guard.observe(rid, drafted, kept, emitted)
         if alternatives:
             gained = kept - (kept if main_kept is None else main_kept) if won else 0
             self.tree_guard.observe(rid, alternatives + alternative_tokens, gained, self._cost)
