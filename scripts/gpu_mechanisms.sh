@@ -12,7 +12,7 @@
 #   tests   natively: the token-tree tests on the Triton runner, the CUDA compression scorer's test,
 #           scored eviction's (the mass in the graphs), the verify graph families' 
 #   pflash  the paging-cliff ablation with PFlash on 32K-token prompts and an 8K-token pool
-#   yield   the draft-yield ablation, token trees against chains
+#   yield   the draft-yield ablation, n-gram k=8 on every workload, token trees (12 nodes) against chains
 #   family  essays at 16 slots, n-gram k=8: verify graph families on (the default) and off
 #           (scripts/spec_overhead.py, three alternating timed passes after a warm-up)
 # Logs and the run store are tarred into $OUT (at most three files).
@@ -44,7 +44,7 @@ for stage in ${STAGES//,/ }; do
   stamp "$stage"
   case $stage in
     qsa)
-      timeout ${QSA_S:-300} python3 scripts/qsa_decode_bench.py $MODEL_ARGS --out "$OUT" --profile ${PROFILE_STEPS:-8} \
+      timeout ${QSA_S:-300} python3 scripts/qsa_decode_bench.py $MODEL_ARGS --out "$OUT" --profile ${PROFILE_STEPS:-8} --prefill-probe ${PREFILL_ROWS:-512} \
           --contexts ${CONTEXTS:-8192,32512} --concurrency ${SLOTS:-1,16} > "$OUT/logs/qsa_bench.log" 2>&1; echo "rc $?"
       grep "L=" "$OUT/logs/qsa_bench.log"; tail -3 "$OUT/logs/qsa_bench.log"
       timeout ${KT_S:-90} python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_qsa_kernels.py ${KT_MORE:-} \
@@ -62,7 +62,8 @@ for stage in ${STAGES//,/ }; do
       tail -${PFLASH_TAIL:-16} "$OUT/logs/pflash_cliff.log" | cut -c1-400 ;;
     yield)
       timeout ${YIELD_S:-300} python3 scripts/draft_yield_run.py --data-dir /tmp/wbruns -p backend=triton -p model="$MODEL" \
-          -p workloads=agentic,extraction -p trees=0,12 -p concurrencies=1,4,16 -p timed_passes=3 \
+          -p workloads=${YIELD_WORKLOADS:-code-edit,agentic,extraction,essay} -p proposers=ngram -p ks=${YIELD_KS:-8} \
+          -p trees=0,12 -p concurrencies=1,4,16 -p timed_passes=3 \
           > "$OUT/logs/draft_yield_trees.log" 2>&1; echo "rc $?"
       tail -${YIELD_TAIL:-24} "$OUT/logs/draft_yield_trees.log" | cut -c1-400 ;;
     family)

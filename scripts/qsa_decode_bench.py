@@ -42,6 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="after timing, profile this many graphed steps per row: device time by kernel into "
                          "qsa_profile.json (where a step's time goes; 0: off)")
+    ap.add_argument("--prefill-probe", type=int, default=0, metavar="ROWS",
+                    help="in the QSA arm at one slot: time (and with --profile, profile) one eager QSA prefill chunk "
+                         "of ROWS rows ending at L, every row past the boundary (where a sparse prefill's time goes)")
     ap.add_argument("--dry-run", action="store_true",
                     help="without a GPU: a tiny random model under the interpreter, emulated graphs (checks the script)")
     a = ap.parse_args(argv)
@@ -148,6 +151,20 @@ def main(argv=None) -> int:
                 if a.profile and cuda:
                     profiles[f"L={L} C={C} {arm}"] = _profile(lambda: r.decode_loop(seg(L), a.profile), a.profile)
                     (out / "qsa_profile.json").write_text(json.dumps(profiles, indent=1))
+                if a.prefill_probe and arm == "qsa" and C == 1:
+                    n = min(a.prefill_probe, L - cfg.dense_positions)
+                    chunk = lambda: r.run([pages.segment(0, "s0", prompts[0][L - n:], L - n, samples=True)],  # noqa: E731
+                                          {0: cap}, argmax=frozenset({0}))
+                    chunk()  # (compiles)
+                    sync()
+                    t0 = time.perf_counter()
+                    chunk()
+                    sync()
+                    row.update(prefill_probe_rows=n, prefill_probe_ms=1e3 * (time.perf_counter() - t0))
+                    print(f"QSA_BENCH L={L} a QSA prefill chunk of {n} rows: {row['prefill_probe_ms']:.1f} ms", flush=True)
+                    if a.profile and cuda:
+                        profiles[f"L={L} prefill {n} rows qsa"] = _profile(chunk, 1)
+                        (out / "qsa_profile.json").write_text(json.dumps(profiles, indent=1))
                 print("QSA_BENCH", json.dumps(row), flush=True)
                 rows.append(row)
                 del r, pre, pages
