@@ -42,6 +42,10 @@ def _pass(engine, prompts, tag: str) -> dict:
             "captures": _graphs(engine) - before, "tokens": [r.token_ids for r in res]}
 
 
+def _ms(v) -> str:
+    return "none" if v is None else f"{v:.3f} ms"  # (a pass that ran no plain decode step)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -81,7 +85,7 @@ def main(argv=None) -> int:
                 got = _pass(e, prompts, f"{tag}-{r}")
                 ref = ref or got["tokens"]
                 print(f"{tag:>12} pass {r}: {got['tok_s']:8.1f} tok/s, {got['steps']} steps, "
-                      f"{got['verify_steps']} verify, plain step {got['plain_step_ms']:.3f} ms, "
+                      f"{got['verify_steps']} verify, plain step {_ms(got['plain_step_ms'])}, "
                       f"{got['captures']} graph captures, tokens {'same' if got['tokens'] == ref else 'DIFFER'}",
                       flush=True)
     except WorkbenchError as e:
