@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     import torch
 
     import workbench
+    from workbench.atomic import atomic_write_parquet, atomic_write_text
     from workbench.hardware import measure_copy_bandwidth
     from workbench.qsa import MAX_TOP_K, QSAConfig
     from workbench.runners.direct_pages import DirectPages
@@ -91,6 +92,12 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     profiles = {}
+
+    def profile_into(key: str, run, steps: int) -> None:
+        """Profile `run` (`steps` steps) into qsa_profile.json, rewritten whole after each."""
+        profiles[key] = _profile(run, steps)
+        atomic_write_text(out / "qsa_profile.json", json.dumps(profiles, indent=1))
+
     weights = None
     g = torch.Generator().manual_seed(0)
     for L in contexts:
@@ -149,8 +156,7 @@ def main(argv=None) -> int:
                            launches=r.launches, tokens_head=toks[:4, 0].tolist(),
                            model=f"random {a.shapes} shapes" if a.shapes else Path(a.model).name)
                 if a.profile and cuda:
-                    profiles[f"L={L} C={C} {arm}"] = _profile(lambda: r.decode_loop(seg(L), a.profile), a.profile)
-                    (out / "qsa_profile.json").write_text(json.dumps(profiles, indent=1))
+                    profile_into(f"L={L} C={C} {arm}", lambda: r.decode_loop(seg(L), a.profile), a.profile)
                 if a.prefill_probe and arm == "qsa" and C == 1:
                     n = min(a.prefill_probe, L - cfg.dense_positions)
                     chunk = lambda: r.run([pages.segment(0, "s0", prompts[0][L - n:], L - n, samples=True)],  # noqa: E731
@@ -163,8 +169,7 @@ def main(argv=None) -> int:
                     row.update(prefill_probe_rows=n, prefill_probe_ms=1e3 * (time.perf_counter() - t0))
                     print(f"QSA_BENCH L={L} a QSA prefill chunk of {n} rows: {row['prefill_probe_ms']:.1f} ms", flush=True)
                     if a.profile and cuda:
-                        profiles[f"L={L} prefill {n} rows qsa"] = _profile(chunk, 1)
-                        (out / "qsa_profile.json").write_text(json.dumps(profiles, indent=1))
+                        profile_into(f"L={L} prefill {n} rows qsa", chunk, 1)
                 print("QSA_BENCH", json.dumps(row), flush=True)
                 rows.append(row)
                 del r, pre, pages
@@ -175,7 +180,7 @@ def main(argv=None) -> int:
                   f"{q['decode_tok_s_aggregate']:.1f} tok/s ({q['decode_tok_s_aggregate'] / d['decode_tok_s_aggregate']:.2f}x); "
                   f"floors {d['floor_tok_s']:.0f} / {q['floor_tok_s']:.0f}", flush=True)
             if pl is not None:
-                pl.DataFrame(rows).write_parquet(out / "qsa_decode.parquet")
+                atomic_write_parquet(out / "qsa_decode.parquet", pl.DataFrame(rows))
     if a.shapes or a.dry_run:
         (out / Path(a.model).name).unlink(missing_ok=True)
     return 0
