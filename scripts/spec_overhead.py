@@ -7,6 +7,8 @@ is time no steady state pays).
     python3 scripts/spec_overhead.py --workload essay --concurrency 1 --spec ngram:4
     python3 scripts/spec_overhead.py --workload essay --concurrency 16 --spec ngram:8 \
         --variant verify_graph_family=false     (a third engine: speculation with these TritonOptions)
+    python3 scripts/spec_overhead.py --workload code-edit --concurrency 16 --spec ngram:8 --phases
+        (each pass's plain and verify steps split by phase: where a verify step's time goes)
 """
 
 from __future__ import annotations
@@ -39,7 +41,66 @@ def _pass(engine, prompts, tag: str) -> dict:
     return {"tok_s": sum(len(r.token_ids) for r in res) / wall, "steps": steps.height,
             "verify_steps": sum(r.spec.verify_steps for r in res) if res[0].spec else 0,
             "plain_step_ms": float(plain["wall_ms"].mean()) if plain.height else None,
-            "captures": _graphs(engine) - before, "tokens": [r.token_ids for r in res]}
+            "captures": _graphs(engine) - before, "ahead": int(steps["ran_ahead"].sum()),
+            "tokens": [r.token_ids for r in res]}
+
+
+PHASES = (("drafts", "_drafts"), ("schedule", "scheduler.schedule"), ("run", "runner.run"),
+          ("verify", "_verify"), ("commit", "scheduler.commit"), ("record", "_record_step"))
+
+
+class Phases:
+    """Wall time per engine step by phase (PHASES: the proposer and guard, planning, the
+    runner's forwards, accepting the drafts, committing, the step's telemetry), summed over
+    plain and verify steps apart. The runner's time holds the device's where the runner waits
+    for its tokens (a verify, a step not launched ahead); the rest is the host's. Wrapping
+    costs a few microseconds a call."""
+
+    def __init__(self, engine):
+        self.sums = {"plain": {}, "verify": {}}
+        self.steps = {"plain": 0, "verify": 0}
+        self._now: dict[str, float] = {}
+        for name, path in PHASES:
+            *owner, attr = path.split(".")
+            obj = engine
+            for o in owner:
+                obj = getattr(obj, o)
+            setattr(obj, attr, self._timed(name, getattr(obj, attr)))
+        engine.step = self._step(engine, engine.step)
+
+    def _timed(self, name, fn):
+        def call(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self._now[name] = self._now.get(name, 0.0) + time.perf_counter() - t
+        return call
+
+    def _step(self, engine, fn):
+        def step():
+            self._now = {}
+            t = time.perf_counter()
+            out = fn()
+            self._now["total"] = time.perf_counter() - t
+            rec = engine.telemetry.step_records[-1] if engine.telemetry.step_records else None
+            if rec is not None and rec["phase"] == "decode":
+                kind = "verify" if rec.get("draft_tokens") else "plain"
+                self.steps[kind] += 1
+                for k, v in self._now.items():
+                    self.sums[kind][k] = self.sums[kind].get(k, 0.0) + v
+            return out
+        return step
+
+    def report(self) -> str:
+        lines = []
+        for kind in ("plain", "verify"):
+            n = self.steps[kind]
+            if n:
+                parts = ", ".join(f"{k} {1e3 * v / n:.3f}" for k, v in self.sums[kind].items() if k != "total")
+                lines.append(f"    {kind} steps: {n}, {1e3 * self.sums[kind]['total'] / n:.3f} ms each ({parts} ms)")
+            self.sums[kind], self.steps[kind] = {}, 0
+        return "\n".join(lines)
 
 
 def _ms(v) -> str:
@@ -57,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts-dir", default="data")
     ap.add_argument("--variant", default=None, metavar="NAME=VALUE,...",
                     help="also time speculation on an engine with these TritonOptions (bench's --triton-options form)")
+    ap.add_argument("--phases", action="store_true",
+                    help="also print each pass's mean step time by phase (drafts, schedule, run, verify, commit, record)")
     args = ap.parse_args(argv)
     try:
         import workbench
@@ -77,8 +140,11 @@ def main(argv=None) -> int:
 
             engines[f"{args.spec} {args.variant}"] = workbench.Engine(
                 m, EngineConfig(**base, speculation=spec, triton=TritonOptions.parse(args.variant)))
+        phases = {tag: Phases(e) for tag, e in engines.items()} if args.phases else {}
         for tag, e in engines.items():
             _pass(e, prompts, f"warm-{tag}")
+            if tag in phases:
+                phases[tag].report()  # (the warm-up's sums dropped)
         ref = None
         for r in range(args.repeats):
             for tag, e in engines.items():
@@ -86,8 +152,11 @@ def main(argv=None) -> int:
                 ref = ref or got["tokens"]
                 print(f"{tag:>12} pass {r}: {got['tok_s']:8.1f} tok/s, {got['steps']} steps, "
                       f"{got['verify_steps']} verify, plain step {_ms(got['plain_step_ms'])}, "
-                      f"{got['captures']} graph captures, tokens {'same' if got['tokens'] == ref else 'DIFFER'}",
+                      f"{got['ahead']} ran ahead, {got['captures']} graph captures, "
+                      f"tokens {'same' if got['tokens'] == ref else 'DIFFER'}",
                       flush=True)
+                if tag in phases:
+                    print(phases[tag].report(), flush=True)
     except WorkbenchError as e:
         print(f"spec_overhead: error: {e}", file=sys.stderr)
         return 2

@@ -563,6 +563,7 @@ def test_a_slow_proposer_costs_what_it_takes_and_the_guard_stops_drafting():
             pass
 
     sp = Speculator(SpecConfig(k=4, row_cost=0.05), Slow())
+    sp.step_rule = None  # (the slot's own rule alone: the step rule is the next tests')
     sp.start("a", [1, 2, 3])
     assert sp.row_cost(1) == 0.05  # nothing measured yet: the config's prior
     assert sp.drafts({"a": [1, 2, 3]}) == {"a": (0, 1, 2, 3)}
@@ -613,3 +614,154 @@ def test_a_steps_drafts_fit_the_runners_graphed_verify_rows():
     assert lengths == {"a": 2, "b": 1, "c": 3}  # (5,1,3 -> 4,1,3 -> 3,1,3 -> 2,1,3: the first of equals is cut)
     _fit(lengths, -2)
     assert lengths == {"a": 0, "b": 0, "c": 0}
+
+
+def test_probes_fall_on_one_cadence_whatever_step_a_slot_stopped_drafting_at():
+    """Slots that stopped drafting at different steps probe only at steps that are multiples of
+    probe_every (counted by tick), all due slots together: between those steps the guard's k = 0
+    is plain decoding step after step, which a runner can launch ahead."""
+    guard = YieldGuard(4, probe_every=8, probe_max=32, decay=1.0)
+    probes = {"a": [], "b": [], "c": []}
+    for step in range(200):
+        if step in (0, 3, 13):  # each slot's drafts start to miss at its own step
+            rid = "abc"[(0, 3, 13).index(step)]
+            for _ in range(50):
+                guard.observe(rid, 4, 0)
+        for rid in probes:
+            if step >= (0, 3, 13)["abc".index(rid)] and guard.length(rid, 0.1):
+                probes[rid].append(step)
+        guard.tick()
+    for rid, steps in probes.items():
+        assert steps and all(s % 8 == 0 for s in steps), (rid, steps)
+        gaps = [b - a for a, b in zip(steps, steps[1:])]
+        assert gaps == sorted(gaps) and gaps[-1] == 32, (rid, gaps)  # (the wait still doubles to probe_max)
+
+
+def test_plain_next_decides_the_next_steps_lengths_once():
+    """`plain_next` decides the coming step's draft lengths a step early and `drafts` keeps them:
+    True while every slot is at k = 0 (their contexts are then never read), False when a probe is
+    due, and the guard's step counts advance once a step either way."""
+    from workbench.spec.speculator import Speculator
+
+    class Never:
+        name = "never"
+
+        def start(self, rid, prompt_ids):
+            pass
+
+        def propose(self, rid, context, k):
+            return (1,) * k
+
+        def finish(self, rid, context, num_prompt):
+            pass
+
+    class Unread(dict):
+        def __getitem__(self, rid):
+            raise AssertionError(f"the context of {rid} was read at k = 0")
+
+    sp = Speculator(SpecConfig(k=4, row_cost=0.1, measure_cost=False), Never())
+    sp.guard.probe_every = sp.guard.probe_max = 4
+    for r in "ab":
+        sp.start(r, [1, 2])
+        for _ in range(50):
+            sp.guard.observe(r, 4, 0)
+    seen = []
+    for step in range(12):
+        plain = sp.plain_next(["a", "b"])
+        ctx = Unread(a=None, b=None) if plain else {"a": [1, 2], "b": [1, 2]}
+        got = sp.drafts(ctx)
+        assert plain == (got == {})
+        seen.append(bool(got))
+    assert seen == [i % 4 == 0 and i > 0 for i in range(12)]  # probes at steps 4 and 8 only
+    # the requests changed since plain_next: the lengths of those still there are kept, a new one's decided
+    assert sp.stats["a"].guard_skips == 10  # (twelve steps, two of them probes)
+    sp.start("c", [1])
+    assert sp.plain_next(["a", "b"]) is False  # (step 12: a probe is due)
+    assert sp.drafts({"a": [1, 2], "c": [1]}) == {"a": (1,), "c": (1,) * 4}  # (c: the prior's length)
+
+
+def test_the_step_rule_weighs_a_steps_drafts_against_a_plain_step():
+    """Plain steps of 16 rows at 1 ms (run ahead), verify steps at 2 ms + 0.03 ms a row: 16
+    slots drafting 2 tokens each at alpha 0.6 emit ~31 tokens in 2.96 ms (10.6 a ms) against
+    16 a ms plainly, so the step decodes plainly; at alpha 0.95 and 8 tokens each (~106 tokens
+    in 6.3 ms) it verifies. Unmeasured, it never vetoes; a veto held for probe_every steps lets
+    one step through at the probe cadence, the wait doubling."""
+    from workbench.spec.guard import StepRule
+
+    rule = StepRule(probe_every=4, probe_max=8)
+    assert rule.pays(16, 48, 1.0, 0.0, step=1)  # (nothing measured yet)
+    for _ in range(10):
+        rule.observe(16, 1.0, verify=False)
+    for rows in (20, 48, 80, 144):
+        rule.observe(rows, 2.0 + 0.03 * rows, verify=True)
+    e = lambda a, k: (1 - a ** (k + 1)) / (1 - a)  # noqa: E731
+    assert rule.verify.at(48) == pytest.approx(3.44)
+    assert not rule.pays(16, 48, 16 * e(0.6, 2), 0.0, step=1)
+    assert rule.pays(16, 144, 16 * e(0.95, 8), 0.0, step=1)
+    assert not rule.pays(16, 144, 16 * e(0.95, 8), 10.0, step=1)  # (a proposer that costs 10 ms a step)
+    through = [s for s in range(1, 40) if rule.pays(16, 48, 16 * e(0.6, 2), 0.0, step=s)]
+    assert through == [4, 12, 20, 28, 36]  # (a veto held 4 steps, then 8: probe_max)
+
+
+def test_a_vetoed_step_decodes_plainly_but_for_its_probes():
+    """With the step rule's fits saying verify steps do not pay, every slot's draft is vetoed
+    (counted), except a slot whose length was a probe; plain_next then says the step is plain."""
+    from workbench.spec.speculator import Speculator
+
+    class Const:
+        name = "const"
+
+        def start(self, rid, prompt_ids):
+            pass
+
+        def propose(self, rid, context, k):
+            return (3,) * k
+
+        def finish(self, rid, context, num_prompt):
+            pass
+
+    sp = Speculator(SpecConfig(k=4, row_cost=0.05), Const())
+    for r in "ab":
+        sp.start(r, [1])
+    for _ in range(5):
+        sp.step_rule.observe(2, 1.0, verify=False)
+        sp.step_rule.observe(6, 9.0, verify=True)
+    ctx = {"a": [1], "b": [1]}
+    assert sp.drafts(ctx) == {}
+    assert sp.stats["a"].vetoed == sp.stats["a"].guard_skips == 1
+    assert sp.plain_next(["a", "b"]) and sp.drafts(ctx) == {}
+    # b stops drafting on its own (always rejected) until its probe, which the veto lets through
+    for _ in range(60):
+        sp.guard.observe("b", 4, 0)
+    sp.step_rule.gap = 10**9  # (no veto let through: only the probes verify)
+    sp.guard.decay = 1.0  # (b's acceptance stays low: only its probe drafts)
+    got = [sp.drafts(ctx) for _ in range(40)]
+    assert [g for g in got if g] == [{"b": (3,)}]  # (its probe: at the guard's step 32)
+    assert sp.stats["b"].vetoed < sp.stats["a"].vetoed
+
+
+def test_the_step_rule_measures_plain_steps_before_it_compares():
+    """A run whose slots draft from the first step: once a verify step is measured, the rule
+    vetoes until `explore` plain steps are too, then compares (here verifies pay)."""
+    from workbench.spec.guard import StepRule
+
+    rule = StepRule(explore=3)
+    rule.observe(48, 3.0, verify=True)
+    verdicts = []
+    for _ in range(5):
+        verdicts.append(rule.pays(16, 48, 90.0, 0.0, step=1))
+        if not verdicts[-1]:
+            rule.observe(16, 1.0, verify=False)
+    assert verdicts == [False, False, False, True, True]
+
+
+def test_proposers_index_the_prompt_at_start():
+    """The prompt is indexed when a request starts (not inside its first drafting step, whose
+    time DraftCost counts): proposals are those of indexing it then."""
+    prompt = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]
+    for make in (lambda: NgramProposer(3, 2), lambda: SuffixProposer(4, 2)):
+        early, late = make(), make()
+        early.start("r", prompt)
+        late.start("r", [])  # (nothing indexed at start: its first propose indexes the whole context)
+        ctx = prompt + [7]
+        assert early.propose("r", ctx, 3) == late.propose("r", ctx, 3) != ()

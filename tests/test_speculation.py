@@ -314,6 +314,30 @@ def test_triton_greedy_verify_answers_with_device_tokens_and_run_ahead(tiny_mode
     assert sum(r.spec.verify_steps for r in out) > 0
 
 
+def test_the_guards_k0_steps_run_ahead_as_plain_decoding_does(tiny_model):
+    """An always-wrong proposer under the guard: once the guard keeps every slot at k = 0, the
+    engine decides each next step's lengths a step early, so plain steps launch the next one
+    ahead as the AR engine does, and only where it will be used (no launch is wasted on a step
+    that then verifies a probe). Tokens bitwise those of plain decoding."""
+    m = tiny_model("gemma3", "float32", "Q8_0", n_layers=1, sliding_window=8)
+    prompts = [_ids(n, 80 + n, vocab=m.config.vocab_size) for n in (7, 12)]
+    kw = dict(max_tokens=14, ignore_eos=True)
+    plain_eng = _triton(m, 2, keep_logits=False)
+    plain = plain_eng.generate(prompts, **kw)
+    # (a fixed row cost at which the prior's acceptance does not pay either: k = 0 but for probes)
+    spec = SpecConfig(k=4, guard=True, row_cost=0.6, measure_cost=False)
+    e = _triton(m, 2, spec, Adversary({tuple(p): r.token_ids for p, r in zip(prompts, plain)}), keep_logits=False)
+    e.speculator.guard.probe_every = e.speculator.guard.probe_max = 8  # (probes at the guard's steps 8 and 16 only)
+    out = e.generate(prompts, **kw)
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    assert all(r.spec.guard_skips > r.spec.verify_steps > 0 and r.spec.accepted == 0 for r in out)
+    if TRITON_GRAPHS:
+        g = e.runner.graphs
+        assert g.ahead_launched > 6 and g.ahead_used == g.ahead_launched
+        # the plain engine ran ahead over the same steps, bar the ones around the probe
+        assert plain_eng.runner.graphs.ahead_launched - g.ahead_launched <= 3
+
+
 def test_a_verify_after_a_wider_one_reads_no_stale_sampled_row(tiny_model):
     """Chunk graphs select their scored rows by index (input row 3), padded to a power of two
     that may exceed the row bucket (80 scored rows: bucket 96, 128 selected): after a call of

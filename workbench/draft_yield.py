@@ -195,6 +195,8 @@ def _pass(engine, prompts, sampling: dict, tag: str) -> dict:
         "draft_yield": emitted / verify if verify else None,
         "guard_skips": sum(s.guard_skips for s in spec) if spec else None,
         "empty_proposals": sum(s.empty for s in spec) if spec else None,
+        # of the guard's skips, those its step-level rule made (the slot's own rule drafted)
+        "guard_vetoes": sum(s.vetoed for s in spec) if spec else None,
         "acceptance_hist": hist if spec else None,
         "position_acceptance": [a / d for a, d in zip(pos_a + [0] * (len(pos_d) - len(pos_a)), pos_d)] if spec else None,
         "row_cost": float(last["row_cost"][0]) if spec and last.height and last["row_cost"][0] is not None else None,
@@ -205,6 +207,9 @@ def _pass(engine, prompts, sampling: dict, tag: str) -> dict:
         "tree_wins": sum(s.tree_wins for s in spec) if spec else None,
         # seed 002's cohort rule (guard "cohort"): what its first verify step decided, "on" or "off"
         "cohort_decision": getattr(engine.speculator.guard, "decision", None) if engine.speculator else None,
+        # steps whose forward was launched ahead during the step before (the Triton runner's
+        # run-ahead: plain decoding's overlap of host and device, also the guard's k = 0 steps')
+        "ahead_steps": int(steps["ran_ahead"].sum()),
     }
 
 
@@ -217,8 +222,9 @@ def _row(model, got: dict, ref: dict, *, workload, concurrency, proposer, k, tre
             for a, b in zip(results, ref["results"])]
     ok, flag = activation(got["verify_steps"] or 0, tree=bool(tree), tree_paths=got["tree_paths"] or 0)
     keep = ("wall_s", "generated_tokens", "goodput_tok_s", "num_steps", "verify_steps", "drafted", "accepted",
-            "emitted_in_verify", "acceptance", "draft_yield", "guard_skips", "empty_proposals", "acceptance_hist",
-            "position_acceptance", "row_cost", "draft_rows", "tree_paths", "tree_rows", "tree_wins", "cohort_decision")
+            "emitted_in_verify", "acceptance", "draft_yield", "guard_skips", "guard_vetoes", "empty_proposals", "acceptance_hist",
+            "position_acceptance", "row_cost", "draft_rows", "tree_paths", "tree_rows", "tree_wins", "cohort_decision",
+            "ahead_steps")
     return {
         "workload": workload,
         "concurrency": concurrency,
@@ -233,6 +239,7 @@ def _row(model, got: dict, ref: dict, *, workload, concurrency, proposer, k, tre
         "ar_goodput_tok_s": ref["goodput_tok_s"],
         "ar_wall_s": ref["wall_s"],
         "ar_generated_tokens": ref["generated_tokens"],
+        "ar_ahead_steps": ref["ahead_steps"],
         "timed_passes": len(got.get("all_results", [None])),
         # graphs captured inside the timed passes (their time is in them), the arm's and AR's
         "graph_captures": got.get("graph_captures", 0),

@@ -25,6 +25,7 @@ import itertools
 import os
 import time
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Hashable, Iterator, Sequence
 
 import psutil
@@ -134,6 +135,27 @@ class _Live:
         self.result: GenerationResult | None = None
 
 
+class _Contexts(Mapping):
+    """Request id -> its prompt and output so far, for the given decoding requests, each list
+    built only when read: the speculator reads those its guard lets draft (a step that drafts
+    nothing copies no context)."""
+
+    def __init__(self, live: dict, rids: Sequence[Hashable]):
+        self._live, self._rids = live, rids
+
+    def __getitem__(self, rid):
+        if rid not in self._rids:
+            raise KeyError(rid)
+        live = self._live[rid]
+        return live.effective_ids + live.token_ids
+
+    def __iter__(self):
+        return iter(self._rids)
+
+    def __len__(self):
+        return len(self._rids)
+
+
 class RequestHandle:
     """A submitted request: iterate its tokens or text as they come, cancel it, or wait."""
 
@@ -214,6 +236,8 @@ class Engine:
                                  "EngineConfig(speculation=SpecConfig(...)) only")
         self.speculator = None if config.speculation is None else Speculator(
             config.speculation, proposer, model=model, runner=self.runner)
+        if hasattr(self.runner, "expect_steps"):  # (CUDA graphs: captured per segment bucket at once)
+            self.runner.expect_steps(config.max_concurrency, verify=self.speculator is not None)
         self.telemetry = Telemetry()
         self._live: dict[Hashable, _Live] = {}
         self._ids = itertools.count()
@@ -298,6 +322,8 @@ class Engine:
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list:
         t0 = time.perf_counter()
+        captures = getattr(self.runner, "num_captures", 0)
+        ahead_used = getattr(self.runner, "num_ahead_used", 0)
         drafts = self._drafts()
         branches = self.speculator.branches if self.speculator is not None else None
         plan = self.scheduler.schedule(self._step_index, drafts, branches)  # plan
@@ -329,7 +355,9 @@ class Engine:
         verified = {}  # slot -> its verify rows' logits [1 + k, vocab], or their greedy tokens
         on_paths = {}  # token trees: branch_slot id -> its path's rows, as verified's
         # a greedy steady state: the runner may start the next step before returning this one's
-        ahead = bool(argmax) and self.scheduler.repeats_after(plan) and set(plan.slot_ids()) <= argmax
+        # (with speculation: when the guard lets no slot draft in that next step, decided now)
+        ahead = (bool(argmax) and self.scheduler.repeats_after(plan) and set(plan.slot_ids()) <= argmax
+                 and (self.speculator is None or self.speculator.plain_next(list(running.values()))))
         for fwd in forwards:  # run
             for seg in fwd:
                 live = self._live[seg.request_id]
@@ -400,7 +428,9 @@ class Engine:
         # the step's wall time ends after its bookkeeping (with run-ahead the device keeps
         # working meanwhile); bench's decode time takes each step to the next one's start_s
         num_out = sum(len(t) if isinstance(t, list) else 1 for t in sampled.values())
-        self._record_step(plan, len(forwards), t0, time.perf_counter(), num_kept, num_out)
+        self._record_step(plan, len(forwards), t0, time.perf_counter(), num_kept, num_out,
+                          getattr(self.runner, "num_captures", 0) - captures,
+                          getattr(self.runner, "num_ahead_used", 0) > ahead_used)
         self._step_index += 1
         return events
 
@@ -409,12 +439,9 @@ class Engine:
         to what its request may still emit, and to the pages there are); {} when off."""
         if self.speculator is None:
             return {}
-        contexts = {}
-        for rid in self.scheduler.running_ids().values():
-            live = self._live[rid]
-            if live.token_ids:  # (a request re-prefilling after a preemption gets it ignored)
-                contexts[rid] = live.effective_ids + live.token_ids
-        return self.speculator.drafts(contexts) if contexts else {}
+        # (a request re-prefilling after a preemption gets it ignored)
+        rids = [rid for rid in self.scheduler.running_ids().values() if self._live[rid].token_ids]
+        return self.speculator.drafts(_Contexts(self._live, rids)) if rids else {}
 
     def _verify(self, live: _Live, draft: tuple[int, ...], out) -> tuple[list[int], torch.Tensor | None]:
         """The tokens a verify emits (spec/verify.py's rule) and its rows' logits (None when the
@@ -498,6 +525,7 @@ class Engine:
             "spec_emitted": None if spec is None else spec.emitted,
             "spec_guard_skips": None if spec is None else spec.guard_skips,
             "spec_empty": None if spec is None else spec.empty,
+            "spec_vetoed": None if spec is None else spec.vetoed,
             "draft_yield": None if spec is None else spec.draft_yield,
             "spec_hist": None if spec is None else list(spec.hist),
             "spec_position_accepted": None if spec is None else list(spec.position_accepted),
@@ -510,7 +538,7 @@ class Engine:
         })
 
     def _record_step(self, plan, num_forwards: int, t0: float, t1: float, num_kept: int = 0,
-                     num_out: int = 0) -> None:
+                     num_out: int = 0, captures: int = 0, ran_ahead: bool = False) -> None:
         solo = [g for g in plan.decode_groups if not g.batched]
         phase = "mixed" if plan.num_decode_rows and plan.num_prefill_rows else "decode" if plan.num_decode_rows else "prefill"
         self.telemetry.record_step({
@@ -531,6 +559,8 @@ class Engine:
             "fused": plan.fused,
             "wall_ms": 1e3 * (t1 - t0),
             "start_s": t0 - self._t_origin,
+            "graph_captures": captures,  # CUDA graphs captured inside the step (their time is in wall_ms)
+            "ran_ahead": ran_ahead,  # its forward was launched during the previous step (run-ahead)
             "kv_bytes": self.scheduler.kv_bytes_in_use if self.scheduler.paged else self.runner.kv_bytes,
             "rss_bytes": self._proc.memory_info().rss,
             # host backing: resident requests the plan left out (paged-out ones wait too), and the
@@ -553,7 +583,10 @@ class Engine:
             **_qsa_columns(self.runner.read_qsa_stats() if self.config.qsa is not None else None),
         })
         if self.speculator is not None and plan.num_decode_rows and not plan.num_prefill_rows:
-            self.speculator.record_step(plan.num_decode_rows, 1e3 * (t1 - t0))
+            if captures:  # (the guard's cost model learns what rows cost, not what a capture did)
+                self.speculator.skip_step()
+            else:
+                self.speculator.record_step(plan.num_decode_rows, 1e3 * (t1 - t0), verify=bool(plan.drafts))
 
     # -- results ---------------------------------------------------------------------------
     @property

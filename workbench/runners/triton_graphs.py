@@ -37,6 +37,12 @@ where an eager forward is bound by its ~150 launches rather than by the device.
   the scored-row cap: about ten graphs), so captures happen once, up front, not inside the
   steps a benchmark times (H200 run 84: essays at 16 slots captured 1-6 graphs in every timed
   pass, about 40 ms each, and ran at 0.85-0.92x plain decoding with a draft yield of 4.4-6.9).
+* Captured together (``expect``): an engine says its steps up front (decode rows up to its
+  concurrency; verifies with speculation on), and the first graph a segment bucket needs
+  brings every such graph of that bucket with it. A graph is otherwise captured where a step
+  first needs it, and a benchmark's timed pass met row counts its warm-up had not (H100 run 90:
+  8-9 captures of ~40 ms in a timed pass of essays at 16 slots, whose guard probed other
+  slots at other steps than the warm-up's), and the guard's cost model learnt from them.
 * "emulate": the same paths replayed eagerly, so that the CPU tests cover buckets, padding, the
   scratch table row, the sampled-row input and the device-fed tokens.
 """
@@ -107,6 +113,12 @@ class StepGraphs:
         self.chunk_rows = chunk_rows
         self.verify_family = verify_family
         self._family_floor: dict[int, int] = {}  # per segment bucket: the fewest rows its verify family covers
+        # the steps an engine will run (`expect`): at the first graph a segment bucket needs, the
+        # decode graphs of every row bucket up to `family_rows` and, with `expect_verify`, the
+        # verify family from one segment up are captured at once (module docstring)
+        self.family_rows = 0
+        self.expect_verify = False
+        self._met: set[int] = set()  # segment buckets whose graphs were captured at once
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._chunk_graphs: dict[tuple[int, int, int], _Graph] = {}  # (row bucket, sampled bucket, segments)
         self._pool = None
@@ -122,6 +134,7 @@ class StepGraphs:
         self.ahead_launched = 0  # steps launched early, and of those used by the next call
         self.ahead_used = 0
         self.launches = 0  # kernel launches of the last replay
+        self.captured = 0  # graphs captured so far (a capture inside a step is time no steady state pays)
 
     @staticmethod
     def takes(forward: Sequence[Segment]) -> bool:
@@ -225,10 +238,33 @@ class StepGraphs:
         seg = self.segment
         return min(pow2_at_least(-(-(max_pos + 1) // seg), 1), self.positions // seg)
 
+    def expect(self, max_rows: int, verify: bool) -> None:
+        """The engine's steps: decode steps of up to `max_rows` rows, and speculative verifies
+        when `verify`. Each segment bucket's graphs for them are then captured together, the
+        first time a step there needs one: the passes of a run meet the same buckets, so a pass
+        after the first captures nothing, whatever mix of rows its guard chooses."""
+        self.family_rows = max_rows
+        self.expect_verify = verify
+
+    def _meet(self, nseg: int) -> None:
+        if nseg in self._met or not (self.family_rows or self.expect_verify):
+            return
+        self._met.add(nseg)
+        max_pos = nseg * self.segment - 1
+        for b in BUCKETS:
+            if b > self.family_rows:
+                break
+            self.graph_for(b, max_pos)
+        if self.expect_verify and self.verify_family:
+            self.capture_verify_family(1, max_pos)
+
     def graph_for(self, rows: int, max_pos: int) -> _Graph:
         bucket = next(b for b in BUCKETS if b >= rows)
         nseg = self._nseg(max_pos)
         g = self._graphs.get((bucket, nseg))
+        if g is None:
+            self._meet(nseg)
+            g = self._graphs.get((bucket, nseg))
         if g is None:
             body = lambda: self._body(bucket, nseg * self.segment - 1)
             g = self._graphs[(bucket, nseg)] = self._capture(body, lambda: self._pad(bucket), bucket, nseg)
@@ -240,6 +276,9 @@ class StepGraphs:
         nseg = self._nseg(max_pos)
         key = (bucket, sel, nseg)
         g = self._chunk_graphs.get(key)
+        if g is None:
+            self._meet(nseg)
+            g = self._chunk_graphs.get(key)
         if g is None:
             body = lambda: self._chunk_body(bucket, sel, nseg * self.segment - 1)
             g = self._chunk_graphs[key] = self._capture(body, lambda: self._pad(max(bucket, sel)), bucket, nseg)
@@ -266,6 +305,7 @@ class StepGraphs:
         the scratch table row: the warm-up and the capture write only scratch pages); the inputs
         as they were before, after."""
         self._buffers()
+        self.captured += 1
         if self.emulate:
             return _Graph(_Eager(body), bucket, nseg)
         torch.cuda.synchronize()

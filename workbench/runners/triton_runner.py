@@ -251,6 +251,24 @@ class TritonRunner:
             return None
         return min(SCORED_ROWS, self.graphs.chunk_rows)
 
+    def expect_steps(self, max_rows: int, verify: bool) -> None:
+        """The engine's steps (decode rows up to `max_rows`, speculative verifies when `verify`):
+        with graphs on, each segment bucket's graphs for them are captured together
+        (StepGraphs.expect)."""
+        if self.graphs is not None:
+            self.graphs.expect(max_rows, verify)
+
+    @property
+    def num_ahead_used(self) -> int:
+        """Steps so far that found their graph already launched (run-ahead)."""
+        return 0 if self.graphs is None else self.graphs.ahead_used
+
+    @property
+    def num_captures(self) -> int:
+        """CUDA graphs captured so far (the engine leaves a step that captured one out of the
+        speculation guard's cost model: its time is the capture's, not the rows')."""
+        return 0 if self.graphs is None else self.graphs.captured
+
     @property
     def ahead_in_flight(self) -> bool:
         """Whether a step launched ahead may still be running (it may write pages that were

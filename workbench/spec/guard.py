@@ -6,7 +6,13 @@ towards a prior of 2 kept to 1 rejected. A slot the guard kept at k = 0 for `pro
 steps in a row drafts one token once (a probe, one verify row; each probe that changes nothing
 doubles the wait for the next, up to `probe_max`), so a proposer that starts to pay, or a cost
 estimate that was too high, is found again (without it a slot whose first
-drafts missed, or that began where rows were dear, would never draft again). A draft of k then emits on average E(k) = (1 - alpha^(k+1)) / (1 - alpha)
+drafts missed, or that began where rows were dear, would never draft again). Probes fall on
+the steps of one shared cadence (every `probe_every`-th step, counted by `tick`): a slot whose
+wait is over probes at the next such step, beside the other slots due. Between them a run the
+guard keeps at k = 0 is plain decoding step after step, which a runner may launch ahead of the
+host (H100 run 90: 16 slots probing at staggered steps left essays no two plain steps in a row
+to overlap). The lengths depend on the counts and the step alone, never on the tokens, so the
+speculator may decide a step's lengths one step early (`Speculator.plain_next`). A draft of k then emits on average E(k) = (1 - alpha^(k+1)) / (1 - alpha)
 tokens for the step's cost of 1 + c k, where c is one verify row's cost beside the slot's share
 of a decode step. The guard picks the k with the most tokens per cost; k = 0 is plain decoding,
 at plain decoding's cost, and is chosen unless drafting gains `margin`.
@@ -19,6 +25,21 @@ model's forwards, or a lookup's host time, per draft token; the speculator adds 
 fraction of the same share, and takes it out of the step times StepCost fits. On a GPU a decode step is bound by reading
 the weights and a few more rows are nearly free (c near 0: draft long); on a CPU at 16 slots a
 row costs nearly what a slot's share does (c near 1: draft only what is very likely kept).
+
+The step as a whole (`StepRule`, the speculator's): a slot's draft makes its step a verify
+step, which on the GPU costs more than its rows: a plain step is launched ahead of the host
+(run-ahead) and a verify is not, and its forward is a chunk graph rather than a decode graph.
+So with the cost measured, each step's lengths are also weighed together: the step's expected
+tokens over the fitted wall time of a verify step of its rows, against plain decoding's tokens
+(one a slot) over the fitted wall time of a plain step, each fitted from the run's own steps of
+that kind. When drafting does not gain `margin`, the step decodes plainly (its probes aside).
+H100 run 91 showed why: essays at 16 slots, each slot's rule drafting (row cost 0.06 from one
+fit over both kinds), verified in 866 of 96 steps' slots at 4.3 tokens each and went at 0.75x
+plain decoding, whose steps ran ahead at 0.8 ms against 3-4 ms a verify step. A vetoed run is
+let through once at the probe cadence after `probe_every` vetoed steps (the wait doubling to
+`probe_max`), so a verify fit that was too dear is measured again; and once a verify step was
+measured, the rule vetoes until `explore` plain steps were too (a run whose slots all draft
+from its first step has none to compare with).
 
 Seed 002's rule, for comparison (`SpecConfig(guard="cohort")`, `CohortGuard`; the draft-yield
 ablation's `guards=cohort`): fewer than `cohort_min_emitted` (6) tokens emitted per request on
@@ -33,7 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable
 
-__all__ = ["CohortGuard", "DraftCost", "StepCost", "TreeGuard", "YieldGuard"]
+__all__ = ["CohortGuard", "DraftCost", "StepCost", "StepRule", "TreeGuard", "YieldGuard"]
 
 
 class StepCost:
@@ -63,6 +84,15 @@ class StepCost:
         b = (n * xy - x * y) / det
         a = (y - b * x) / n
         return max(a, 0.0), max(b, 0.0)
+
+    def at(self, rows: int) -> float | None:
+        """The fitted wall time of a step of `rows` rows, in ms: the line where two row counts
+        were seen, the (weighted) mean where one was, None before any step."""
+        ab = self.fit()
+        if ab is not None:
+            return ab[0] + ab[1] * rows
+        n, _, _, y, _ = self._s
+        return y / n if n else None
 
     def row_cost(self, decode_rows: int, prior: float) -> float:
         """One verify row's cost beside one slot's share of a step of `decode_rows` rows."""
@@ -108,6 +138,7 @@ class _Slot:
     rejected: float = PRIOR_REJECTED
     skipped: int = 0  # steps in a row the guard chose k = 0
     gap: int = 0  # steps at k = 0 before the next probe (0: not yet set)
+    probing: bool = False  # the latest length was a probe
 
     @property
     def alpha(self) -> float:
@@ -126,6 +157,7 @@ class YieldGuard:
         # probe_max: a proposer that never pays costs a probe every probe_max steps, not every
         # probe_every (H200 run 81: a self-draft's probes alone cost C1 18%)
         self.probe_max = max(probe_max, probe_every)
+        self.step = 0  # ticks so far: probes fall on the steps where step % probe_every == 0
         self._slots: dict[Hashable, _Slot] = {}
 
     def length(self, rid: Hashable, row_cost: float) -> int:
@@ -139,12 +171,14 @@ class YieldGuard:
             gain = (1 - alpha ** (k + 1)) / (1 - alpha) / (1 + row_cost * k)
             if gain > best:
                 best_k, best = k, gain
+        slot.probing = False
         if best_k == 0:
             slot.skipped += 1
             slot.gap = slot.gap or self.probe_every
-            if slot.skipped >= slot.gap:
+            if slot.skipped >= slot.gap and self.step % self.probe_every == 0:
                 slot.skipped = 0
                 slot.gap = min(2 * slot.gap, self.probe_max)
+                slot.probing = True
                 return 1  # the probe
         else:
             slot.skipped = 0
@@ -160,6 +194,7 @@ class YieldGuard:
 
     def tick(self) -> None:
         """One step passed: every slot's counts decay towards the prior."""
+        self.step += 1
         d = self.decay
         for s in self._slots.values():
             s.kept = PRIOR_KEPT + d * (s.kept - PRIOR_KEPT)
@@ -168,8 +203,56 @@ class YieldGuard:
     def alpha(self, rid: Hashable) -> float:
         return self._slots.get(rid, _Slot()).alpha
 
+    def probing(self, rid: Hashable) -> bool:
+        """Whether the latest length given `rid` was a probe."""
+        s = self._slots.get(rid)
+        return s is not None and s.probing
+
+    def expected(self, rid: Hashable, k: int) -> float:
+        """E(k): the tokens a draft of k is expected to emit (1 at k = 0)."""
+        a = min(self.alpha(rid), 0.999)
+        return (1 - a ** (k + 1)) / (1 - a)
+
     def forget(self, rid: Hashable) -> None:
         self._slots.pop(rid, None)
+
+
+class StepRule:
+    """The step-level rule (module docstring): plain and verify steps' wall times fitted apart,
+    and each step's drafts weighed against plain decoding."""
+
+    def __init__(self, margin: float = 0.05, probe_every: int = 16, probe_max: int = 256, explore: int = 4):
+        self.plain = StepCost()
+        self.verify = StepCost()
+        # plain steps measured before the first comparison: a run whose slots all draft from the
+        # start never decodes plainly on its own, so it vetoes until it has (H100 run 92: essays
+        # at 16 slots verified in every step, with no plain step to compare them with)
+        self.explore = explore
+        self.margin, self.probe_every, self.probe_max = margin, probe_every, max(probe_max, probe_every)
+        self.vetoed = 0  # steps in a row vetoed
+        self.gap = probe_every
+
+    def observe(self, rows: int, wall_ms: float, verify: bool) -> None:
+        (self.verify if verify else self.plain).observe(rows, wall_ms)
+
+    def pays(self, slots: int, rows: int, tokens: float, extra_ms: float, step: int) -> bool:
+        """Whether a verify step of `rows` rows over `slots` decoding slots, expected to emit
+        `tokens` and to take `extra_ms` beside its forward (proposing), gains `margin` over a
+        plain step (True until both kinds were measured; `step`: the guard's step count, on
+        whose probe cadence a veto held long enough lets one through)."""
+        if self.verify.num_steps and self.plain.num_steps < self.explore:
+            return False  # (measure plain steps first)
+        p, v = self.plain.at(slots), self.verify.at(rows)
+        if p is None or v is None or p <= 0:
+            return True
+        if tokens / (v + extra_ms) >= (1 + self.margin) * slots / p:
+            self.vetoed, self.gap = 0, self.probe_every
+            return True
+        self.vetoed += 1
+        if self.vetoed >= self.gap and step % self.probe_every == 0:
+            self.vetoed, self.gap = 0, min(2 * self.gap, self.probe_max)
+            return True
+        return False
 
 
 @dataclass

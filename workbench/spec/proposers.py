@@ -116,7 +116,12 @@ class NgramProposer:
         self._index: dict[Hashable, _NgramIndex] = {}
 
     def start(self, rid: Hashable, prompt_ids: Sequence[int]) -> None:
-        self._index[rid] = _NgramIndex(self.n_max, self.n_min, every=self.tree)
+        # the prompt indexed at submission, not inside the first step that drafts: its time
+        # would count as proposing's per-token cost (DraftCost), and a 600-token code prompt's
+        # index made one early draft look dear enough to stop the guard drafting (H100 run 92,
+        # code editing at one slot, row cost 1.17)
+        self._index[rid] = index = _NgramIndex(self.n_max, self.n_min, every=self.tree)
+        index.register(prompt_ids, len(prompt_ids) - 1)
 
     def propose(self, rid: Hashable, context: Sequence[int], k: int) -> tuple[int, ...]:
         L = len(context)
@@ -180,7 +185,9 @@ class SuffixProposer:
         self._local: dict[Hashable, tuple[_Counts, list[int]]] = {}  # rid -> (its counts, tokens added)
 
     def start(self, rid: Hashable, prompt_ids: Sequence[int]) -> None:
-        self._local[rid] = (_Counts(self.depth), [0])
+        local = _Counts(self.depth)  # (the prompt counted at submission: NgramProposer.start says why)
+        local.add(prompt_ids, 0, len(prompt_ids))
+        self._local[rid] = (local, [len(prompt_ids)])
 
     def propose(self, rid: Hashable, context: Sequence[int], k: int) -> tuple[int, ...]:
         local, done = self._local[rid]

@@ -4,7 +4,9 @@ measured step cost) and each request's counters, the activation proof of its row
 Per step the engine asks `drafts(contexts)` for every decoding request's draft (the guard's
 length, then the proposer's tokens), schedules them, runs the verify rows, accepts with
 verify.py's rule, and reports back with `observe` (per verify) and `record_step` (the step's
-rows and wall time, which the guard's cost model learns from).
+rows and wall time, which the guard's cost model learns from). After a step that verified
+nothing the engine may ask `plain_next` first: the next step's lengths decided a step early,
+so that a next step with no draft runs ahead as plain decoding does.
 
 Token trees (`SpecConfig.tree`, a node budget N): a proposer with `propose_tree` gives each
 slot its main draft and alternatives (`branches`, request id -> the alternative paths). Each
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
 from .config import SpecConfig
-from .guard import CohortGuard, DraftCost, StepCost, TreeGuard, YieldGuard
+from .guard import CohortGuard, DraftCost, StepCost, StepRule, TreeGuard, YieldGuard
 from .proposers import Proposer, make_proposer
 
 __all__ = ["SpecStats", "Speculator"]
@@ -43,6 +45,7 @@ class SpecStats:
     emitted: int = 0  # tokens its verify steps emitted (kept + the target's own)
     guard_skips: int = 0  # steps the guard chose no draft for it
     empty: int = 0  # steps the guard allowed a draft and the proposer had none
+    vetoed: int = 0  # of the guard_skips, steps its own rule drafted and the step-level rule did not
     hist: list[int] = field(default_factory=list)  # hist[a]: verify steps that kept a draft tokens
     position_drafted: list[int] = field(default_factory=list)  # per draft position i: drafted
     position_accepted: list[int] = field(default_factory=list)  # and kept
@@ -101,6 +104,8 @@ class Speculator:
         self.max_step_rows = getattr(runner, "graphed_verify_rows", None)
         self.guard = _guard(config)
         self.cost = StepCost()
+        # the step-level rule (guard.py's StepRule): with the yield guard on and the cost measured
+        self.step_rule = StepRule() if config.guard is True and config.measure_cost else None
         self.draft_cost = DraftCost()
         self._draft_ms = 0.0  # the proposer's time in the latest drafts() call
         self.stats: dict[Hashable, SpecStats] = {}
@@ -109,6 +114,7 @@ class Speculator:
         self.tree = config.tree is not None and hasattr(self.proposer, "propose_tree")
         self.tree_guard = TreeGuard(enabled=config.guard is True)
         self._cost = config.row_cost  # the latest drafts() call's row cost (the tree guard's too)
+        self._pinned: dict[Hashable, int] | None = None  # the next step's lengths, decided early (plain_next)
 
     def forget_proposals(self) -> None:
         """A fresh proposer of the config's kind, keeping the guard's measured step cost (an
@@ -120,6 +126,9 @@ class Speculator:
             self.proposer = make_proposer(self.config)
         self.guard = _guard(self.config)
         self.tree_guard = TreeGuard(enabled=self.config.guard is True)
+        self._pinned = None
+        if self.step_rule is not None:  # (its fits kept, as the row cost's are)
+            self.step_rule.vetoed, self.step_rule.gap = 0, self.step_rule.probe_every
 
     def start(self, rid: Hashable, prompt_ids: Sequence[int]) -> None:
         self.proposer.start(rid, prompt_ids)
@@ -137,20 +146,50 @@ class Speculator:
             c += per_token / share
         return c
 
+    def plain_next(self, rids: Sequence[Hashable]) -> bool:
+        """Whether the next step drafts nothing for the decoding requests `rids`: decides that
+        step's draft lengths now, and the next `drafts` call keeps them. Only between a step
+        that verified nothing and the next one: the guard's lengths change with what a verify
+        observes and with the step count, never with the tokens, so they are what that call
+        would decide (the row cost is one step older). A runner may then launch the next step
+        before this one's tokens are read (run-ahead), as plain decoding does."""
+        self._pinned = self._lengths(rids)
+        return not any(self._pinned.values())
+
+    def _lengths(self, rids, pinned: Mapping[Hashable, int] | None = None) -> dict[Hashable, int]:
+        """The guard's draft length per request for one step (those in `pinned` as decided
+        already), cut to the runner's fastest verify."""
+        cost = self._cost = self.row_cost(len(rids))
+        pinned = pinned or {}
+        lengths = {rid: pinned[rid] if rid in pinned else self.guard.length(rid, cost) for rid in rids}
+        if self.max_step_rows is not None:
+            _fit(lengths, self.max_step_rows - len(lengths))
+        if self.step_rule is not None and any(lengths.values()) and len(pinned) < len(lengths):
+            drafted = sum(lengths.values())
+            tokens = sum(self.guard.expected(rid, k) for rid, k in lengths.items())
+            extra = drafted * (self.draft_cost.ms_per_token or 0.0)
+            if not self.step_rule.pays(len(lengths), len(lengths) + drafted, tokens, extra, self.guard.step):
+                for rid, k in lengths.items():  # (plain decoding, but for the probes)
+                    if k and not self.guard.probing(rid):
+                        lengths[rid] = 0
+                        self.stats[rid].vetoed += 1
+        return lengths
+
     def drafts(self, contexts: Mapping[Hashable, Sequence[int]]) -> dict[Hashable, tuple[int, ...]]:
         """Request id -> its draft for this step, for the decoding requests `contexts` (request
-        id -> prompt and output so far); requests without one decode plainly."""
-        cost = self._cost = self.row_cost(len(contexts))
-        lengths = {rid: self.guard.length(rid, cost) for rid in contexts}
-        if self.max_step_rows is not None:
-            _fit(lengths, self.max_step_rows - len(contexts))
+        id -> prompt and output so far; read only for those the guard lets draft, so it may be
+        a lazy mapping); requests without one decode plainly."""
+        pinned, self._pinned = self._pinned, None
+        if pinned is not None and pinned.keys() == contexts.keys():
+            lengths = pinned
+        else:  # (the requests changed since: the new ones decided now)
+            lengths = self._lengths(list(contexts), pinned)
         asks = {}
-        for rid, ctx in contexts.items():
-            k = lengths[rid]
+        for rid, k in lengths.items():
             if k == 0:
                 self.stats[rid].guard_skips += 1
             else:
-                asks[rid] = (ctx, k)
+                asks[rid] = (contexts[rid], k)
         many = getattr(self.proposer, "propose_many", None)
         t0 = time.perf_counter()
         self.branches = {}
@@ -211,10 +250,17 @@ class Speculator:
         st.tree_tokens += alternative_tokens
         st.tree_wins += int(won)
 
-    def record_step(self, rows: int, wall_ms: float) -> None:
-        """A step that ran only decode and verify rows (`rows` of them) took `wall_ms`, its
-        drafts() call included (taken out here: DraftCost has it)."""
-        self.cost.observe(rows, max(wall_ms - self._draft_ms, 0.0))
+    def record_step(self, rows: int, wall_ms: float, verify: bool = True) -> None:
+        """A step that ran only decode and verify rows (`rows` of them; `verify`: some of them
+        verify rows) took `wall_ms`, its drafts() call included (taken out here: DraftCost has it)."""
+        ms = max(wall_ms - self._draft_ms, 0.0)
+        self.cost.observe(rows, ms)
+        if self.step_rule is not None:
+            self.step_rule.observe(rows, ms, verify)
+        self._draft_ms = 0.0
+
+    def skip_step(self) -> None:
+        """A step whose time says nothing of its rows (it captured a CUDA graph): not fitted."""
         self._draft_ms = 0.0
 
     def finish(self, rid: Hashable, context: Sequence[int], num_prompt: int) -> SpecStats:
