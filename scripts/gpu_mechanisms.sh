@@ -14,9 +14,10 @@
 #   pflash  the paging-cliff ablation with PFlash on 32K-token prompts and an 8K-token pool
 #   yield   the draft-yield ablation, n-gram k=8 on every workload, token trees (12 nodes) against chains
 #           (YIELD_WORKLOADS, YIELD_KS, YIELD_TREES)
-#   family  FAMILY_WORKLOADS (default essay) at 16 slots, n-gram k=8 against AR (scripts/spec_overhead.py,
-#           three alternating timed passes after a warm-up: goodput, steps run ahead, graphs captured
-#           inside a pass, each step's time by phase); FAMILY_VARIANT=verify_graph_family=false: a third arm
+#   family  FAMILY_WORKLOADS, space-separated WORKLOAD[@C[@SPEC]] (default essay: 16 slots, n-gram k=8),
+#           against AR (scripts/spec_overhead.py, three alternating timed passes after a warm-up: goodput,
+#           steps run ahead, graphs captured inside a pass, each step's time by phase; every step's
+#           telemetry to logs/spec_steps_*.parquet); FAMILY_VARIANT=verify_graph_family=false: a third arm
 #   spectests  natively: the speculation tests on the Triton runner (run-ahead at the guard's k = 0)
 # Logs and the run store are tarred into $OUT (at most three files).
 set -u
@@ -74,12 +75,13 @@ for stage in ${STAGES//,/ }; do
           > "$OUT/logs/draft_yield_trees.log" 2>&1; echo "rc $?"
       tail -${YIELD_TAIL:-24} "$OUT/logs/draft_yield_trees.log" | cut -c1-400 ;;
     family)
-      FAMILY_WORKLOADS=${FAMILY_WORKLOADS:-essay}
-      for w in ${FAMILY_WORKLOADS//,/ }; do
-        timeout ${FAMILY_S:-200} python3 scripts/spec_overhead.py --model "$MODEL" --workload $w --concurrency 16 \
-            --spec ngram:8 --repeats 3 --phases ${FAMILY_VARIANT:+--variant $FAMILY_VARIANT} \
-            > "$OUT/logs/spec_overhead_$w.log" 2>&1; echo "$w rc $?"
-        tail -24 "$OUT/logs/spec_overhead_$w.log" | cut -c1-300
+      for run in ${FAMILY_WORKLOADS:-essay}; do  # each WORKLOAD[@CONCURRENCY[@SPEC]], space-separated
+        IFS=@ read -r w c sp <<< "$run"; c=${c:-16}; sp=${sp:-ngram:8}; tag="${w}_c${c}_${sp/:/}"
+        timeout ${FAMILY_S:-200} python3 scripts/spec_overhead.py --model "$MODEL" --workload $w --concurrency $c \
+            --spec $sp --repeats 3 --phases ${FAMILY_VARIANT:+--variant $FAMILY_VARIANT} \
+            --steps-out "$OUT/logs/spec_steps_$tag.parquet" \
+            > "$OUT/logs/spec_overhead_$tag.log" 2>&1; echo "$tag rc $?"
+        tail -24 "$OUT/logs/spec_overhead_$tag.log" | cut -c1-300
       done ;;
     *) echo "unknown stage $stage: allowed qsa, tests, spectests, pflash, yield, family" ;;
   esac

@@ -9,6 +9,7 @@ is time no steady state pays).
         --variant verify_graph_family=false     (a third engine: speculation with these TritonOptions)
     python3 scripts/spec_overhead.py --workload code-edit --concurrency 16 --spec ngram:8 --phases
         (each pass's plain and verify steps split by phase: where a verify step's time goes)
+    ... --steps-out steps.parquet   (every engine's step telemetry, all passes, one parquet: `engine` says whose)
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ def main(argv=None) -> int:
                     help="also time speculation on an engine with these TritonOptions (bench's --triton-options form)")
     ap.add_argument("--phases", action="store_true",
                     help="also print each pass's mean step time by phase (drafts, schedule, run, verify, commit, record)")
+    ap.add_argument("--steps-out", default=None, metavar="PATH",
+                    help="write every engine's step telemetry (warm-up and timed passes) to this parquet")
     args = ap.parse_args(argv)
     try:
         import workbench
@@ -157,6 +160,13 @@ def main(argv=None) -> int:
                       flush=True)
                 if tag in phases:
                     print(phases[tag].report(), flush=True)
+        if args.steps_out:
+            import polars as pl
+
+            from workbench.atomic import atomic_write_parquet
+
+            frames = [e.telemetry.steps().with_columns(pl.lit(tag).alias("engine")) for tag, e in engines.items()]
+            atomic_write_parquet(args.steps_out, pl.concat(frames, how="diagonal_relaxed"))
     except WorkbenchError as e:
         print(f"spec_overhead: error: {e}", file=sys.stderr)
         return 2
