@@ -796,6 +796,10 @@ its excess."""
     # the step's excess (1.96 ms: 8 steps at 1 ms), on the probe cadence
     assert through == [12, 24, 36]
     assert rule.could_pay(16, 128, 16 * 9, 0.0) and not rule.could_pay(16, 32, 16 * 1.5, 0.0)
+    # a draft row's cost beside a slot's share of a plain step: the excess's slope, 0.03 ms
+    # against 1/16 ms (its 1 ms intercept, a verify's fixed price, is the rule's to weigh)
+    assert rule.row_cost(16, prior=0.1) == pytest.approx(0.48)
+    assert StepRule().row_cost(16, prior=0.1) == 0.1  # (unmeasured: the prior)
 
 
 def test_a_vetoed_step_decodes_plainly_but_for_its_probes():

@@ -39,9 +39,9 @@ When drafting does not gain `margin`, the step decodes plainly (its probes aside
 H100 run 91 showed why: essays at 16 slots, each slot's rule drafting (row cost 0.06 from one
 fit over both kinds), verified in 866 of 96 steps' slots at 4.3 tokens each and went at 0.75x
 plain decoding, whose steps ran ahead at 0.8 ms against 3-4 ms a verify step. A vetoed run is
-let through once at the probe cadence when the plain steps under the veto took 100 times the
+let through once at the probe cadence when the plain steps under the veto took 50 times the
 step's expected excess (`remeasure`), so a verify fit that was too dear is measured again at
-about 1% of the run; a vetoed step keeps its slots' probes only where a step of every slot's
+about 2% of the run; a vetoed step keeps its slots' probes only where a step of every slot's
 draft, all kept, could pay at all; and once a verify step was
 measured, the rule vetoes until `explore` plain steps were too (a run whose slots all draft
 from its first step has none to compare with).
@@ -259,7 +259,7 @@ class StepRule:
     its slots plus its excess over it, each fitted from the run's own steps, and each step's
     drafts weighed against plain decoding."""
 
-    def __init__(self, margin: float = 0.05, probe_every: int = 16, explore: int = 4, remeasure: float = 0.01):
+    def __init__(self, margin: float = 0.05, probe_every: int = 16, explore: int = 4, remeasure: float = 0.02):
         self.plain = StepCost()  # plain steps: wall ms ~ a + b slots
         # verify steps: wall ms beyond a plain step of their slots ~ a + b drafted rows. The
         # excess, not the wall, is fitted: its intercept is what turning a step into a verify
@@ -317,6 +317,24 @@ class StepRule:
             return True, 0.0
         more = max(e, 0.0) + extra_ms
         return tokens / (p + more) >= (1 + self.margin) * slots / p, more
+
+    def row_cost(self, slots: int, prior: float) -> float:
+        """One draft row's cost beside one slot's share of a plain step of `slots` slots: the
+        excess's slope, not its intercept. The yield guard's per-slot rule prices rows with
+        it, and the fixed price of making a step a verify at all is this rule's to weigh: one
+        line over plain and verify steps together lays that fixed price on the rows (H100 run
+        94: code editing at 1 slot, verify steps of 2 rows at 1.1 ms beside plain ones at
+        0.48 ms read as a row costing a whole step, so the slot never drafted again, where a
+        verify of 4 draft tokens took 1.28 ms for 5 tokens)."""
+        p, ab = self._plain(slots), self.excess.fit()
+        if p is None or ab is None or p <= 0:
+            return prior
+        return min(ab[1] * slots / p, 1.0)
+
+    def share_ms(self, slots: int) -> float | None:
+        """One slot's share of a plain step of `slots` slots, in ms (None before measured)."""
+        p = self._plain(slots)
+        return None if p is None else p / max(slots, 1)
 
     def could_pay(self, slots: int, drafted: int, tokens: float, extra_ms: float) -> bool:
         """Whether such a step would gain (no veto counted): the speculator asks it of the best

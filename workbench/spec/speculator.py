@@ -145,8 +145,11 @@ class Speculator:
         always with measure_cost off)."""
         if not self.config.measure_cost:
             return self.config.row_cost
-        c = self.cost.row_cost(decode_rows, self.config.row_cost)
-        share, per_token = self.cost.share_ms(decode_rows), self.draft_cost.ms_per_token
+        # (with the step rule: the slope of a verify's excess over a plain step; its fixed
+        # part is the rule's to weigh, StepRule.row_cost)
+        fits = self.cost if self.step_rule is None else self.step_rule
+        c = fits.row_cost(decode_rows, self.config.row_cost)
+        share, per_token = fits.share_ms(decode_rows), self.draft_cost.ms_per_token
         if share and per_token is not None:
             c += per_token / share
         return c
