@@ -8,9 +8,7 @@ doubles the wait for the next, up to `probe_max`), so a proposer that starts to 
 estimate that was too high, is found again (without it a slot whose first
 drafts missed, or that began where rows were dear, would never draft again). Probes fall on
 the steps of one shared cadence (every `probe_every`-th step, counted by `tick`): a slot whose
-wait is over probes at the next such step, beside the other slots due. Waits are counted in
-steps, not in the times a slot was asked, and counts decay when read, so a step the speculator
-decides without asking (a run held at k = 0 between cadence steps) costs the guard nothing. Between them a run the
+wait is over probes at the next such step, beside the other slots due. Between them a run the
 guard keeps at k = 0 is plain decoding step after step, which a runner may launch ahead of the
 host (H100 run 90: 16 slots probing at staggered steps left essays no two plain steps in a row
 to overlap). The lengths depend on the counts and the step alone, never on the tokens, so the
@@ -32,17 +30,14 @@ The step as a whole (`StepRule`, the speculator's): a slot's draft makes its ste
 step, which on the GPU costs more than its rows: a plain step is launched ahead of the host
 (run-ahead) and a verify is not, and its forward is a chunk graph rather than a decode graph.
 So with the cost measured, each step's lengths are also weighed together: the step's expected
-tokens over the fitted wall time of a verify step, against plain decoding's tokens (one a slot)
-over the fitted wall time of a plain step of as many slots. A verify step's time is a plain
-step's plus its fitted excess over one (a + b drafted rows), both from the run's own steps.
-When drafting does not gain `margin`, the step decodes plainly (its probes aside).
+tokens over the fitted wall time of a verify step of its rows, against plain decoding's tokens
+(one a slot) over the fitted wall time of a plain step, each fitted from the run's own steps of
+that kind. When drafting does not gain `margin`, the step decodes plainly (its probes aside).
 H100 run 91 showed why: essays at 16 slots, each slot's rule drafting (row cost 0.06 from one
 fit over both kinds), verified in 866 of 96 steps' slots at 4.3 tokens each and went at 0.75x
 plain decoding, whose steps ran ahead at 0.8 ms against 3-4 ms a verify step. A vetoed run is
-let through once at the probe cadence when the plain steps under the veto took 50 times the
-step's expected excess (`remeasure`), so a verify fit that was too dear is measured again at
-about 2% of the run; a vetoed step keeps its slots' probes only where a step of every slot's
-draft, all kept, could pay at all; and once a verify step was
+let through once at the probe cadence after `probe_every` vetoed steps (the wait doubling to
+`probe_max`), so a verify fit that was too dear is measured again; and once a verify step was
 measured, the rule vetoes until `explore` plain steps were too (a run whose slots all draft
 from its first step has none to compare with).
 
@@ -62,16 +57,9 @@ from typing import Hashable
 __all__ = ["CohortGuard", "DraftCost", "StepCost", "StepRule", "TreeGuard", "YieldGuard"]
 
 
-# A step slower than OUTLIER times its fitted time counts as that much: one step that compiled a
-# kernel or met a collector pause (hundreds of ms) would otherwise make rows look dear for
-# hundreds of steps (the fit forgets 2% a step), while a real change still moves the fit, a
-# clipped step at a time.
-OUTLIER = 5.0
-
-
 class StepCost:
     """wall_ms ~ a + b rows, fitted online over decode/verify steps (recursive least squares
-    with forgetting factor `forget`; a step past OUTLIER times the fit is clipped to it)."""
+    with forgetting factor `forget`)."""
 
     def __init__(self, forget: float = 0.98):
         self.forget = forget
@@ -79,11 +67,7 @@ class StepCost:
         self.num_steps = 0
         self._rows: set[int] = set()
 
-    def observe(self, rows: int, wall_ms: float, clip: bool = True) -> None:
-        if clip and self.num_steps >= 4:
-            at = self.at(rows)
-            if at is not None and at > 0:
-                wall_ms = min(wall_ms, OUTLIER * at)
+    def observe(self, rows: int, wall_ms: float) -> None:
         f = self.forget
         n, x, xx, y, xy = self._s
         self._s = [f * n + 1, f * x + rows, f * xx + rows * rows, f * y + wall_ms, f * xy + rows * wall_ms]
@@ -136,16 +120,12 @@ class DraftCost:
     def __init__(self, smooth: float = 0.9):
         self.smooth = smooth
         self.ms_per_token: float | None = None
-        self._seen = 0
 
     def observe(self, wall_ms: float, tokens: int) -> None:
         if tokens <= 0:
             return
         x = wall_ms / tokens
         m = self.ms_per_token
-        self._seen += 1
-        if m is not None and self._seen > 4:
-            x = min(x, OUTLIER * m)  # (as StepCost's)
         self.ms_per_token = x if m is None else self.smooth * m + (1 - self.smooth) * x
 
 
@@ -156,8 +136,7 @@ PRIOR_KEPT, PRIOR_REJECTED = 2.0, 1.0
 class _Slot:
     kept: float = PRIOR_KEPT
     rejected: float = PRIOR_REJECTED
-    at: int = 0  # the guard step the counts were last decayed to
-    since: int | None = None  # the step its run at k = 0 began, or its latest probe (None: drafting)
+    skipped: int = 0  # steps in a row the guard chose k = 0
     gap: int = 0  # steps at k = 0 before the next probe (0: not yet set)
     probing: bool = False  # the latest length was a probe
 
@@ -181,25 +160,11 @@ class YieldGuard:
         self.step = 0  # ticks so far: probes fall on the steps where step % probe_every == 0
         self._slots: dict[Hashable, _Slot] = {}
 
-    def _slot(self, rid: Hashable) -> _Slot:
-        """`rid`'s counts, decayed to this step. The decay is applied when a slot is read, not
-        at every tick, so a step costs the guard nothing per slot it does not ask about (a run
-        held at k = 0 between probe steps: Speculator._lengths)."""
-        s = self._slots.get(rid)
-        if s is None:
-            s = self._slots[rid] = _Slot(at=self.step)
-        elif s.at != self.step:
-            d = self.decay ** (self.step - s.at)
-            s.kept = PRIOR_KEPT + d * (s.kept - PRIOR_KEPT)
-            s.rejected = PRIOR_REJECTED + d * (s.rejected - PRIOR_REJECTED)
-            s.at = self.step
-        return s
-
     def length(self, rid: Hashable, row_cost: float) -> int:
         """The draft length for request `rid` this step (k_max with the guard off)."""
         if not self.enabled:
             return self.k_max
-        slot = self._slot(rid)
+        slot = self._slots.setdefault(rid, _Slot())
         alpha = min(slot.alpha, 0.999)
         best_k, best = 0, 1.0 + self.margin
         for k in range(1, self.k_max + 1):
@@ -208,37 +173,35 @@ class YieldGuard:
                 best_k, best = k, gain
         slot.probing = False
         if best_k == 0:
-            if slot.since is None:
-                slot.since = self.step
+            slot.skipped += 1
             slot.gap = slot.gap or self.probe_every
-            # (counted in steps, not calls: a step decided without asking still counts)
-            if self.step - slot.since + 1 >= slot.gap and self.on_cadence():
-                slot.since = self.step + 1
+            if slot.skipped >= slot.gap and self.step % self.probe_every == 0:
+                slot.skipped = 0
                 slot.gap = min(2 * slot.gap, self.probe_max)
                 slot.probing = True
                 return 1  # the probe
         else:
-            slot.since = None
+            slot.skipped = 0
             slot.gap = self.probe_every
         return best_k
-
-    def on_cadence(self) -> bool:
-        """Whether this step is one of the shared cadence's, where probes fall."""
-        return self.step % self.probe_every == 0
 
     def observe(self, rid: Hashable, drafted: int, kept: int, emitted: int | None = None) -> None:
         """A verify of `drafted` tokens kept `kept` of them (`emitted`: CohortGuard's interface;
         the acceptance rate needs only the kept count)."""
-        s = self._slot(rid)
+        s = self._slots.setdefault(rid, _Slot())
         s.kept += kept
         s.rejected += int(kept < drafted)
 
     def tick(self) -> None:
-        """One step passed: every slot's counts decay towards the prior (when next read)."""
+        """One step passed: every slot's counts decay towards the prior."""
         self.step += 1
+        d = self.decay
+        for s in self._slots.values():
+            s.kept = PRIOR_KEPT + d * (s.kept - PRIOR_KEPT)
+            s.rejected = PRIOR_REJECTED + d * (s.rejected - PRIOR_REJECTED)
 
     def alpha(self, rid: Hashable) -> float:
-        return self._slot(rid).alpha if rid in self._slots else _Slot().alpha
+        return self._slots.get(rid, _Slot()).alpha
 
     def probing(self, rid: Hashable) -> bool:
         """Whether the latest length given `rid` was a probe."""
@@ -255,106 +218,39 @@ class YieldGuard:
 
 
 class StepRule:
-    """The step-level rule (module docstring): a verify step's wall time as a plain step's of
-    its slots plus its excess over it, each fitted from the run's own steps, and each step's
-    drafts weighed against plain decoding."""
+    """The step-level rule (module docstring): plain and verify steps' wall times fitted apart,
+    and each step's drafts weighed against plain decoding."""
 
-    def __init__(self, margin: float = 0.05, probe_every: int = 16, explore: int = 4, remeasure: float = 0.02):
-        self.plain = StepCost()  # plain steps: wall ms ~ a + b slots
-        # verify steps: wall ms beyond a plain step of their slots ~ a + b drafted rows. The
-        # excess, not the wall, is fitted: its intercept is what turning a step into a verify
-        # costs at all (no run-ahead, a chunk graph instead of a decode graph), and fitting the
-        # verify steps' wall over their rows alone read a few probe steps of 17-19 rows as the
-        # price of any verify (H100 run 93: essays at 16 slots drafted in 69-79 of 253 steps,
-        # 1.8 ms each for one token a slot, against 0.8 ms plain ones)
-        self.excess = StepCost()
-        self._early: list[tuple[int, int, float]] = []  # verify steps seen before `explore` plain ones
+    def __init__(self, margin: float = 0.05, probe_every: int = 16, probe_max: int = 256, explore: int = 4):
+        self.plain = StepCost()
+        self.verify = StepCost()
         # plain steps measured before the first comparison: a run whose slots all draft from the
         # start never decodes plainly on its own, so it vetoes until it has (H100 run 92: essays
         # at 16 slots verified in every step, with no plain step to compare them with)
         self.explore = explore
-        # a held veto lets one step through, on the probe cadence, once the plain steps decoded
-        # under it took 1/remeasure times that step's expected excess: re-measuring a verify fit
-        # that may have been too dear costs about `remeasure` of the run (a fixed doubling wait
-        # cost essays at 16 slots 4 verify steps in 256, 3% of the run, H100 run 93)
-        self.remeasure = remeasure
-        self.margin, self.probe_every = margin, probe_every
-        self.since: int | None = None  # the step the current run of vetoes began (None: none)
+        self.margin, self.probe_every, self.probe_max = margin, probe_every, max(probe_max, probe_every)
+        self.vetoed = 0  # steps in a row vetoed
+        self.gap = probe_every
 
-    def forget_veto(self) -> None:
-        """A fresh run of vetoes (its fits kept)."""
-        self.since = None
+    def observe(self, rows: int, wall_ms: float, verify: bool) -> None:
+        (self.verify if verify else self.plain).observe(rows, wall_ms)
 
-    def _plain(self, slots: int) -> float | None:
-        return self.plain.at(slots) if self.plain.num_steps >= self.explore else None
-
-    def observe(self, slots: int, rows: int, wall_ms: float, verify: bool) -> None:
-        """A step of `rows` rows over `slots` decoding slots (`verify`: some rows verify a
-        draft) took `wall_ms`."""
-        if not verify:
-            self.plain.observe(slots, wall_ms)
-            if self._early and self._plain(slots) is not None:
-                early, self._early = self._early, []
-                for s, r, ms in early:
-                    self.observe(s, r, ms, True)
-            return
-        p = self._plain(slots)
-        if p is None:
-            self._early = [*self._early[-31:], (slots, rows, wall_ms)]
-        else:  # (the excess may be near 0: clipped against the whole verify step's fitted time)
-            e = self.excess.at(rows - slots) if self.excess.num_steps >= 4 else None
-            if e is not None:
-                wall_ms = min(wall_ms, OUTLIER * (p + max(e, 0.0)))
-            self.excess.observe(rows - slots, wall_ms - p, clip=False)
-
-    def _weigh(self, slots: int, drafted: int, tokens: float, extra_ms: float) -> tuple[bool, float]:
-        """(whether the step gains `margin`, its expected ms beyond a plain step): gains while
-        the fits are unmeasured, not while only verify steps are (explore)."""
-        p, e = self._plain(slots), self.excess.at(drafted)
-        if p is None:
-            return not (self.excess.num_steps or self._early), 0.0
-        if e is None or p <= 0:
-            return True, 0.0
-        more = max(e, 0.0) + extra_ms
-        return tokens / (p + more) >= (1 + self.margin) * slots / p, more
-
-    def row_cost(self, slots: int, prior: float) -> float:
-        """One draft row's cost beside one slot's share of a plain step of `slots` slots: the
-        excess's slope, not its intercept. The yield guard's per-slot rule prices rows with
-        it, and the fixed price of making a step a verify at all is this rule's to weigh: one
-        line over plain and verify steps together lays that fixed price on the rows (H100 run
-        94: code editing at 1 slot, verify steps of 2 rows at 1.1 ms beside plain ones at
-        0.48 ms read as a row costing a whole step, so the slot never drafted again, where a
-        verify of 4 draft tokens took 1.28 ms for 5 tokens)."""
-        p, ab = self._plain(slots), self.excess.fit()
-        if p is None or ab is None or p <= 0:
-            return prior
-        return min(ab[1] * slots / p, 1.0)
-
-    def share_ms(self, slots: int) -> float | None:
-        """One slot's share of a plain step of `slots` slots, in ms (None before measured)."""
-        p = self._plain(slots)
-        return None if p is None else p / max(slots, 1)
-
-    def could_pay(self, slots: int, drafted: int, tokens: float, extra_ms: float) -> bool:
-        """Whether such a step would gain (no veto counted): the speculator asks it of the best
-        a step could do, every slot's draft kept, before it keeps a vetoed step's probes."""
-        return self._weigh(slots, drafted, tokens, extra_ms)[0]
-
-    def pays(self, slots: int, drafted: int, tokens: float, extra_ms: float, step: int) -> bool:
-        """Whether a verify step of `drafted` draft rows beside `slots` decoding slots, expected
-        to emit `tokens` and to take `extra_ms` beside its forward (proposing), gains `margin`
-        over a plain step (`step`: the guard's step count, on whose probe cadence a veto held
-        long enough lets one step through to be measured)."""
-        gains, more = self._weigh(slots, drafted, tokens, extra_ms)
-        if gains:
-            self.since = None
+    def pays(self, slots: int, rows: int, tokens: float, extra_ms: float, step: int) -> bool:
+        """Whether a verify step of `rows` rows over `slots` decoding slots, expected to emit
+        `tokens` and to take `extra_ms` beside its forward (proposing), gains `margin` over a
+        plain step (True until both kinds were measured; `step`: the guard's step count, on
+        whose probe cadence a veto held long enough lets one through)."""
+        if self.verify.num_steps and self.plain.num_steps < self.explore:
+            return False  # (measure plain steps first)
+        p, v = self.plain.at(slots), self.verify.at(rows)
+        if p is None or v is None or p <= 0:
             return True
-        if self.since is None:
-            self.since = step
-        p = self._plain(slots)
-        if p is not None and step % self.probe_every == 0 and (step - self.since) * p * self.remeasure >= more:
-            self.since = step + 1
+        if tokens / (v + extra_ms) >= (1 + self.margin) * slots / p:
+            self.vetoed, self.gap = 0, self.probe_every
+            return True
+        self.vetoed += 1
+        if self.vetoed >= self.gap and step % self.probe_every == 0:
+            self.vetoed, self.gap = 0, min(2 * self.gap, self.probe_max)
             return True
         return False
 

@@ -105,8 +105,7 @@ class Speculator:
         self.guard = _guard(config)
         self.cost = StepCost()
         # the step-level rule (guard.py's StepRule): with the yield guard on and the cost measured
-        self.step_rule = StepRule(probe_every=self.guard.probe_every) \
-            if config.guard is True and config.measure_cost else None
+        self.step_rule = StepRule() if config.guard is True and config.measure_cost else None
         self.draft_cost = DraftCost()
         self._draft_ms = 0.0  # the proposer's time in the latest drafts() call
         self.stats: dict[Hashable, SpecStats] = {}
@@ -116,10 +115,6 @@ class Speculator:
         self.tree_guard = TreeGuard(enabled=config.guard is True)
         self._cost = config.row_cost  # the latest drafts() call's row cost (the tree guard's too)
         self._pinned: dict[Hashable, int] | None = None  # the next step's lengths, decided early (plain_next)
-        # the requests whose latest lengths were all 0 (the yield guard's): until the next probe
-        # step they stay 0 without asking (_lengths); None: the latest lengths drafted
-        self._held: set[Hashable] | None = None
-        self._held_vetoed: tuple[Hashable, ...] = ()  # of those, the ones the step rule vetoed
 
     def forget_proposals(self) -> None:
         """A fresh proposer of the config's kind, keeping the guard's measured step cost (an
@@ -131,9 +126,9 @@ class Speculator:
             self.proposer = make_proposer(self.config)
         self.guard = _guard(self.config)
         self.tree_guard = TreeGuard(enabled=self.config.guard is True)
-        self._pinned = self._held = None
+        self._pinned = None
         if self.step_rule is not None:  # (its fits kept, as the row cost's are)
-            self.step_rule.forget_veto()
+            self.step_rule.vetoed, self.step_rule.gap = 0, self.step_rule.probe_every
 
     def start(self, rid: Hashable, prompt_ids: Sequence[int]) -> None:
         self.proposer.start(rid, prompt_ids)
@@ -145,11 +140,8 @@ class Speculator:
         always with measure_cost off)."""
         if not self.config.measure_cost:
             return self.config.row_cost
-        # (with the step rule: the slope of a verify's excess over a plain step; its fixed
-        # part is the rule's to weigh, StepRule.row_cost)
-        fits = self.cost if self.step_rule is None else self.step_rule
-        c = fits.row_cost(decode_rows, self.config.row_cost)
-        share, per_token = fits.share_ms(decode_rows), self.draft_cost.ms_per_token
+        c = self.cost.row_cost(decode_rows, self.config.row_cost)
+        share, per_token = self.cost.share_ms(decode_rows), self.draft_cost.ms_per_token
         if share and per_token is not None:
             c += per_token / share
         return c
@@ -164,53 +156,23 @@ class Speculator:
         self._pinned = self._lengths(rids)
         return not any(self._pinned.values())
 
-    @property
-    def step_row_cost(self) -> float:
-        """The row cost the guard's latest decision used (telemetry)."""
-        return self._cost
-
     def _lengths(self, rids, pinned: Mapping[Hashable, int] | None = None) -> dict[Hashable, int]:
         """The guard's draft length per request for one step (those in `pinned` as decided
-        already), cut to the runner's fastest verify.
-
-        Held: when the yield guard's latest lengths for the same requests were all 0, they
-        stay 0 until the next step of the probe cadence, without asking the guard, the cost
-        model or the step rule. Between those steps nothing they decide on can turn a slot
-        to drafting but the slow drift of its decayed counts and of the fitted costs (no
-        verify, no observation), so such a run is decided once per `probe_every` steps and
-        costs plain decoding a set comparison a step (H100 run 93: essays at 16 slots, the
-        guard at k = 0 for 3,964 of 4,016 slot-steps, went at 0.84x of plain decoding, 0.13 ms
-        a step of it the speculator's and the engine's bookkeeping)."""
-        held = self._held
-        if held is not None and not pinned and not self.guard.on_cadence() and held == set(rids):
-            for rid in self._held_vetoed:  # (still plain for the veto: counted as one)
-                self.stats[rid].vetoed += 1
-            return dict.fromkeys(rids, 0)
+        already), cut to the runner's fastest verify."""
         cost = self._cost = self.row_cost(len(rids))
         pinned = pinned or {}
         lengths = {rid: pinned[rid] if rid in pinned else self.guard.length(rid, cost) for rid in rids}
         if self.max_step_rows is not None:
             _fit(lengths, self.max_step_rows - len(lengths))
-        vetoed = []
         if self.step_rule is not None and any(lengths.values()) and len(pinned) < len(lengths):
             drafted = sum(lengths.values())
             tokens = sum(self.guard.expected(rid, k) for rid, k in lengths.items())
             extra = drafted * (self.draft_cost.ms_per_token or 0.0)
-            rule, n = self.step_rule, len(lengths)
-            if not rule.pays(n, drafted, tokens, extra, self.guard.step):
-                # plain decoding, but for the probes, where a step of every slot's full draft,
-                # all of it kept, could pay at all (at 16 slots on a GPU it may not: H100 run 93)
-                k_all = self.config.k * n if self.max_step_rows is None else max(min(self.config.k * n, self.max_step_rows - n), 0)
-                probes = rule.could_pay(n, k_all, n + k_all, k_all * (self.draft_cost.ms_per_token or 0.0))
-                for rid, k in lengths.items():
-                    if k and not (probes and self.guard.probing(rid)):
+            if not self.step_rule.pays(len(lengths), len(lengths) + drafted, tokens, extra, self.guard.step):
+                for rid, k in lengths.items():  # (plain decoding, but for the probes)
+                    if k and not self.guard.probing(rid):
                         lengths[rid] = 0
                         self.stats[rid].vetoed += 1
-                        if not self.guard.probing(rid):  # (a probe is due once, not at the steps held after it)
-                            vetoed.append(rid)
-        holds = isinstance(self.guard, YieldGuard) and self.guard.enabled
-        self._held = set(lengths) if holds and not any(lengths.values()) else None
-        self._held_vetoed = tuple(vetoed)
         return lengths
 
     def drafts(self, contexts: Mapping[Hashable, Sequence[int]]) -> dict[Hashable, tuple[int, ...]]:
@@ -288,14 +250,13 @@ class Speculator:
         st.tree_tokens += alternative_tokens
         st.tree_wins += int(won)
 
-    def record_step(self, rows: int, wall_ms: float, verify: bool = True, slots: int | None = None) -> None:
-        """A step that ran only decode and verify rows (`rows` of them over `slots` decoding
-        slots, all of them by default; `verify`: some of them verify rows) took `wall_ms`, its
-        drafts() call included (taken out here: DraftCost has it)."""
+    def record_step(self, rows: int, wall_ms: float, verify: bool = True) -> None:
+        """A step that ran only decode and verify rows (`rows` of them; `verify`: some of them
+        verify rows) took `wall_ms`, its drafts() call included (taken out here: DraftCost has it)."""
         ms = max(wall_ms - self._draft_ms, 0.0)
         self.cost.observe(rows, ms)
         if self.step_rule is not None:
-            self.step_rule.observe(rows if slots is None else slots, rows, ms, verify)
+            self.step_rule.observe(rows, ms, verify)
         self._draft_ms = 0.0
 
     def skip_step(self) -> None:
