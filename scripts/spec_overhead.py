@@ -18,12 +18,8 @@ import argparse
 import sys
 import time
 
+from workbench.draft_yield import _num_graphs as _graphs  # (the runner's capture count)
 from workbench.errors import WorkbenchError
-
-
-def _graphs(engine) -> int:
-    g = getattr(engine.runner, "graphs", None)
-    return 0 if g is None else len(g.keys) + len(g.chunk_keys)
 
 
 def _pass(engine, prompts, tag: str) -> dict:

@@ -374,6 +374,24 @@ def test_the_cohort_guard_decides_once_on_its_first_sample():
     assert on.length("a", 1.0) == on.length("z", 1.0) == 4 and on.decision == "on"
 
 
+class _Repeat:
+    """A proposer whose every draft is `token` repeated k times."""
+
+    name = "repeat"
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def start(self, rid, prompt_ids):
+        pass
+
+    def propose(self, rid, context, k):
+        return (self.token,) * k
+
+    def finish(self, rid, context, num_prompt):
+        pass
+
+
 def _rule_only(k_max, **kw):
     """A guard without the periodic probe: length() is then the gain rule alone, and calling it
     does not move the skip counter towards a probe."""
@@ -588,24 +606,12 @@ def test_a_steps_drafts_fit_the_runners_graphed_verify_rows():
 
     from workbench.spec.speculator import Speculator, _fit
 
-    class Four:
-        name = "four"
-
-        def start(self, rid, prompt_ids):
-            pass
-
-        def propose(self, rid, context, k):
-            return (7,) * k
-
-        def finish(self, rid, context, num_prompt):
-            pass
-
     ctx = {r: [1, 2, 3] for r in "abc"}
-    sp = Speculator(SpecConfig(k=4, guard=False), Four(), runner=SimpleNamespace(graphed_verify_rows=9))
+    sp = Speculator(SpecConfig(k=4, guard=False), _Repeat(7), runner=SimpleNamespace(graphed_verify_rows=9))
     for r in ctx:
         sp.start(r, ctx[r])
     assert sp.drafts(ctx) == {r: (7, 7) for r in "abc"}
-    free = Speculator(SpecConfig(k=4, guard=False), Four(), runner=SimpleNamespace(graphed_verify_rows=None))
+    free = Speculator(SpecConfig(k=4, guard=False), _Repeat(7), runner=SimpleNamespace(graphed_verify_rows=None))
     for r in ctx:
         free.start(r, ctx[r])
     assert free.drafts(ctx) == {r: (7,) * 4 for r in "abc"}
@@ -643,23 +649,11 @@ def test_plain_next_decides_the_next_steps_lengths_once():
     due, and the guard's step counts advance once a step either way."""
     from workbench.spec.speculator import Speculator
 
-    class Never:
-        name = "never"
-
-        def start(self, rid, prompt_ids):
-            pass
-
-        def propose(self, rid, context, k):
-            return (1,) * k
-
-        def finish(self, rid, context, num_prompt):
-            pass
-
     class Unread(dict):
         def __getitem__(self, rid):
             raise AssertionError(f"the context of {rid} was read at k = 0")
 
-    sp = Speculator(SpecConfig(k=4, row_cost=0.1, measure_cost=False), Never())
+    sp = Speculator(SpecConfig(k=4, row_cost=0.1, measure_cost=False), _Repeat(1))
     sp.guard.probe_every = sp.guard.probe_max = 4
     for r in "ab":
         sp.start(r, [1, 2])
@@ -708,19 +702,7 @@ def test_a_vetoed_step_decodes_plainly_but_for_its_probes():
     (counted), except a slot whose length was a probe; plain_next then says the step is plain."""
     from workbench.spec.speculator import Speculator
 
-    class Const:
-        name = "const"
-
-        def start(self, rid, prompt_ids):
-            pass
-
-        def propose(self, rid, context, k):
-            return (3,) * k
-
-        def finish(self, rid, context, num_prompt):
-            pass
-
-    sp = Speculator(SpecConfig(k=4, row_cost=0.05), Const())
+    sp = Speculator(SpecConfig(k=4, row_cost=0.05), _Repeat(3))
     for r in "ab":
         sp.start(r, [1])
     for _ in range(5):
