@@ -37,6 +37,7 @@ def _pass(engine, prompts, tag: str) -> dict:
     plain = steps.filter((steps["phase"] == "decode") & (steps["draft_tokens"].fill_null(0) == 0))
     return {"tok_s": sum(len(r.token_ids) for r in res) / wall, "steps": steps.height,
             "verify_steps": sum(r.spec.verify_steps for r in res) if res[0].spec else 0,
+            "shadows": sum(r.spec.shadows for r in res) if res[0].spec else 0,
             "plain_step_ms": float(plain["wall_ms"].mean()) if plain.height else None,
             "captures": _graphs(engine) - before, "ahead": int(steps["ran_ahead"].sum()),
             "tokens": [r.token_ids for r in res]}
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
                 got = _pass(e, prompts, f"{tag}-{r}")
                 ref = ref or got["tokens"]
                 print(f"{tag:>12} pass {r}: {got['tok_s']:8.1f} tok/s, {got['steps']} steps, "
-                      f"{got['verify_steps']} verify, plain step {_ms(got['plain_step_ms'])}, "
+                      f"{got['verify_steps']} verify, {got['shadows']} shadows, plain step {_ms(got['plain_step_ms'])}, "
                       f"{got['ahead']} ran ahead, {got['captures']} graph captures, "
                       f"tokens {'same' if got['tokens'] == ref else 'DIFFER'}",
                       flush=True)

@@ -428,9 +428,13 @@ def test_guard_probes_a_skipped_slot_with_a_doubling_gap():
     guard = YieldGuard(4, probe_every=5, probe_max=20, decay=1.0)  # no decay: only the probe brings it back
     for _ in range(50):
         guard.observe("r", 4, 0)
-    ks = [guard.length("r", 0.1) for _ in range(75)]
-    # probes after 5, then 10, then 20 steps at k = 0, and every 20 from there (probe_max)
-    assert [i + 1 for i, k in enumerate(ks) if k] == [5, 15, 35, 55, 75] and set(ks) == {0, 1}
+    ks = []
+    for _ in range(80):  # (waits are counted in steps: the guard's ticks)
+        ks.append(guard.length("r", 0.1))
+        guard.tick()
+    # probes on the cadence (every 5th step) once 5, then 10, then 20 steps went at k = 0, and
+    # every 20 from there (probe_max)
+    assert [i for i, k in enumerate(ks) if k] == [5, 15, 35, 55, 75] and set(ks) == {0, 1}
     # a slot that drafts on its own merit is never counted towards a probe
     guard.observe("good", 4, 4)
     assert all(guard.length("good", 0.1) >= 2 for _ in range(20))
@@ -440,7 +444,11 @@ def test_guard_probes_a_skipped_slot_with_a_doubling_gap():
     assert guard.length("r", 0.1) >= 2
     for _ in range(5000):
         guard.observe("r", 4, 0)
-    assert [i + 1 for i, k in enumerate(guard.length("r", 0.1) for _ in range(15)) if k] == [5, 15]
+    ks = []
+    for _ in range(20):  # (from step 80, a cadence step)
+        ks.append(guard.length("r", 0.1))
+        guard.tick()
+    assert [i for i, k in enumerate(ks) if k] == [5, 15]
 
 
 def test_guard_longer_rows_never_draft_longer():
@@ -678,11 +686,11 @@ def test_the_step_rule_weighs_a_steps_drafts_against_a_plain_step():
     """Plain steps of 16 rows at 1 ms (run ahead), verify steps at 2 ms + 0.03 ms a row: 16
     slots drafting 2 tokens each at alpha 0.6 emit ~31 tokens in 2.96 ms (10.6 a ms) against
     16 a ms plainly, so the step decodes plainly; at alpha 0.95 and 8 tokens each (~106 tokens
-    in 6.3 ms) it verifies. Unmeasured, it never vetoes; a veto held for probe_every steps lets
-    one step through at the probe cadence, the wait doubling."""
+    in 6.3 ms) it verifies. Unmeasured, it never vetoes; a veto lets one step through at the
+    probe cadence once the plain steps under it took 1/remeasure times the step's excess."""
     from workbench.spec.guard import StepRule
 
-    rule = StepRule(probe_every=4, probe_max=8)
+    rule = StepRule(probe_every=4, remeasure=0.25)
     assert rule.pays(16, 48, 1.0, 0.0, step=1)  # (nothing measured yet)
     for _ in range(10):
         rule.observe(16, 1.0, verify=False)
@@ -693,8 +701,11 @@ def test_the_step_rule_weighs_a_steps_drafts_against_a_plain_step():
     assert not rule.pays(16, 48, 16 * e(0.6, 2), 0.0, step=1)
     assert rule.pays(16, 144, 16 * e(0.95, 8), 0.0, step=1)
     assert not rule.pays(16, 144, 16 * e(0.95, 8), 10.0, step=1)  # (a proposer that costs 10 ms a step)
-    through = [s for s in range(1, 40) if rule.pays(16, 48, 16 * e(0.6, 2), 0.0, step=s)]
-    assert through == [4, 12, 20, 28, 36]  # (a veto held 4 steps, then 8: probe_max)
+    # a verify of 48 rows costs 3.44 ms, 2.44 beyond a plain step: let through once 0.25 of the
+    # plain steps under the veto took that, 10 steps, at the next cadence step
+    through = [s for s in range(1, 60) if rule.pays(16, 48, 16 * e(0.6, 2), 0.0, step=s)]
+    assert through == [12, 24, 36, 48]
+    assert rule.could_pay(16, 144) and not rule.could_pay(16, 20)  # (every row kept: 144 in 6.32 ms; 20 in 2.6)
 
 
 def test_a_vetoed_step_decodes_plainly_but_for_its_probes():
@@ -747,3 +758,117 @@ def test_proposers_index_the_prompt_at_start():
         late.start("r", [])  # (nothing indexed at start: its first propose indexes the whole context)
         ctx = prompt + [7]
         assert early.propose("r", ctx, 3) == late.propose("r", ctx, 3) != ()
+
+
+class _Shadowed(_Repeat):
+    """_Repeat whose drafts cost host lookups only (the speculator may shadow-draft with it),
+    counting its calls."""
+
+    shadows = True
+
+    def __init__(self, token: int):
+        super().__init__(token)
+        self.calls = 0
+
+    def propose(self, rid, context, k):
+        self.calls += 1
+        return super().propose(rid, context, k)
+
+
+def _plain_steps(sp, ctx: list, next_token, steps: int) -> list:
+    """`steps` steps of one slot "a" at whatever the speculator decides, each emitting
+    next_token(position) (the target's own token: a draft is kept where it equals it)."""
+    got = []
+    for _ in range(steps):
+        d = sp.drafts({"a": ctx})
+        got.append(d)
+        n = 0
+        for t in d.get("a", ()):  # (a verify: the exact rule's burst)
+            if t != next_token(len(ctx) + n):
+                break
+            n += 1
+        if "a" in d:
+            sp.observe("a", len(d["a"]), n, n + 1)
+        ctx += [next_token(len(ctx) + i) for i in range(n + 1)]
+    return got
+
+
+def test_shadow_drafts_measure_acceptance_at_k0_without_verifying():
+    """A slot held at k = 0 by its first rejections: its proposer still drafts now and then in
+    the shadow of plain steps, and once plain decoding emitted those tokens the speculator
+    counts what a verify would have kept. A proposer that is right from then on brings the slot
+    back to drafting with no probe (no verify row spent to find it out); one that stays wrong
+    keeps it at k = 0, its shadows ever rarer."""
+    from workbench.spec.speculator import Speculator
+
+    for right in (True, False):
+        prop = _Shadowed(7)
+        sp = Speculator(SpecConfig(k=4, row_cost=0.1, measure_cost=False), prop)
+        assert sp.shadowing and sp.guard.probes is False
+        sp.guard.decay = 1.0  # (only what is observed moves the counts)
+        sp.start("a", [1, 2])
+        for _ in range(30):
+            sp.guard.observe("a", 4, 0)
+        ctx = [1, 2]
+        got = _plain_steps(sp, ctx, (lambda p: 7) if right else (lambda p: 8), 200)
+        st = sp.stats["a"]
+        assert st.shadows > 0 and st.shadow_drafted == 4 * st.shadows
+        if right:
+            first = next(i for i, d in enumerate(got) if d)
+            assert all(not d for d in got[:first]) and set(got[first]["a"]) == {7}
+            assert got[-1] == {"a": (7,) * 4}  # (the drafts lengthen as they are kept)
+            assert st.shadow_accepted == st.shadow_drafted and st.verify_steps > 100
+        else:
+            assert not any(got) and st.verify_steps == 0 and st.shadow_accepted == 0
+            assert st.shadows <= 6  # (waits 16, 32, 64, 128, 256 steps: not one every 16)
+        assert st.guard_skips == 200 - st.verify_steps
+
+
+def test_no_shadow_draft_where_no_draft_could_pay():
+    """With the step rule's fits saying even a step of every slot's full draft, all kept, would
+    not pay, the proposer is not asked for shadow drafts (its lookups would buy nothing)."""
+    from workbench.spec.speculator import Speculator
+
+    prop = _Shadowed(7)
+    sp = Speculator(SpecConfig(k=4, row_cost=0.05), prop)
+    for _ in range(8):
+        sp.step_rule.observe(1, 1.0, verify=False)
+        sp.step_rule.observe(5, 9.0, verify=True)
+    sp.cost.observe(1, 1.0)
+    sp.cost.observe(5, 9.0)  # (a row as dear as 2 ms: the slot's own rule says k = 0 too)
+    sp.start("a", [1, 2])
+    _plain_steps(sp, [1, 2], lambda p: 7, 100)
+    assert prop.calls == 0 and sp.stats["a"].shadows == 0 and sp.stats["a"].verify_steps == 0
+    assert not sp.step_rule.could_pay(1, 5)
+
+
+def test_held_decisions_match_deciding_every_step():
+    """Between cadence steps the speculator keeps each slot's decided length and decides again
+    only slots something was observed of: over a run of mixed acceptance the lengths are the
+    ones deciding every slot at every step gives, up to that lag (decay moves alpha a little
+    between cadence steps; with none, they are equal)."""
+    from workbench.spec.speculator import Speculator
+
+    rng = random.Random(3)
+    runs = []
+    for held in (True, False):
+        rng.seed(3)
+        sp = Speculator(SpecConfig(k=4, row_cost=0.2, measure_cost=False), _Repeat(7))
+        sp.guard.decay = 1.0
+        rids = ["a", "b", "c"]
+        for r in rids:
+            sp.start(r, [1])
+        lengths = []
+        for step in range(120):
+            if not held:
+                sp._held = {}  # (decide every slot again)
+            d = sp.drafts({r: [1] for r in rids})
+            lengths.append({r: len(d.get(r, ())) for r in rids})
+            for r, draft in d.items():
+                p = {"a": 0.95, "b": 0.3, "c": 0.7}[r]
+                kept = 0
+                while kept < len(draft) and rng.random() < p:
+                    kept += 1
+                sp.observe(r, len(draft), kept, kept + 1)
+        runs.append(lengths)
+    assert runs[0] == runs[1]

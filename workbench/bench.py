@@ -169,6 +169,8 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
         "spec_verify_steps": sum(r.spec.verify_steps for r in results) if speculation else None,
         "spec_drafted": sum(r.spec.drafted for r in results) if speculation else None,
         "spec_accepted": sum(r.spec.accepted for r in results) if speculation else None,
+        # shadow drafts checked at k = 0 (n-gram and suffix: acceptance measured without verifying)
+        "spec_shadows": sum(r.spec.shadows for r in results) if speculation else None,
         # token trees: alternative paths verified, and verifies an alternative won (0 with chains)
         "spec_tree_paths": sum(r.spec.tree_paths for r in results) if speculation else None,
         "spec_tree_wins": sum(r.spec.tree_wins for r in results) if speculation else None,

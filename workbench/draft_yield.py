@@ -197,6 +197,10 @@ def _pass(engine, prompts, sampling: dict, tag: str) -> dict:
         "empty_proposals": sum(s.empty for s in spec) if spec else None,
         # of the guard's skips, those its step-level rule made (the slot's own rule drafted)
         "guard_vetoes": sum(s.vetoed for s in spec) if spec else None,
+        # shadow drafts: checked against plain decoding's tokens at k = 0, and what they kept
+        "shadow_checks": sum(s.shadows for s in spec) if spec else None,
+        "shadow_acceptance": (sum(s.shadow_accepted for s in spec) / max(1, sum(s.shadow_drafted for s in spec))
+                              if spec else None),
         "acceptance_hist": hist if spec else None,
         "position_acceptance": [a / d for a, d in zip(pos_a + [0] * (len(pos_d) - len(pos_a)), pos_d)] if spec else None,
         "row_cost": float(last["row_cost"][0]) if spec and last.height and last["row_cost"][0] is not None else None,
@@ -222,8 +226,8 @@ def _row(model, got: dict, ref: dict, *, workload, concurrency, proposer, k, tre
             for a, b in zip(results, ref["results"])]
     ok, flag = activation(got["verify_steps"] or 0, tree=bool(tree), tree_paths=got["tree_paths"] or 0)
     keep = ("wall_s", "generated_tokens", "goodput_tok_s", "num_steps", "verify_steps", "drafted", "accepted",
-            "emitted_in_verify", "acceptance", "draft_yield", "guard_skips", "guard_vetoes", "empty_proposals", "acceptance_hist",
-            "position_acceptance", "row_cost", "draft_rows", "tree_paths", "tree_rows", "tree_wins", "cohort_decision",
+            "emitted_in_verify", "acceptance", "draft_yield", "guard_skips", "guard_vetoes", "shadow_checks",
+            "shadow_acceptance", "empty_proposals", "acceptance_hist", "position_acceptance", "row_cost", "draft_rows", "tree_paths", "tree_rows", "tree_wins", "cohort_decision",
             "ahead_steps")
     return {
         "workload": workload,

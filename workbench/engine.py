@@ -526,6 +526,11 @@ class Engine:
             "spec_guard_skips": None if spec is None else spec.guard_skips,
             "spec_empty": None if spec is None else spec.empty,
             "spec_vetoed": None if spec is None else spec.vetoed,
+            # shadow drafts (n-gram, suffix): drafts checked against plain decoding's tokens at
+            # k = 0, and the tokens of them a verify would have kept
+            "spec_shadows": None if spec is None else spec.shadows,
+            "spec_shadow_drafted": None if spec is None else spec.shadow_drafted,
+            "spec_shadow_accepted": None if spec is None else spec.shadow_accepted,
             "draft_yield": None if spec is None else spec.draft_yield,
             "spec_hist": None if spec is None else list(spec.hist),
             "spec_position_accepted": None if spec is None else list(spec.position_accepted),

@@ -2,20 +2,23 @@
 
 Each slot's acceptance is a per-token rate alpha (a draft token is kept with probability alpha,
 given the one before it was): counts of kept and rejected draft tokens, decayed every step
-towards a prior of 2 kept to 1 rejected. A slot the guard kept at k = 0 for `probe_every`
-steps in a row drafts one token once (a probe, one verify row; each probe that changes nothing
-doubles the wait for the next, up to `probe_max`), so a proposer that starts to pay, or a cost
-estimate that was too high, is found again (without it a slot whose first
-drafts missed, or that began where rows were dear, would never draft again). Probes fall on
-the steps of one shared cadence (every `probe_every`-th step, counted by `tick`): a slot whose
-wait is over probes at the next such step, beside the other slots due. Between them a run the
-guard keeps at k = 0 is plain decoding step after step, which a runner may launch ahead of the
-host (H100 run 90: 16 slots probing at staggered steps left essays no two plain steps in a row
-to overlap). The lengths depend on the counts and the step alone, never on the tokens, so the
-speculator may decide a step's lengths one step early (`Speculator.plain_next`). A draft of k then emits on average E(k) = (1 - alpha^(k+1)) / (1 - alpha)
-tokens for the step's cost of 1 + c k, where c is one verify row's cost beside the slot's share
-of a decode step. The guard picks the k with the most tokens per cost; k = 0 is plain decoding,
-at plain decoding's cost, and is chosen unless drafting gains `margin`.
+towards a prior of 2 kept to 1 rejected (the decay applied when a slot is read). A slot the
+guard kept at k = 0 for `probe_every` steps in a row drafts one token once (a probe, one verify
+row; each probe that changes nothing doubles the wait for the next, up to `probe_max`), so a
+proposer that starts to pay, or a cost estimate that was too high, is found again (without it a
+slot whose first drafts missed, or that began where rows were dear, would never draft again).
+Probes fall on the steps of one shared cadence (every `probe_every`-th step, counted by
+`tick`): a slot whose wait is over probes at the next such step, beside the other slots due.
+(With `probes` off the speculator measures such a slot's acceptance from shadow drafts instead:
+speculator.py.) Waits count steps, not calls. Between them a run the guard keeps at k = 0 is
+plain decoding step after step, which a runner may launch ahead of the host (H100 run 90: 16
+slots probing at staggered steps left essays no two plain steps in a row to overlap). The
+lengths depend on the counts and the step alone, never on the step's own tokens, so the
+speculator may decide a step's lengths one step early (`Speculator.plain_next`). A draft of k
+then emits on average E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens for the step's cost of 1 +
+c k, where c is one verify row's cost beside the slot's share of a decode step. The guard picks
+the k with the most tokens per cost; k = 0 is plain decoding, at plain decoding's cost, and is
+chosen unless drafting gains `margin`.
 
 c is measured from the run's own steps (`StepCost`: wall time against rows of the steps that
 ran only decode and verify rows, least squares with forgetting): a step of n decode rows costs
@@ -36,10 +39,12 @@ that kind. When drafting does not gain `margin`, the step decodes plainly (its p
 H100 run 91 showed why: essays at 16 slots, each slot's rule drafting (row cost 0.06 from one
 fit over both kinds), verified in 866 of 96 steps' slots at 4.3 tokens each and went at 0.75x
 plain decoding, whose steps ran ahead at 0.8 ms against 3-4 ms a verify step. A vetoed run is
-let through once at the probe cadence after `probe_every` vetoed steps (the wait doubling to
-`probe_max`), so a verify fit that was too dear is measured again; and once a verify step was
-measured, the rule vetoes until `explore` plain steps were too (a run whose slots all draft
-from its first step has none to compare with).
+let through once, at the probe cadence, when the plain steps under the veto took 1/remeasure
+times what the step was expected to cost beyond a plain one, so a verify fit that was too dear
+is measured again at about `remeasure` of the run; and once a verify step was measured, the
+rule vetoes until `explore` plain steps were too (a run whose slots all draft from its first
+step has none to compare with). `could_pay` asks whether the best step, every slot's full
+draft all kept, would pay: where it would not, the speculator measures no acceptance.
 
 Seed 002's rule, for comparison (`SpecConfig(guard="cohort")`, `CohortGuard`; the draft-yield
 ablation's `guards=cohort`): fewer than `cohort_min_emitted` (6) tokens emitted per request on
@@ -136,7 +141,8 @@ PRIOR_KEPT, PRIOR_REJECTED = 2.0, 1.0
 class _Slot:
     kept: float = PRIOR_KEPT
     rejected: float = PRIOR_REJECTED
-    skipped: int = 0  # steps in a row the guard chose k = 0
+    at: int = 0  # the guard step the counts were last decayed to
+    since: int | None = None  # the step its run at k = 0 began, or its latest probe (None: drafting)
     gap: int = 0  # steps at k = 0 before the next probe (0: not yet set)
     probing: bool = False  # the latest length was a probe
 
@@ -147,7 +153,7 @@ class _Slot:
 
 class YieldGuard:
     def __init__(self, k_max: int, *, enabled: bool = True, decay: float = 0.95, margin: float = 0.05,
-                 probe_every: int = 16, probe_max: int = 256):
+                 probe_every: int = 16, probe_max: int = 256, probes: bool = True):
         self.k_max = k_max
         self.enabled = enabled
         self.decay = decay
@@ -157,51 +163,76 @@ class YieldGuard:
         # probe_max: a proposer that never pays costs a probe every probe_max steps, not every
         # probe_every (H200 run 81: a self-draft's probes alone cost C1 18%)
         self.probe_max = max(probe_max, probe_every)
+        # False: no probes (the speculator measures such slots' acceptance from shadow drafts,
+        # checked against what plain decoding emitted: Speculator's module docstring)
+        self.probes = probes
         self.step = 0  # ticks so far: probes fall on the steps where step % probe_every == 0
         self._slots: dict[Hashable, _Slot] = {}
 
-    def length(self, rid: Hashable, row_cost: float) -> int:
-        """The draft length for request `rid` this step (k_max with the guard off)."""
-        if not self.enabled:
-            return self.k_max
-        slot = self._slots.setdefault(rid, _Slot())
-        alpha = min(slot.alpha, 0.999)
+    def _slot(self, rid: Hashable) -> _Slot:
+        """`rid`'s counts, decayed to this step. The decay is applied when a slot is read, not
+        at every tick, so a step costs the guard nothing per slot it is not asked about (a
+        decision held between cadence steps: Speculator._decide)."""
+        s = self._slots.get(rid)
+        if s is None:
+            s = self._slots[rid] = _Slot(at=self.step)
+        elif s.at != self.step:
+            d = self.decay ** (self.step - s.at)
+            s.kept = PRIOR_KEPT + d * (s.kept - PRIOR_KEPT)
+            s.rejected = PRIOR_REJECTED + d * (s.rejected - PRIOR_REJECTED)
+            s.at = self.step
+        return s
+
+    def best(self, rid: Hashable, row_cost: float) -> int:
+        """The length with the most expected tokens per cost for `rid` (0: plain decoding gains
+        more than `margin`), without the probe's bookkeeping."""
+        alpha = min(self._slot(rid).alpha, 0.999)
         best_k, best = 0, 1.0 + self.margin
         for k in range(1, self.k_max + 1):
             gain = (1 - alpha ** (k + 1)) / (1 - alpha) / (1 + row_cost * k)
             if gain > best:
                 best_k, best = k, gain
+        return best_k
+
+    def length(self, rid: Hashable, row_cost: float) -> int:
+        """The draft length for request `rid` this step (k_max with the guard off)."""
+        if not self.enabled:
+            return self.k_max
+        best_k = self.best(rid, row_cost)
+        slot = self._slots[rid]
         slot.probing = False
         if best_k == 0:
-            slot.skipped += 1
+            if slot.since is None:
+                slot.since = self.step
             slot.gap = slot.gap or self.probe_every
-            if slot.skipped >= slot.gap and self.step % self.probe_every == 0:
-                slot.skipped = 0
+            # (counted in steps, not calls: a step decided without asking still counts)
+            if self.probes and self.step - slot.since + 1 >= slot.gap and self.on_cadence():
+                slot.since = self.step + 1
                 slot.gap = min(2 * slot.gap, self.probe_max)
                 slot.probing = True
                 return 1  # the probe
         else:
-            slot.skipped = 0
+            slot.since = None
             slot.gap = self.probe_every
         return best_k
+
+    def on_cadence(self) -> bool:
+        """Whether this step is one of the shared cadence's, where probes fall."""
+        return self.step % self.probe_every == 0
 
     def observe(self, rid: Hashable, drafted: int, kept: int, emitted: int | None = None) -> None:
         """A verify of `drafted` tokens kept `kept` of them (`emitted`: CohortGuard's interface;
         the acceptance rate needs only the kept count)."""
-        s = self._slots.setdefault(rid, _Slot())
+        s = self._slot(rid)
         s.kept += kept
         s.rejected += int(kept < drafted)
 
     def tick(self) -> None:
-        """One step passed: every slot's counts decay towards the prior."""
+        """One step passed: every slot's counts decay towards the prior (when next read)."""
         self.step += 1
-        d = self.decay
-        for s in self._slots.values():
-            s.kept = PRIOR_KEPT + d * (s.kept - PRIOR_KEPT)
-            s.rejected = PRIOR_REJECTED + d * (s.rejected - PRIOR_REJECTED)
 
     def alpha(self, rid: Hashable) -> float:
-        return self._slots.get(rid, _Slot()).alpha
+        return self._slot(rid).alpha if rid in self._slots else _Slot().alpha
 
     def probing(self, rid: Hashable) -> bool:
         """Whether the latest length given `rid` was a probe."""
@@ -221,36 +252,58 @@ class StepRule:
     """The step-level rule (module docstring): plain and verify steps' wall times fitted apart,
     and each step's drafts weighed against plain decoding."""
 
-    def __init__(self, margin: float = 0.05, probe_every: int = 16, probe_max: int = 256, explore: int = 4):
+    def __init__(self, margin: float = 0.05, probe_every: int = 16, explore: int = 4, remeasure: float = 0.01):
         self.plain = StepCost()
         self.verify = StepCost()
         # plain steps measured before the first comparison: a run whose slots all draft from the
         # start never decodes plainly on its own, so it vetoes until it has (H100 run 92: essays
         # at 16 slots verified in every step, with no plain step to compare them with)
         self.explore = explore
-        self.margin, self.probe_every, self.probe_max = margin, probe_every, max(probe_max, probe_every)
-        self.vetoed = 0  # steps in a row vetoed
-        self.gap = probe_every
+        # a held veto lets one step through, on the probe cadence, once the plain steps decoded
+        # under it took 1/remeasure times what that step is expected to cost beyond a plain
+        # one: re-measuring a verify fit that may be too dear costs about `remeasure` of the
+        # run (a wait doubling from 16 steps let 4 verify steps of ~3 ms through in a 255-step
+        # pass of essays at 16 slots, 6% of it: H100 run 94)
+        self.remeasure = remeasure
+        self.margin, self.probe_every = margin, probe_every
+        self.since: int | None = None  # the step the current run of vetoes began (None: none)
+
+    def forget_veto(self) -> None:
+        """A fresh run of vetoes (the fits kept)."""
+        self.since = None
 
     def observe(self, rows: int, wall_ms: float, verify: bool) -> None:
         (self.verify if verify else self.plain).observe(rows, wall_ms)
+
+    def _weigh(self, slots: int, rows: int, tokens: float, extra_ms: float) -> tuple[bool, float]:
+        """(whether such a step gains `margin`, its expected ms beyond a plain step)."""
+        if self.verify.num_steps and self.plain.num_steps < self.explore:
+            return False, 0.0  # (measure plain steps first)
+        p, v = self.plain.at(slots), self.verify.at(rows)
+        if p is None or v is None or p <= 0:
+            return True, 0.0
+        return tokens / (v + extra_ms) >= (1 + self.margin) * slots / p, v + extra_ms - p
+
+    def could_pay(self, slots: int, rows: int) -> bool:
+        """Whether a verify step of `rows` rows over `slots` slots, every row's token kept (the
+        best any draft could do), would gain: where it would not, no draft can, and measuring
+        acceptance is wasted (the speculator's shadow drafts)."""
+        return self._weigh(slots, rows, float(rows), 0.0)[0]
 
     def pays(self, slots: int, rows: int, tokens: float, extra_ms: float, step: int) -> bool:
         """Whether a verify step of `rows` rows over `slots` decoding slots, expected to emit
         `tokens` and to take `extra_ms` beside its forward (proposing), gains `margin` over a
         plain step (True until both kinds were measured; `step`: the guard's step count, on
-        whose probe cadence a veto held long enough lets one through)."""
-        if self.verify.num_steps and self.plain.num_steps < self.explore:
-            return False  # (measure plain steps first)
-        p, v = self.plain.at(slots), self.verify.at(rows)
-        if p is None or v is None or p <= 0:
+        whose probe cadence a veto held long enough lets one step through to be measured)."""
+        gains, more = self._weigh(slots, rows, tokens, extra_ms)
+        if gains:
+            self.since = None
             return True
-        if tokens / (v + extra_ms) >= (1 + self.margin) * slots / p:
-            self.vetoed, self.gap = 0, self.probe_every
-            return True
-        self.vetoed += 1
-        if self.vetoed >= self.gap and step % self.probe_every == 0:
-            self.vetoed, self.gap = 0, min(2 * self.gap, self.probe_max)
+        if self.since is None:
+            self.since = step
+        p = self.plain.at(slots)
+        if p and step % self.probe_every == 0 and (step - self.since) * p * self.remeasure >= more:
+            self.since = step + 1
             return True
         return False
 

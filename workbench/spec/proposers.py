@@ -110,6 +110,9 @@ class _NgramIndex:
 
 class NgramProposer:
     name = "ngram"
+    # its drafts cost host lookups only: the speculator may draft in the shadow of plain steps,
+    # to measure acceptance without verifying (speculator.py)
+    shadows = True
 
     def __init__(self, n_max: int = 4, n_min: int = 2, tree: bool = False):
         self.n_max, self.n_min, self.tree = n_max, n_min, tree
@@ -178,6 +181,7 @@ class _Counts:
 
 class SuffixProposer:
     name = "suffix"
+    shadows = True  # (as NgramProposer's)
 
     def __init__(self, depth: int = 8, min_match: int = 2):
         self.depth, self.min_match = depth, min_match
