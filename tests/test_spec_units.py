@@ -872,3 +872,33 @@ def test_held_decisions_match_deciding_every_step():
                 sp.observe(r, len(draft), kept, kept + 1)
         runs.append(lengths)
     assert runs[0] == runs[1]
+
+
+def test_step_cost_fits_a_line_with_no_negative_part():
+    """A falling line is fitted as the mean (b = 0 with its own intercept, not the falling
+    line's), a line through below zero as one through the origin."""
+    falling = StepCost(forget=1.0)
+    for _ in range(10):
+        falling.observe(5, 0.95)
+    falling.observe(4, 1.6)
+    a, b = falling.fit()
+    assert b == 0.0 and a == pytest.approx((10 * 0.95 + 1.6) / 11)
+    steep = StepCost(forget=1.0)
+    for rows, ms in ((10, 0.5), (20, 2.0)):
+        steep.observe(rows, ms)
+    a, b = steep.fit()
+    assert a == 0.0 and b == pytest.approx((10 * 0.5 + 20 * 2.0) / (100 + 400))
+
+
+def test_the_step_rule_prices_plain_steps_by_those_run_ahead():
+    """Once a plain step ran ahead, only such steps price plain decoding: the plain step after
+    a verify cannot run ahead, and its time is the verify's doing."""
+    from workbench.spec.guard import StepRule
+
+    rule = StepRule()
+    rule.observe(16, 1.4, verify=False)  # (a runner without run-ahead: every plain step counts)
+    assert rule.plain.at(16) == pytest.approx(1.4)
+    for _ in range(5):
+        rule.observe(16, 0.57, verify=False, ahead=True)
+        rule.observe(16, 1.4, verify=False)  # (after a verify: not plain decoding's price)
+    assert rule.plain.at(16) == pytest.approx(0.57) and rule.plain.num_steps == 5

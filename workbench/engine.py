@@ -591,7 +591,8 @@ class Engine:
             if captures:  # (the guard's cost model learns what rows cost, not what a capture did)
                 self.speculator.skip_step()
             else:
-                self.speculator.record_step(plan.num_decode_rows, 1e3 * (t1 - t0), verify=bool(plan.drafts))
+                self.speculator.record_step(plan.num_decode_rows, 1e3 * (t1 - t0), verify=bool(plan.drafts),
+                                            ahead=ran_ahead)
 
     # -- results ---------------------------------------------------------------------------
     @property

@@ -88,7 +88,14 @@ class StepCost:
             return None
         b = (n * xy - x * y) / det
         a = (y - b * x) / n
-        return max(a, 0.0), max(b, 0.0)
+        # the least-squares line with a, b >= 0: clamping b alone would keep the intercept of a
+        # falling line (H100 run 96: code editing at one slot, verify steps of 5 rows at 0.95 ms
+        # and one of 4 at 1.6 ms, read as 4.3 ms for any verify: the slot never drafted)
+        if b < 0:
+            return max(y / n, 0.0), 0.0
+        if a < 0:
+            return 0.0, (xy / xx if xx > 0 else 0.0)
+        return a, b
 
     def at(self, rows: int) -> float | None:
         """The fitted wall time of a step of `rows` rows, in ms: the line where two row counts
@@ -267,13 +274,24 @@ class StepRule:
         self.remeasure = remeasure
         self.margin, self.probe_every = margin, probe_every
         self.since: int | None = None  # the step the current run of vetoes began (None: none)
+        self.ahead_seen = False  # a plain step ran ahead (observe)
 
     def forget_veto(self) -> None:
         """A fresh run of vetoes (the fits kept)."""
         self.since = None
 
-    def observe(self, rows: int, wall_ms: float, verify: bool) -> None:
-        (self.verify if verify else self.plain).observe(rows, wall_ms)
+    def observe(self, rows: int, wall_ms: float, verify: bool, ahead: bool = False) -> None:
+        """A step of `rows` rows took `wall_ms` (`verify`: it verified drafts; `ahead`: a plain
+        step the runner had launched ahead). Once a plain step ran ahead, only such steps are
+        plain decoding's price: the one after a verify cannot, and is a verify's cost (H100 run
+        96: essays at 16 slots measured plain steps only between verifies, at 1.4 ms against
+        0.57 ms run ahead, so verifies of 2.4 ms for 51 tokens looked like they paid)."""
+        if verify:
+            self.verify.observe(rows, wall_ms)
+        elif ahead or not self.ahead_seen:
+            if ahead and not self.ahead_seen:
+                self.ahead_seen, self.plain = True, StepCost()
+            self.plain.observe(rows, wall_ms)
 
     def _weigh(self, slots: int, rows: int, tokens: float, extra_ms: float) -> tuple[bool, float]:
         """(whether such a step gains `margin`, its expected ms beyond a plain step)."""

@@ -385,13 +385,14 @@ class Speculator:
         st.tree_tokens += alternative_tokens
         st.tree_wins += int(won)
 
-    def record_step(self, rows: int, wall_ms: float, verify: bool = True) -> None:
+    def record_step(self, rows: int, wall_ms: float, verify: bool = True, ahead: bool = False) -> None:
         """A step that ran only decode and verify rows (`rows` of them; `verify`: some of them
-        verify rows) took `wall_ms`, its drafts() call included (taken out here: DraftCost has it)."""
+        verify rows; `ahead`: launched ahead by the runner) took `wall_ms`, its drafts() call
+        included (taken out here: DraftCost has it)."""
         ms = max(wall_ms - self._draft_ms, 0.0)
         self.cost.observe(rows, ms)
         if self.step_rule is not None:
-            self.step_rule.observe(rows, ms, verify)
+            self.step_rule.observe(rows, ms, verify, ahead)
         self._draft_ms = 0.0
 
     def skip_step(self) -> None:
