@@ -902,3 +902,17 @@ def test_the_step_rule_prices_plain_steps_by_those_run_ahead():
         rule.observe(16, 0.57, verify=False, ahead=True)
         rule.observe(16, 1.4, verify=False)  # (after a verify: not plain decoding's price)
     assert rule.plain.at(16) == pytest.approx(0.57) and rule.plain.num_steps == 5
+
+
+def test_one_slow_step_does_not_price_rows_for_hundreds():
+    """A step past OUTLIER times its fitted time (a kernel compiled inside it, no graph captured)
+    counts as OUTLIER times the fit: after it the fitted time stays within a few times the
+    steps' own, instead of hundreds of times for hundreds of steps."""
+    from workbench.spec.guard import OUTLIER
+
+    cost = StepCost()
+    for _ in range(10):
+        cost.observe(16, 0.6)
+        cost.observe(48, 2.5)
+    cost.observe(48, 1000.0)
+    assert cost.at(48) < OUTLIER * 2.5 / 2

@@ -581,8 +581,7 @@ class Engine:
             "accepted_tokens": None if self.speculator is None else num_kept,
             "tree_paths": None if self.speculator is None else sum(map(len, plan.branches.values())),
             "tree_rows": None if self.speculator is None else plan.num_branch_rows,
-            "row_cost": None if self.speculator is None else self.speculator.row_cost(
-                sum(len(g.slot_ids) for g in plan.decode_groups)),
+            "row_cost": None if self.speculator is None else self.speculator.decided_row_cost,
             # QSA (None when off): row-layers that attended sparsely past the boundary and densely
             # below it, and the blocks those sparse rows scored and kept (summed over KV heads)
             **_qsa_columns(self.runner.read_qsa_stats() if self.config.qsa is not None else None),

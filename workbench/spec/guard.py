@@ -62,9 +62,17 @@ from typing import Hashable
 __all__ = ["CohortGuard", "DraftCost", "StepCost", "StepRule", "TreeGuard", "YieldGuard"]
 
 
+# A step slower than OUTLIER times its fitted time counts as that much: one step that compiled a
+# kernel (no graph captured, so the engine cannot tell it apart) or met a collector pause, at
+# hundreds of ms, would otherwise make rows look dear for hundreds of steps (the fit forgets 2% a
+# step), while a real change still moves the fit, one clipped step at a time.
+OUTLIER = 5.0
+
+
 class StepCost:
     """wall_ms ~ a + b rows, fitted online over decode/verify steps (recursive least squares
-    with forgetting factor `forget`)."""
+    with forgetting factor `forget`; after 4 steps, a step past OUTLIER times the fit is
+    clipped to it)."""
 
     def __init__(self, forget: float = 0.98):
         self.forget = forget
@@ -73,6 +81,10 @@ class StepCost:
         self._rows: set[int] = set()
 
     def observe(self, rows: int, wall_ms: float) -> None:
+        if self.num_steps >= 4:  # (a step past OUTLIER times its fitted time counts as that much)
+            at = self.at(rows)
+            if at is not None and at > 0:
+                wall_ms = min(wall_ms, OUTLIER * at)
         f = self.forget
         n, x, xx, y, xy = self._s
         self._s = [f * n + 1, f * x + rows, f * xx + rows * rows, f * y + wall_ms, f * xy + rows * wall_ms]

@@ -20,7 +20,7 @@ decoding has emitted as many tokens, the draft's acceptance is known, and the gu
 as a verify's. The guard then needs no probes for such a slot (a probe turned a plain step into
 a verify step of 2-4 ms against 0.5 ms plain for essays at 16 slots, H100 run 94: six such a
 pass cost the run 4%), and a slot whose proposals start to pay is found at once. A slot's
-shadows wait probe_every steps, doubling to probe_max while they leave it at k = 0; none is
+shadows wait probe_every steps, doubling to probe_max until it verifies again; none is
 proposed where the step rule's fits say no draft could pay (`StepRule.could_pay`: a step of
 every slot's full draft, all kept). Model proposers (a draft model's forward is the cost) and
 `verify="rejection"` (acceptance is drawn, not a match) keep the probes.
@@ -195,6 +195,12 @@ class Speculator:
             c += per_token / share
         return c
 
+    @property
+    def decided_row_cost(self) -> float:
+        """The row cost the guard's latest decisions used (a step's telemetry: computing it
+        anew every step cost host time at 16 slots)."""
+        return self._cost
+
     def plain_next(self, rids: Sequence[Hashable]) -> bool:
         """Whether the next step drafts nothing for the decoding requests `rids`: decides that
         step's draft lengths now, and the next `drafts` call keeps them. Only between a step
@@ -306,8 +312,8 @@ class Speculator:
         """Shadow drafts for the slots at k = 0 this step (module docstring): a slot's pending
         draft is checked once plain decoding has emitted as many tokens, and the acceptance it
         shows is observed as a verify's would be; a slot due proposes its next. The wait
-        between a slot's shadows doubles, from probe_every to probe_max steps, while they leave
-        it at k = 0; none is proposed while the step rule says no draft could pay."""
+        between a slot's shadows doubles, from probe_every to probe_max steps, until it verifies
+        again; none is proposed while the step rule says no draft could pay."""
         g, step = self.guard, self.guard.step
         if step < self._shadow_next and len(self._shadows) == len(lengths) and not any(lengths.values()):
             return  # (nothing due: a held run costs this comparison)
@@ -334,7 +340,10 @@ class Speculator:
                 st.shadows += 1
                 st.shadow_drafted += len(sh.draft)
                 st.shadow_accepted += kept
-                sh.gap = g.probe_every if g.best(rid, self._cost) else min(2 * sh.gap, g.probe_max)
+                # (the wait doubles until the slot verifies again, which resets it: a slot whose
+                # drafts the step rule keeps vetoing learns nothing new from more shadows, and at
+                # 16 slots one every 16 steps cost essays 0.05 ms a step, H100 run 97)
+                sh.gap = min(2 * sh.gap, g.probe_max)
                 sh.draft, sh.due = (), step + sh.gap
             if not sh.draft and step >= sh.due and self._shadow_pays:
                 ctx = contexts[rid] if ctx is None else ctx
