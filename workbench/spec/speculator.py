@@ -159,9 +159,6 @@ class Speculator:
         if self.shadowing:
             self.guard.probes = False
         self._shadows: dict[Hashable, _Shadow] = {}
-        # request id -> how often its proposer offered a draft when asked (verifies and shadows,
-        # smoothed; 1 until asked): the step rule's expected tokens (_lengths)
-        self._offers: dict[Hashable, float] = {}
         self._shadow_pays = True  # the step rule's could_pay at the latest cadence step
         self._shadow_next = 0  # the first step a shadow may be due at
 
@@ -179,7 +176,6 @@ class Speculator:
         self.tree_guard = TreeGuard(enabled=self.config.guard is True)
         self._pinned = None
         self._held, self._dirty, self._veto, self._shadows, self._shadow_next = {}, set(), None, {}, 0
-        self._offers = {}
         if self.step_rule is not None:  # (its fits kept, as the row cost's are)
             self.step_rule.forget_veto()
 
@@ -193,21 +189,8 @@ class Speculator:
         always with measure_cost off)."""
         if not self.config.measure_cost:
             return self.config.row_cost
-        rule = self.step_rule
-        if rule is not None:
-            # with the step rule, a slot's rule prices a row by what one more row adds to a
-            # verify step (the verify fit's slope), beside its share of a plain step: what
-            # making the step a verify at all costs is the step rule's to weigh. (One line over
-            # plain and verify steps lays that price on the rows: at 16 slots a row came to 0.8
-            # of a share, the slots drafted one token each, and no such step could pay: code
-            # editing at C16 never drafted, H100 run 98.)
-            ab, p = rule.verify.fit(), rule.plain.at(decode_rows)
-            share = p / max(decode_rows, 1) if p else None
-            c = min(ab[1] / share, 1.0) if ab is not None and share else self.config.row_cost
-        else:
-            c = self.cost.row_cost(decode_rows, self.config.row_cost)
-            share = self.cost.share_ms(decode_rows)
-        per_token = self.draft_cost.ms_per_token
+        c = self.cost.row_cost(decode_rows, self.config.row_cost)
+        share, per_token = self.cost.share_ms(decode_rows), self.draft_cost.ms_per_token
         if share and per_token is not None:
             c += per_token / share
         return c
@@ -273,15 +256,10 @@ class Speculator:
         if self.step_rule is not None and any(lengths.values()) and len(pinned) < len(lengths):
             veto = self._veto
             if veto is None or pinned or self.guard.step % self.step_rule.probe_every == 0:
-                # a slot's draft is there only as often as its proposer offers one (n-gram on
-                # essays: about half the asks), so a slot drafting k is expected to emit
-                # 1 + offers (E(k) - 1) tokens over 1 + offers k rows
-                offers = self._offers
-                drafted = sum(offers.get(rid, 1.0) * k for rid, k in lengths.items())
-                tokens = sum(1 + offers.get(rid, 1.0) * (self.guard.expected(rid, k) - 1) for rid, k in lengths.items())
+                drafted = sum(lengths.values())
+                tokens = sum(self.guard.expected(rid, k) for rid, k in lengths.items())
                 extra = drafted * (self.draft_cost.ms_per_token or 0.0)
-                veto = not self.step_rule.pays(len(lengths), len(lengths) + round(drafted), tokens, extra,
-                                               self.guard.step)
+                veto = not self.step_rule.pays(len(lengths), len(lengths) + drafted, tokens, extra, self.guard.step)
                 if not pinned:
                     self._veto = veto
             if veto:
@@ -321,7 +299,6 @@ class Speculator:
         out = {}
         for rid, (_, k) in asks.items():
             d = got.get(rid, ())
-            self._offered(rid, bool(d))
             if d:
                 out[rid] = tuple(d[:k])
             else:
@@ -330,10 +307,6 @@ class Speculator:
             self._shadow(contexts, lengths)
         self.guard.tick()
         return out
-
-    def _offered(self, rid: Hashable, yes: bool) -> None:
-        """The proposer was asked for `rid`'s draft and offered one (`yes`) or none."""
-        self._offers[rid] = 0.8 * self._offers.get(rid, 1.0) + 0.2 * yes
 
     def _shadow(self, contexts: Mapping[Hashable, Sequence[int]], lengths: Mapping[Hashable, int]) -> None:
         """Shadow drafts for the slots at k = 0 this step (module docstring): a slot's pending
@@ -375,7 +348,6 @@ class Speculator:
             if not sh.draft and step >= sh.due and self._shadow_pays:
                 ctx = contexts[rid] if ctx is None else ctx
                 d = tuple(self.proposer.propose(rid, ctx, self.config.k))[: self.config.k]
-                self._offered(rid, bool(d))
                 if d:
                     sh.pos, sh.draft, sh.check = len(ctx), d, step + len(d)
                 else:
@@ -441,7 +413,6 @@ class Speculator:
         self.guard.forget(rid)
         self.tree_guard.forget(rid)
         self._shadows.pop(rid, None)
-        self._offers.pop(rid, None)
         self._dirty.discard(rid)
         return self.stats.pop(rid)
 
