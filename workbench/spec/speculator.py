@@ -204,9 +204,9 @@ class Speculator:
     def plain_next(self, rids: Sequence[Hashable]) -> bool:
         """Whether the next step drafts nothing for the decoding requests `rids`: decides that
         step's draft lengths now, and the next `drafts` call keeps them. Only between a step
-        that verified nothing and the next one: the guard's lengths change with what a verify
-        observes and with the step count, never with the tokens, so they are what that call
-        would decide (the row cost is one step older). A runner may then launch the next step
+        that verified nothing and the next one: the guard's lengths change with what a verify or a
+        shadow draft observed and with the step count, never with this step's tokens, so they
+        are what that call would decide (the row cost is one step older). A runner may then launch the next step
         before this one's tokens are read (run-ahead), as plain decoding does."""
         self._pinned = self._lengths(rids)
         return not any(self._pinned.values())
