@@ -151,7 +151,8 @@ def main(argv=None) -> int:
                 got = _pass(e, prompts, f"{tag}-{r}")
                 ref = ref or got["tokens"]
                 print(f"{tag:>12} pass {r}: {got['tok_s']:8.1f} tok/s, {got['steps']} steps, "
-                      f"{got['verify_steps']} verify, {got['shadows']} shadows, plain step {_ms(got['plain_step_ms'])}, "
+                      f"{got['verify_steps']} verify, {got['shadows']} shadows, "
+                      f"plain step {_ms(got['plain_step_ms'])}, "
                       f"{got['ahead']} ran ahead, {got['captures']} graph captures, "
                       f"tokens {'same' if got['tokens'] == ref else 'DIFFER'}",
                       flush=True)

@@ -726,7 +726,7 @@ def test_a_vetoed_step_decodes_plainly_but_for_its_probes():
     # b stops drafting on its own (always rejected) until its probe, which the veto lets through
     for _ in range(60):
         sp.guard.observe("b", 4, 0)
-    sp.step_rule.gap = 10**9  # (no veto let through: only the probes verify)
+    sp.step_rule.remeasure = 0.0  # (no veto let through: only the probes verify)
     sp.guard.decay = 1.0  # (b's acceptance stays low: only its probe drafts)
     got = [sp.drafts(ctx) for _ in range(40)]
     assert [g for g in got if g] == [{"b": (3,)}]  # (its probe: at the guard's step 32)

@@ -227,8 +227,8 @@ def _row(model, got: dict, ref: dict, *, workload, concurrency, proposer, k, tre
     ok, flag = activation(got["verify_steps"] or 0, tree=bool(tree), tree_paths=got["tree_paths"] or 0)
     keep = ("wall_s", "generated_tokens", "goodput_tok_s", "num_steps", "verify_steps", "drafted", "accepted",
             "emitted_in_verify", "acceptance", "draft_yield", "guard_skips", "guard_vetoes", "shadow_checks",
-            "shadow_acceptance", "empty_proposals", "acceptance_hist", "position_acceptance", "row_cost", "draft_rows", "tree_paths", "tree_rows", "tree_wins", "cohort_decision",
-            "ahead_steps")
+            "shadow_acceptance", "empty_proposals", "acceptance_hist", "position_acceptance", "row_cost",
+            "draft_rows", "tree_paths", "tree_rows", "tree_wins", "cohort_decision", "ahead_steps")
     return {
         "workload": workload,
         "concurrency": concurrency,

@@ -135,10 +135,17 @@ class Speculator:
         # a step's rows stay within what the runner verifies fastest (TritonRunner: its chunk
         # graphs' scored rows; None: no such limit)
         self.max_step_rows = getattr(runner, "graphed_verify_rows", None)
-        self.guard = _guard(config)
+        # shadow drafts (module docstring): a proposer whose drafts cost host lookups only, and
+        # the exact rule, under which a draft's acceptance is what plain decoding's tokens say;
+        # the yield guard then needs no probes
+        self.shadowing = (getattr(self.proposer, "shadows", False) and config.verify == "exact"
+                          and config.guard is True)
+        self.guard = _guard(config, probes=not self.shadowing)
         self.cost = StepCost()
-        # the step-level rule (guard.py's StepRule): with the yield guard on and the cost measured
-        self.step_rule = StepRule() if config.guard is True and config.measure_cost else None
+        # the step-level rule (guard.py's StepRule): with the yield guard on and the cost measured;
+        # it re-weighs a held verdict on the guard's cadence
+        self.step_rule = (StepRule(probe_every=self.guard.probe_every)
+                          if config.guard is True and config.measure_cost else None)
         self.draft_cost = DraftCost()
         self._draft_ms = 0.0  # the proposer's time in the latest drafts() call
         self.stats: dict[Hashable, SpecStats] = {}
@@ -152,12 +159,6 @@ class Speculator:
         self._held: dict[Hashable, int] = {}
         self._dirty: set[Hashable] = set()
         self._veto: bool | None = None  # the step rule's verdict on _held (None: not weighed since)
-        # shadow drafts (module docstring): a proposer whose drafts cost host lookups only, and
-        # the exact rule, under which a draft's acceptance is what plain decoding's tokens say
-        self.shadowing = (getattr(self.proposer, "shadows", False) and config.verify == "exact"
-                          and isinstance(self.guard, YieldGuard) and self.guard.enabled)
-        if self.shadowing:
-            self.guard.probes = False
         self._shadows: dict[Hashable, _Shadow] = {}
         self._shadow_pays = True  # the step rule's could_pay at the latest cadence step
         self._shadow_next = 0  # the first step a shadow may be due at
@@ -170,9 +171,7 @@ class Speculator:
             raise RuntimeError("forget_proposals with requests in flight")
         if self.config.proposer in ("ngram", "suffix"):  # (a draft model learns nothing across requests)
             self.proposer = make_proposer(self.config)
-        self.guard = _guard(self.config)
-        if self.shadowing:
-            self.guard.probes = False
+        self.guard = _guard(self.config, probes=not self.shadowing)
         self.tree_guard = TreeGuard(enabled=self.config.guard is True)
         self._pinned = None
         self._held, self._dirty, self._veto, self._shadows, self._shadow_next = {}, set(), None, {}, 0
@@ -206,8 +205,9 @@ class Speculator:
         step's draft lengths now, and the next `drafts` call keeps them. Only between a step
         that verified nothing and the next one: the guard's lengths change with what a verify or a
         shadow draft observed and with the step count, never with this step's tokens, so they
-        are what that call would decide (the row cost is one step older). A runner may then launch the next step
-        before this one's tokens are read (run-ahead), as plain decoding does."""
+        are what that call would decide (the row cost is one step older). A runner may then
+        launch the next step before this one's tokens are read (run-ahead), as plain decoding
+        does."""
         self._pinned = self._lengths(rids)
         return not any(self._pinned.values())
 
@@ -255,7 +255,7 @@ class Speculator:
             _fit(lengths, self.max_step_rows - len(lengths))
         if self.step_rule is not None and any(lengths.values()) and len(pinned) < len(lengths):
             veto = self._veto
-            if veto is None or pinned or self.guard.step % self.step_rule.probe_every == 0:
+            if veto is None or pinned or self.guard.on_cadence():
                 drafted = sum(lengths.values())
                 tokens = sum(self.guard.expected(rid, k) for rid, k in lengths.items())
                 extra = drafted * (self.draft_cost.ms_per_token or 0.0)
@@ -352,7 +352,10 @@ class Speculator:
                     sh.pos, sh.draft, sh.check = len(ctx), d, step + len(d)
                 else:
                     sh.due = step + sh.gap
-            upcoming = min(upcoming, sh.check if sh.draft else max(sh.due, step + 1) if self._shadow_pays else cadence)
+            if sh.draft:
+                upcoming = min(upcoming, sh.check)
+            elif self._shadow_pays:
+                upcoming = min(upcoming, max(sh.due, step + 1))
         self._shadow_next = upcoming
 
     def _trees(self, asks: Mapping[Hashable, tuple[Sequence[int], int]], rows: int) -> dict[Hashable, tuple[int, ...]]:
@@ -417,8 +420,9 @@ class Speculator:
         return self.stats.pop(rid)
 
 
-def _guard(config: SpecConfig):
-    """The config's draft-length guard: the yield guard (on or off), or seed 002's cohort rule."""
+def _guard(config: SpecConfig, probes: bool = True):
+    """The config's draft-length guard: the yield guard (on or off; `probes` off where shadow
+    drafts measure its slots), or seed 002's cohort rule."""
     if config.guard == "cohort":
         return CohortGuard(config.k, min_emitted=config.cohort_min_emitted)
-    return YieldGuard(config.k, enabled=config.guard)
+    return YieldGuard(config.k, enabled=config.guard, probes=probes)
