@@ -142,3 +142,61 @@ def test_mma_gemv_pair_is_the_two_launches(m, device, quant_rows):
         launch_mma_gemv_pair(x, wa, part[:, :, :Na], pack_weights(quant_rows(FORMATS["Q8_0"], Nb, 320, 2, device),
                                                                    "Q8_0", Nb, 320), part[:, :, Na:], splits,
                              part.stride(0))
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_row_tiles_leave_every_row_bitwise(name, device, quant_rows):
+    """A program of 2 or 4 row tiles (each K step's weights decoded once for all of them) gives
+    bitwise the rows of one tile a program, with partial spans (M = 37: three tiles in a span of
+    four, the last partial) and in either precision; row_tiles_for picks one tile up to 16 rows."""
+    from workbench.kernels.qmma import row_tiles_for
+
+    N, K = SHAPES[name]
+    pw = pack_weights(quant_rows(FORMATS[name], N, K, seed=11, device=device), name, N, K)
+    x = _x(37, K, torch.float32, device, seed=11)
+    for prec in ("bf16", "tf32x3"):
+        one = qmma(x, pw, prec)
+        for rt in (2, 4):
+            out = torch.full_like(one, float("nan"))
+            assert torch.equal(qmma(x, pw, prec, out=out, row_tiles=rt), one), (prec, rt)
+    with pytest.raises(ValueError, match="row_tiles=3 is not allowed: allowed 1, 2, 4"):
+        qmma(x, pw, row_tiles=3)
+    assert [row_tiles_for(m, 16, 4) for m in (1, 16, 17, 32, 33, 64, 65, 512)] == [1, 1, 2, 2, 4, 4, 4, 4]
+    assert [row_tiles_for(m, 16, 2) for m in (16, 48, 512)] == [1, 2, 2]
+    assert row_tiles_for(512, 16, 1) == 1
+
+
+@pytest.mark.parametrize("rt", [2, 4])
+def test_row_tiles_in_the_pair_and_the_glu_fold(rt, device, quant_rows):
+    """Row tiles keep the pair launch's tensor-core columns and the GLU fold's output bitwise
+    those of one tile a program (the fold's counters count spans of row tiles)."""
+    from workbench.kernels.qmatmul import GluEpilogue, num_k_splits
+    from workbench.kernels.qmma import launch_mma_gemv_pair, launch_qmma
+    from workbench.kernels.step_fused import glu_from_parts
+
+    K, Na, Nb, M = 640, 96, 32, 37
+    wa = pack_weights(quant_rows(FORMATS["Q5_0"], Na, K, 1, device), "Q5_0", Na, K)
+    wb = pack_weights(quant_rows(FORMATS["Q8_0"], Nb, K, 2, device), "Q8_0", Nb, K)
+    x = _x(M, K, torch.float32, device, seed=4)
+    splits = num_k_splits(Na + Nb, K)
+    parts = []
+    for t in (1, rt):
+        part = torch.full((splits, M, Na + Nb), float("nan"), device=device)
+        launch_mma_gemv_pair(x, wa, part[:, :, :Na], wb, part[:, :, Na:], splits, part.stride(0), "bf16", row_tiles=t)
+        parts.append(part)
+    assert not parts[1].isnan().any() and torch.equal(parts[0], parts[1])
+
+    F = 128
+    wg = pack_weights(quant_rows(FORMATS["Q5_0"], 2 * F, K, 3, device), "Q5_0", 2 * F, K)
+    splits = num_k_splits(2 * F, K)
+    counters = torch.zeros(64, dtype=torch.int32, device=device)
+    outs = []
+    for t in (1, rt):
+        part = torch.full((splits, M, 2 * F), float("nan"), device=device)
+        g = torch.full((M, F), float("nan"), device=device)
+        launch_qmma(x, wg, part, splits, part.stride(0), "bf16", glu=GluEpilogue(g, counters, "gelu_tanh"), row_tiles=t)
+        want = torch.empty(M, F, device=device)
+        glu_from_parts(part, want, "gelu_tanh")
+        assert torch.equal(g, want) and int(counters.abs().sum()) == 0
+        outs.append(g)
+    assert torch.equal(outs[0], outs[1])

@@ -49,7 +49,7 @@ class LayerLoop:
     def __init__(self, weights, cfg, device: torch.device, *, mma_prec: str, attn_prec: str | None, use_dot: bool,
                  head_x_dtype: torch.dtype | None, segment: int, products: str, fuse_combine: bool, fuse_glu: bool,
                  pair_launch: bool, rope_in_attention: bool, argmax_in_head: bool, qsa=None,
-                 qsa_layers: tuple[int, ...] = ()):
+                 qsa_layers: tuple[int, ...] = (), mma_row_tiles: int = 1):
         self.cfg, self.device = cfg, device
         self.layers, self.embed, self.head, self.output_norm = weights.layers, weights.embed, weights.head, \
             weights.output_norm
@@ -63,6 +63,7 @@ class LayerLoop:
         self.pair_launch = pair_launch and quant
         self.rope_in_attention = rope_in_attention and fuse_combine
         self.argmax_in_head = argmax_in_head
+        self.mma_row_tiles = mma_row_tiles  # the most row tiles a tensor-core program takes (TritonOptions)
         self._inv_freq = {b: rope_inv_freq(cfg.head_dim, b, device)
                           for b in {cfg.layer_rope_base(i) for i in range(cfg.n_layers)}}
         # one buffer per fold for every forward (graphs keep its address); each launch leaves it zero
@@ -200,7 +201,8 @@ class LayerLoop:
         if self._pair(p) and glu is None and out is None:
             (oa, wa), (ob, wb) = p.parts
             _qmma.launch_mma_gemv_pair(x, wa.packed, part[:, :, oa:], wb.packed, part[:, :, ob:], p.splits,
-                                       part.stride(0), self.mma_prec, use_dot=self.use_dot)
+                                       part.stride(0), self.mma_prec, use_dot=self.use_dot,
+                                       row_tiles=self._row_tiles(wa, M))
             self.launches += 1
             return part
         for off, w in p.parts:
@@ -213,12 +215,20 @@ class LayerLoop:
                 self.launches += 2
             elif w.form == "mma":
                 _qmma.launch_qmma(x, w.packed, part[:, :, off:], w.splits, part.stride(0), self.mma_prec,
-                                  use_dot=self.use_dot, glu=glu)
+                                  use_dot=self.use_dot, glu=glu, row_tiles=self._row_tiles(w, M))
                 self.launches += 1
             else:
                 _qm.launch_qgemv(x, w.packed, part[:, :, off:], w.splits, part.stride(0), glu=glu)
                 self.launches += 1
         return part if out is None else out
+
+    def _row_tiles(self, w, M: int) -> int:
+        """Row tiles per program of a tensor-core product of M rows (kernels/qmma.row_tiles_for:
+        one for a decode step's rows; the same bits at any value)."""
+        if self.mma_row_tiles == 1:
+            return 1
+        cfg = _qmma.mma_config(w.fmt.name, w.N, w.K, self.device, w.k_split)
+        return _qmma.row_tiles_for(M, cfg.block_m, self.mma_row_tiles)
 
     def _project_add_norm(self, a, p, x, w_post, w_next, h) -> None:
         """x += post_norm(a @ W^T); h = rmsnorm(x) * w_next: the product, then ``add_rmsnorm``."""

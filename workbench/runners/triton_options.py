@@ -119,6 +119,12 @@ class TritonOptions:
     # run 84 (essays, 16 slots: 1-6 captures of ~40 ms inside each timed pass, 0.85-0.92x plain
     # decoding at a draft yield of 4.4-6.9); to be measured on and off (docs/GPU_NOTES.md).
     verify_graph_family: bool = True
+    # The most 16-row tiles a tensor-core product's program takes (1, 2 or 4), each K step's
+    # weights decoded once for all of them: a forward of more than 16 rows (a speculative
+    # verify, a prefill chunk) decodes each weight tile once per 64 rows instead of once per 16.
+    # A decode step's rows are one tile either way. The same bits at any value (each tile takes
+    # the same MMA shapes: kernels/qmma.py). To be measured on the device (docs/GPU_NOTES.md).
+    mma_row_tiles: int = 4
 
     def __post_init__(self):
         if not (isinstance(self.graphs, bool) or self.graphs == "emulate"):
@@ -138,6 +144,8 @@ class TritonOptions:
                      "verify_graph_family"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"{name}={getattr(self, name)!r} is not allowed: allowed True, False")
+        if self.mma_row_tiles not in (1, 2, 4) or isinstance(self.mma_row_tiles, bool):
+            _fail(f"mma_row_tiles={self.mma_row_tiles!r} is not allowed: allowed 1, 2, 4")
         r = self.chunk_graph_rows
         if isinstance(r, bool) or r not in (0,) + CHUNK_BUCKETS:
             _fail(f"chunk_graph_rows={r!r} is not allowed: allowed 0 (off) or one of {', '.join(map(str, CHUNK_BUCKETS))}")
@@ -200,7 +208,7 @@ def _parse_value(name: str, raw: str) -> Any:
         return raw if low == "emulate" else _BOOLS.get(low, raw)
     if name in ("head_matmul", "kv_dtype"):
         return None if low in ("none", "") else raw
-    if name in ("attn_segment", "graph_history", "page_size", "chunk_graph_rows"):
+    if name in ("attn_segment", "graph_history", "page_size", "chunk_graph_rows", "mma_row_tiles"):
         try:
             return int(raw)
         except ValueError:
