@@ -123,8 +123,9 @@ class TritonOptions:
     # weights decoded once for all of them: a forward of more than 16 rows (a speculative
     # verify, a prefill chunk) decodes each weight tile once per 64 rows instead of once per 16.
     # A decode step's rows are one tile either way. The same bits at any value (each tile takes
-    # the same MMA shapes: kernels/qmma.py). To be measured on the device (docs/GPU_NOTES.md).
-    mma_row_tiles: int = 4
+    # the same MMA shapes: kernels/qmma.py). 1 (the form measured until session 27) until the
+    # device shows another value pays (scripts/verify_step_bench.py; docs/GPU_NOTES.md).
+    mma_row_tiles: int = 1
 
     def __post_init__(self):
         if not (isinstance(self.graphs, bool) or self.graphs == "emulate"):
