@@ -4,7 +4,8 @@
 # machine reuse it):
 #   STAGES=qsa,tests bash scripts/gpu_mechanisms.sh
 #   STAGES=pflash,yield bash scripts/gpu_mechanisms.sh
-# NO_BUNDLE=1: random weights in Gemma 3 270M's shapes for the QSA stage (the gguf wheel in .whl/).
+# NO_BUNDLE=1: random weights in Gemma 3 270M's shapes for the qsa and verify stages (the gguf wheel
+# in .whl/, or in WHL_DIR: a folder holding it alone fits one call's carry).
 # Stages, each under its own timeout (seconds in QSA_S, TESTS_S, SPECTESTS_S, PFLASH_S, YIELD_S, FAMILY_S):
 #   qsa     scripts/qsa_decode_bench.py: dense vs QSA graphed decode at long context, with a kernel
 #           profile of each row (PROFILE_STEPS; 0: none); then the QSA kernels' tests (KT_MORE: more
@@ -31,7 +32,7 @@ SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 t0=$(date +%s)
 stamp() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
 if [ -n "${NO_BUNDLE:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHL_DIR:-.whl}/*.whl || exit 1
   MODEL_ARGS="--shapes gemma3-270m"
 else
   if [ ! -f /tmp/bundle/model.gguf ]; then
@@ -87,7 +88,7 @@ for stage in ${STAGES//,/ }; do
         tail -24 "$OUT/logs/spec_overhead_$tag.log" | cut -c1-300
       done ;;
     verify)
-      timeout ${VERIFY_S:-240} python3 scripts/verify_step_bench.py --model "$MODEL" --out "$OUT/logs" \
+      timeout ${VERIFY_S:-240} python3 scripts/verify_step_bench.py $MODEL_ARGS --out "$OUT/logs" \
           --row-tiles ${VERIFY_TILES:-1,2,4} --rows ${VERIFY_ROWS:-1,2,3,5,8} > "$OUT/logs/verify_step.log" 2>&1; echo "rc $?"
       grep -v "^VERIFY_STEP" "$OUT/logs/verify_step.log" | tail -60 | cut -c1-200
       python3 -c "import json; [print(r) for r in json.load(open('$OUT/logs/verify_step.json'))]" 2>&1 | cut -c1-220

@@ -10,6 +10,7 @@ first setting's (the row tiles change no bit: kernels/qmma.py). One row per (set
 verify_step.parquet (and .json) under --out.
 
     python3 scripts/verify_step_bench.py --model model.gguf --out /tmp/out
+    python3 scripts/verify_step_bench.py --shapes gemma3-270m --out /tmp/out   # no GGUF to upload
     python3 scripts/verify_step_bench.py --dry-run   # a tiny random model under the interpreter
 """
 
@@ -28,6 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
+    ap.add_argument("--shapes", choices=["gemma3-270m"], default=None,
+                    help="instead of --model: random weights in the real model's layer shapes, Q5_0 with Q8_0 V "
+                         "projections (the file's K-quants as Q5_0: workbench.synthetic writes none; its tiny vocabulary "
+                         "leaves out the real head)")
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--rows", default="1,2,3,5,8", help="rows per slot (1: a plain decode step)")
@@ -62,6 +67,14 @@ def main(argv=None) -> int:
         base = TritonOptions(graphs="emulate", page_size=64, attn_segment=32)
     else:
         base = TritonOptions()
+    if a.shapes:
+        from dataclasses import replace as _replace
+
+        from workbench.synthetic import GEMMA3_270M_SHAPES, write_random_gguf
+
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        spec = _replace(GEMMA3_270M_SHAPES, weight_type="Q5_0", tensor_types=(("attn_v.weight", "Q8_0"),))
+        a.model = str(write_random_gguf(Path(a.out) / "shapes.gguf", spec))
     m = load_model(a.model, dtype="bfloat16")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
