@@ -22,6 +22,12 @@ def graph_replay_us(fn, replays: int, warm: int = 1) -> list[float]:
     for _ in range(warm):
         g.replay()
     torch.cuda.synchronize()
+    return replay_us(g, replays)
+
+
+def replay_us(g, replays: int) -> list[float]:
+    """Microseconds of each of ``replays`` replays of the captured graph ``g`` (anything with
+    ``replay()``: a runner's graphs too), each between two events, synchronized; sorted."""
     ts = []
     for _ in range(replays):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

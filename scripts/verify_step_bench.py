@@ -21,6 +21,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -35,8 +36,8 @@ def main(argv=None) -> int:
                          "leaves out the real head)")
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--rows", default="1,2,3,5,8", help="rows per slot (1: a plain decode step)")
-    ap.add_argument("--row-tiles", default="1,2,4", help="TritonOptions.mma_row_tiles settings")
+    ap.add_argument("--rows", default="1,2,3,5,8", type=_positive_ints, help="rows per slot (1: a plain decode step)")
+    ap.add_argument("--row-tiles", default="1,2,4", type=_positive_ints, help="TritonOptions.mma_row_tiles settings")
     ap.add_argument("--replays", type=int, default=40)
     ap.add_argument("--profile", type=int, default=10, metavar="REPLAYS", help="0: no kernel profile")
     ap.add_argument("--out", default="/tmp/out")
@@ -53,31 +54,30 @@ def main(argv=None) -> int:
     from workbench.runners.triton_options import TritonOptions
     from workbench.runners.triton_runner import TritonRunner
 
-    rows_per_slot = [int(v) for v in a.rows.split(",")]
-    settings = [int(v) for v in a.row_tiles.split(",")]
+    rows_per_slot, settings = a.rows, a.row_tiles
     from workbench.model import load_model
 
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     if a.dry_run:
         from workbench.synthetic import SyntheticSpec, write_random_gguf
 
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        a.model = str(write_random_gguf(Path(a.out) / "tiny.gguf", SyntheticSpec(
+        a.model = str(write_random_gguf(out / "tiny.gguf", SyntheticSpec(
             n_layers=1, n_embd=64, n_heads=2, n_kv_heads=1, head_dim=32, n_ff=128, weight_type="Q5_0")))
         a.slots, a.context, a.replays, a.profile = min(a.slots, 3), min(a.context, 40), 2, 0
         base = TritonOptions(graphs="emulate", page_size=64, attn_segment=32)
     else:
         base = TritonOptions()
     if a.shapes:
-        from dataclasses import replace as _replace
-
         from workbench.synthetic import GEMMA3_270M_SHAPES, write_random_gguf
 
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        spec = _replace(GEMMA3_270M_SHAPES, weight_type="Q5_0", tensor_types=(("attn_v.weight", "Q8_0"),))
-        a.model = str(write_random_gguf(Path(a.out) / "shapes.gguf", spec))
-    m = load_model(a.model, dtype="bfloat16")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+        spec = replace(GEMMA3_270M_SHAPES, weight_type="Q5_0", tensor_types=(("attn_v.weight", "Q8_0"),))
+        a.model = str(write_random_gguf(out / "shapes.gguf", spec))
+    try:
+        m = load_model(a.model, dtype="bfloat16")
+    except WorkbenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     C, L, V = a.slots, a.context, m.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, V, (L,), generator=gen).tolist() for _ in range(C)]
@@ -85,8 +85,6 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     results, reference = [], {}
     for rt in settings:
-        from dataclasses import replace
-
         try:
             runner = TritonRunner(m, L + 64, replace(base, mma_row_tiles=rt))
         except WorkbenchError as e:
@@ -133,6 +131,17 @@ def main(argv=None) -> int:
     return 0
 
 
+def _positive_ints(raw: str) -> list[int]:
+    """A comma-separated list of positive integers (argparse's type: its error is one line, exit 2)."""
+    try:
+        vals = [int(v) for v in raw.split(",")]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not allowed: allowed comma-separated positive integers")
+    return vals
+
+
 def _graph(runner, rows: int, r: int, L: int):
     g = runner.graphs
     max_pos = L + r - 1
@@ -141,22 +150,14 @@ def _graph(runner, rows: int, r: int, L: int):
 
 def _device_ms(runner, fwd, r: int, C: int, L: int, replays: int) -> float:
     """Median device time of the forward's graph, replayed on the inputs the last run left."""
-    import torch
+    from graph_timing import replay_us  # (scripts/, the script's own folder)
 
-    if r == 1:
-        runner.graphs.fill(fwd, _graph(runner, C, 1, L).bucket)
-    else:
-        runner.graphs.fill_chunk(fwd, _graph(runner, C * r, r, L).bucket)
     g = _graph(runner, C * r, r, L)
-    ts = []
-    for _ in range(replays):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    return statistics.median(ts)
+    if r == 1:
+        runner.graphs.fill(fwd, g.bucket)
+    else:
+        runner.graphs.fill_chunk(fwd, g.bucket)
+    return statistics.median(replay_us(g, replays)) / 1e3
 
 
 def _profile(runner, fwd, rows: int, L: int, replays: int, rt: int) -> None:

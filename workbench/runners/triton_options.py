@@ -145,6 +145,7 @@ class TritonOptions:
                      "verify_graph_family"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"{name}={getattr(self, name)!r} is not allowed: allowed True, False")
+        # (kernels/qmma.ROW_TILES, spelled out so the options import without triton)
         if self.mma_row_tiles not in (1, 2, 4) or isinstance(self.mma_row_tiles, bool):
             _fail(f"mma_row_tiles={self.mma_row_tiles!r} is not allowed: allowed 1, 2, 4")
         r = self.chunk_graph_rows
