@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -59,10 +60,11 @@ def main(argv=None) -> int:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="verify_step_"))  # random models stay out of --out (a device call returns it)
     if a.dry_run:
         from workbench.synthetic import SyntheticSpec, write_random_gguf
 
-        a.model = str(write_random_gguf(out / "tiny.gguf", SyntheticSpec(
+        a.model = str(write_random_gguf(scratch / "tiny.gguf", SyntheticSpec(
             n_layers=1, n_embd=64, n_heads=2, n_kv_heads=1, head_dim=32, n_ff=128, weight_type="Q5_0")))
         a.slots, a.context, a.replays, a.profile = min(a.slots, 3), min(a.context, 40), 2, 0
         base = TritonOptions(graphs="emulate", page_size=64, attn_segment=32)
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
         from workbench.synthetic import GEMMA3_270M_SHAPES, write_random_gguf
 
         spec = replace(GEMMA3_270M_SHAPES, weight_type="Q5_0", tensor_types=(("attn_v.weight", "Q8_0"),))
-        a.model = str(write_random_gguf(out / "shapes.gguf", spec))
+        a.model = str(write_random_gguf(scratch / "shapes.gguf", spec))
     try:
         m = load_model(a.model, dtype="bfloat16")
     except WorkbenchError as e:
@@ -90,7 +92,8 @@ def main(argv=None) -> int:
         except WorkbenchError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        pages = DirectPages(runner, C * (L + 64) + 1024)
+        page = runner.state_layout.page_size  # each slot's pages round up on their own
+        pages = DirectPages(runner, C * page * (-(-(L + 64) // page) + 1))
         runner.expect_steps(C, True)
         ctx = {sl: L + 64 for sl in range(C)}
         for sl, p in enumerate(prompts):
