@@ -98,15 +98,23 @@ def _attention_partial_kernel(
     qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
     GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
     SEG: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
-    REL: tl.constexpr,
+    REL: tl.constexpr, RUN: tl.constexpr = 1, GROUP_P: tl.constexpr = 1, TROWS: tl.constexpr = 16,
 ):
     enter(PDL)
-    attention_item(
-        tl.program_id(0), tl.program_id(1), tl.program_id(2),
-        q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr, bt_ptr, stride_bt,
-        stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
-        qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
-        GROUP, QROWS, D_P, BLOCK_N, SEG, PAGE, USE_DOT, INPUT_PRECISION, FUSED, REL)
+    if RUN > 1:
+        attention_run_item(
+            tl.program_id(0), tl.program_id(1), tl.program_id(2),
+            q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr, bt_ptr,
+            stride_bt, stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
+            qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
+            GROUP, QROWS, D_P, BLOCK_N, SEG, PAGE, USE_DOT, INPUT_PRECISION, FUSED, REL, RUN, GROUP_P, TROWS)
+    else:
+        attention_item(
+            tl.program_id(0), tl.program_id(1), tl.program_id(2),
+            q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr, bt_ptr,
+            stride_bt, stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
+            qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
+            GROUP, QROWS, D_P, BLOCK_N, SEG, PAGE, USE_DOT, INPUT_PRECISION, FUSED, REL)
 
 
 @triton.jit
@@ -188,6 +196,13 @@ def _load_q(q_ptr, r, kvh, stride_qr, stride_qh, D, GROUP: tl.constexpr, QROWS: 
 def _attend_block(q, k, v, jmask, m_i, l_i, acc, qk_scale_log2, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """The online softmax's step over one block of keys (k, v float32 [BLOCK_N, D_P], lanes
     outside jmask 0): the updated (m_i, l_i, acc)."""
+    return _attend_block_rows(q, k, v, jmask[None, :], m_i, l_i, acc, qk_scale_log2, USE_DOT, INPUT_PRECISION)
+
+
+@triton.jit
+def _attend_block_rows(q, k, v, smask, m_i, l_i, acc, qk_scale_log2, USE_DOT: tl.constexpr,
+                       INPUT_PRECISION: tl.constexpr):
+    """``_attend_block`` with a mask per query row and key (smask [QROWS or 1, BLOCK_N])."""
     QROWS: tl.constexpr = q.shape[0]
     BLOCK_N: tl.constexpr = k.shape[0]
     D_P: tl.constexpr = k.shape[1]
@@ -197,7 +212,7 @@ def _attend_block(q, k, v, jmask, m_i, l_i, acc, qk_scale_log2, USE_DOT: tl.cons
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # [QROWS, BN]
     else:
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-    s = tl.where(jmask[None, :], s * qk_scale_log2, float("-inf"))
+    s = tl.where(smask, s * qk_scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -287,6 +302,114 @@ def attention_item(
         m_i, l_i, acc = _attend_block(q, k, v, jmask, m_i, l_i, acc, qk_scale_log2, USE_DOT, INPUT_PRECISION)
     _finish_item(r, kvh, sg, m_i, l_i, acc, lo, hi, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, o_ptr,
                  stride_or, stride_oh, D, Hkv, num_seg, GROUP, QROWS, D_P, SEG, FUSED, REL)
+
+
+@triton.jit
+def _run_of(r, row_seq_ptr, row_pos_ptr, row_win_ptr, RUN: tl.constexpr):
+    """(follows, n) for row r: whether r continues row r - 1's run (then r's programs do
+    nothing: the run's first row computes it), and how many rows from r its run holds (1..RUN).
+    A run: consecutive rows of one sequence at consecutive positions with one window (a prefill
+    chunk's, a verify's), cut where a position is a multiple of RUN (so a row knows from row r - 1
+    alone whether it leads)."""
+    R = tl.num_programs(0)
+    i = tl.arange(0, RUN)
+    rr = r + i
+    inside = rr < R
+    seq0 = tl.load(row_seq_ptr + r)
+    pos0 = tl.load(row_pos_ptr + r)
+    win0 = tl.load(row_win_ptr + r)
+    seq = tl.load(row_seq_ptr + rr, mask=inside, other=0)
+    pos = tl.load(row_pos_ptr + rr, mask=inside, other=0)
+    win = tl.load(row_win_ptr + rr, mask=inside, other=0)
+    cont = inside & (seq == seq0) & (win == win0) & (pos == pos0 + i) & ((i == 0) | (pos % RUN != 0))
+    n = tl.min(tl.where(cont, RUN, i))  # (row r itself always continues: n >= 1)
+    prev = tl.maximum(r - 1, 0)
+    follows = (r > 0) & (pos0 % RUN != 0) & (tl.load(row_seq_ptr + prev) == seq0) \
+        & (tl.load(row_win_ptr + prev) == win0) & (tl.load(row_pos_ptr + prev) + 1 == pos0)
+    return follows, n
+
+
+@triton.jit
+def attention_run_item(
+    r, kvh, sg,
+    q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr, bt_ptr, stride_bt,
+    stride_qr, stride_qh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl, stride_vh,
+    qk_scale_log2, D, Hkv, num_seg, count_ptr, o_ptr, stride_or, stride_oh,
+    GROUP: tl.constexpr, QROWS: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEG: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
+    REL: tl.constexpr, RUN: tl.constexpr, GROUP_P: tl.constexpr, TROWS: tl.constexpr,
+):
+    """Program (r, kvh, sg) where rows run together (``attention_rows(row_run=)``): if row r
+    leads a run of n rows (``_run_of``), the program computes segment sg of all n rows at once,
+    their query heads stacked in one [TROWS, D_P] tile (row i's heads at tile rows i * GROUP_P ..),
+    so each K/V block is read once for the run instead of once a row, and the tile's rows are
+    other rows' heads instead of padding. Each tile row's result is its own row's: the products
+    give a row of their output from that row of q alone (as the query heads' padding relies on
+    in ``attention_item``); each row masks the keys outside its own [lo, hi) in this segment,
+    exactly as its own program would; and a block outside a row's range (the union of the run's
+    ranges is walked) leaves that row's (m, l, acc) untouched (selected, not updated), where its
+    own program would not have visited the block. So every row's partials, and its output, are
+    bitwise those of ``attention_item``. Masked lanes of K/V inside the union hold other rows'
+    keys instead of 0: a row's softmax weight there is exactly 0, so they add nothing. REL: the
+    grid starts at the first row's first segment; the caller widens it by RUN - 1 keys, so the
+    last row's last segment is in it; a row's partial of absolute segment a goes to its slot
+    a - (its own first), as its own program would store it."""
+    follows, n = _run_of(r, row_seq_ptr, row_pos_ptr, row_win_ptr, RUN)
+    if not follows:
+        t = tl.arange(0, TROWS)
+        ti = t // GROUP_P  # the run row of each tile row
+        th = t % GROUP_P  # its query head within the kv head's group
+        real = (ti < n) & (th < GROUP)
+        lo0, hi0 = _row_key_range(row_pos_ptr, row_win_ptr, r)
+        win = tl.load(row_win_ptr + r).to(tl.int32)
+        hi_t = tl.load(row_pos_ptr + r + ti, mask=ti < n, other=0).to(tl.int32) + 1
+        lo_t = tl.where(win > 0, tl.maximum(hi_t - win, 0), 0)
+        sga = sg + _first_segment(lo0, SEG, REL)
+        seg_lo_t = tl.maximum(lo_t, sga * SEG)
+        seg_hi_t = tl.where(ti < n, tl.minimum(hi_t, (sga + 1) * SEG), 0)
+        seg_lo = tl.maximum(lo0, sga * SEG)  # the run's keys in this segment (their union)
+        seg_hi = tl.minimum(hi0 + n - 1, (sga + 1) * SEG)
+        table = bt_ptr + tl.load(row_seq_ptr + r).to(tl.int64) * stride_bt
+        d = tl.arange(0, D_P)
+        dmask = d < D
+        q = tl.load(q_ptr + (r + ti)[:, None] * stride_qr + (kvh * GROUP + th)[:, None] * stride_qh + d[None, :],
+                    mask=real[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # [TROWS, D]
+        m_i = tl.full([TROWS], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([TROWS], dtype=tl.float32)
+        acc = tl.zeros([TROWS, D_P], dtype=tl.float32)
+        for blk in range(seg_lo // BLOCK_N, tl.cdiv(seg_hi, BLOCK_N)):
+            first = blk * BLOCK_N
+            page = tl.load(table + first // PAGE).to(tl.int64)
+            j = first + tl.arange(0, BLOCK_N)
+            jmask = (j >= seg_lo) & (j < seg_hi)
+            kvmask = jmask[:, None] & dmask[None, :]
+            jp = (j - (first // PAGE) * PAGE)[:, None].to(tl.int64)
+            k = tl.load(k_ptr + page * stride_ks + kvh * stride_kh + jp * stride_kl + d[None, :], mask=kvmask,
+                        other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + page * stride_vs + kvh * stride_vh + jp * stride_vl + d[None, :], mask=kvmask,
+                        other=0.0).to(tl.float32)
+            own = (j[None, :] >= seg_lo_t[:, None]) & (j[None, :] < seg_hi_t[:, None])
+            m_new, l_new, acc_new = _attend_block_rows(q, k, v, own, m_i, l_i, acc, qk_scale_log2, USE_DOT,
+                                                       INPUT_PRECISION)
+            seen = (seg_lo_t < seg_hi_t) & (first < seg_hi_t) & (first + BLOCK_N > seg_lo_t)  # the row's own blocks
+            m_i = tl.where(seen, m_new, m_i)
+            l_i = tl.where(seen, l_new, l_i)
+            acc = tl.where(seen[:, None], acc_new, acc)
+        slot_t = sga - _first_segment(lo_t, SEG, REL)
+        keep = real & (slot_t >= 0) & (slot_t < num_seg)
+        slot = (((r + ti) * Hkv + kvh) * num_seg + slot_t) * QROWS + th
+        tl.store(ws_m_ptr + slot, m_i, mask=keep)
+        tl.store(ws_l_ptr + slot, l_i, mask=keep)
+        tl.store(ws_acc_ptr + slot[:, None].to(tl.int64) * D_P + d[None, :], acc, mask=keep[:, None])
+        if FUSED:  # (as _finish_item: the run's last program merges each of its rows, in order)
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + r * Hkv + kvh, 1, sem="acq_rel")
+            if done == num_seg - 1:
+                for i in range(n):
+                    lo, hi = _row_key_range(row_pos_ptr, row_win_ptr, r + i)
+                    _combine_row(ws_m_ptr, ws_l_ptr, ws_acc_ptr, o_ptr, r + i, kvh, lo, hi, stride_or, stride_oh,
+                                 D, Hkv, num_seg, GROUP, QROWS, D_P, SEG, ".cg", REL)
+                tl.store(count_ptr + r * Hkv + kvh, 0)
 
 
 @triton.jit
@@ -423,6 +546,7 @@ def attention_rows(
     block_table: torch.Tensor | None = None,
     span: int | None = None,
     mass: torch.Tensor | None = None,
+    runs: bool = False,
 ) -> torch.Tensor:
     """Attention of R query rows, each against its own sequence's cache.
 
@@ -451,6 +575,14 @@ def attention_rows(
     ``mass`` (float32 [pages], with ``block_table``): each page's share of every row's and query
     head's softmax is added to it (``segment_mass``, from the partials' (max, sum) after the
     launches; the output's bits do not depend on it).
+    ``runs``: rows that run together (consecutive rows of one sequence at consecutive positions:
+    a prefill chunk's, a speculative verify's) are computed by their run's first row's programs,
+    RUN = 16 // (the query heads per kv head, rounded up to a power of two) rows at a time, their
+    heads filling the products' 16-row tile that one row's heads pad (``attention_run_item``):
+    each K/V block read once a run instead of once a row. Bitwise the same output (each row
+    computed as its own programs would); not with ``rope`` (one row per slot there) nor ``mass``
+    (it reads every row's partial of every segment, which a run leaves unwritten outside each
+    row's keys).
     """
     segment = segment or ATTENTION_SEGMENT
     precision = precision or ATTENTION_INPUT_PRECISION
@@ -493,13 +625,16 @@ def attention_rows(
     d_p = max(16, triton.next_power_of_2(D))
     block_n, warps = _attention_config(qrows, d_p, k_cache.element_size(), segment)
     num_warps = num_warps or warps
+    group_p = triton.next_power_of_2(group)
+    run = max(1, 16 // group_p) if runs and rope is None and mass is None else 1
     num_seg = triton.cdiv(min(L_max, L_max if max_pos is None else max_pos + 1), segment)
     rel = False
     if span is not None:
         if span < 1:
             raise ValueError(f"span={span} must be >= 1")
-        if triton.cdiv(span + segment - 1, segment) < num_seg:
-            num_seg, rel = triton.cdiv(span + segment - 1, segment), True
+        wide = span + run - 1  # (a run's programs start at its first row's first segment)
+        if triton.cdiv(wide + segment - 1, segment) < num_seg:
+            num_seg, rel = triton.cdiv(wide + segment - 1, segment), True
     ws_m = torch.empty((R, Hkv, num_seg, qrows), dtype=torch.float32, device=q.device)
     ws_l = torch.empty_like(ws_m)
     ws_acc = torch.empty((R, Hkv, num_seg, qrows, d_p), dtype=torch.float32, device=q.device)
@@ -517,7 +652,9 @@ def attention_rows(
     if rope is not None:
         _launch_rope(common, consts, rope, q, k_cache, v_cache, num_seg)
     else:
-        _attention_partial_kernel[(R, Hkv, num_seg)](*common, **consts, **launch_kw(q))
+        # (a run's tile: RUN rows' heads, 16 rows as one row's padded heads on a GPU, so the same shapes)
+        _attention_partial_kernel[(R, Hkv, num_seg)](*common, **consts, RUN=run, GROUP_P=group_p,
+                                                     TROWS=run * group_p, **launch_kw(q))
         if not fused:
             _attention_combine_kernel[(R, Hkv)](
                 ws_m, ws_l, ws_acc, out, row_pos, row_window, out.stride(0), out.stride(1), D, Hkv, num_seg,

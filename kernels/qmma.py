@@ -155,49 +155,26 @@ def dot_acc(acc, w, xt, PREC: tl.constexpr, USE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _step_dots(acc, w0, w1, w2, w3, x_ptr, xo, xm, m, mmask, stride_xm, PSTEP: tl.constexpr,
-               GS: tl.constexpr, BLOCK_N: tl.constexpr, NPLANE: tl.constexpr, PREC: tl.constexpr,
-               USE_DOT: tl.constexpr):
-    """One K step of one row tile: acc[BN, BM] += each decoded plane @ x^T at its K offsets."""
-    acc = _plane_dot(acc, w0, x_ptr, xo, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
-    if NPLANE > 1:
-        acc = _plane_dot(acc, w1, x_ptr, xo + PSTEP, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
-    if NPLANE > 2:
-        acc = _plane_dot(acc, w2, x_ptr, xo + 2 * PSTEP, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
-        acc = _plane_dot(acc, w3, x_ptr, xo + 3 * PSTEP, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
-    return acc
-
-
-@triton.jit
 def _qmma_program(
     pid, pid_k,
     x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
     qs_row, qh_row, sc_row, d_row,
     QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PREC: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr, ROW_TILES: tl.constexpr,
+    PREC: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (pid, pid_k)'s product over its K slice, stored as its split-K partial of y: its
-    outputs x its ROW_TILES row tiles of BLOCK_M rows (1, 2 or 4: each K step's weights are
-    decoded once for all of them, and each tile takes the same ``tl.dot`` shapes as a program
-    of one tile, so a row's bits do not depend on ROW_TILES). Returns (span index, the span's
-    rows and their mask, n, nmask) for the kernels' epilogue."""
+    outputs x its rows. Returns (pid_m, m, mmask, n, nmask) for the kernels' epilogue."""
     G: tl.constexpr = BLOCK_K // GW
     GS: tl.constexpr = G * S
-    SPAN: tl.constexpr = BLOCK_M * ROW_TILES
     pid_m, n, nmask, k_begin, k_end, qs_rows, qh_rows, sc_rows, d_rows = _packed_program(
-        pid, pid_k, M, N, K, k_split, qs_ptr, qh_ptr, sc_ptr, d_ptr, qs_row, qh_row, sc_row, d_row, SPAN, BLOCK_N)
-    m0 = pid_m * SPAN + tl.arange(0, BLOCK_M)
-    m1 = m0 + BLOCK_M
-    m2 = m0 + 2 * BLOCK_M
-    m3 = m0 + 3 * BLOCK_M
+        pid, pid_k, M, N, K, k_split, qs_ptr, qh_ptr, sc_ptr, d_ptr, qs_row, qh_row, sc_row, d_row, BLOCK_M, BLOCK_N)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = m < M
     g = tl.arange(0, G)
     s = tl.arange(0, S)
     s3 = s[None, None, :]
-    acc0 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     # the first step's weights before waiting for x's producer (as in qmatmul's GEMV)
     w0, w1, w2, w3 = _step_planes(k_begin, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows, GW, QTYPE)
     enter(PDL)
@@ -206,28 +183,18 @@ def _qmma_program(
         gval = k0 + g * GW < k_end
         xo = tl.reshape(_x_offsets(gg, s, QTYPE, GW), [GS])
         xm = tl.reshape(gval[:, None] & (s[None, :] >= 0), [GS])
-        acc0 = _step_dots(acc0, w0, w1, w2, w3, x_ptr, xo, xm, m0, m0 < M, stride_xm, PSTEP, GS, BLOCK_N, NPLANE,
-                          PREC, USE_DOT)
-        if ROW_TILES > 1:
-            acc1 = _step_dots(acc1, w0, w1, w2, w3, x_ptr, xo, xm, m1, m1 < M, stride_xm, PSTEP, GS, BLOCK_N,
-                              NPLANE, PREC, USE_DOT)
-        if ROW_TILES > 2:
-            acc2 = _step_dots(acc2, w0, w1, w2, w3, x_ptr, xo, xm, m2, m2 < M, stride_xm, PSTEP, GS, BLOCK_N,
-                              NPLANE, PREC, USE_DOT)
-            acc3 = _step_dots(acc3, w0, w1, w2, w3, x_ptr, xo, xm, m3, m3 < M, stride_xm, PSTEP, GS, BLOCK_N,
-                              NPLANE, PREC, USE_DOT)
+        acc = _plane_dot(acc, w0, x_ptr, xo, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
+        if NPLANE > 1:
+            acc = _plane_dot(acc, w1, x_ptr, xo + PSTEP, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
+        if NPLANE > 2:
+            acc = _plane_dot(acc, w2, x_ptr, xo + 2 * PSTEP, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
+            acc = _plane_dot(acc, w3, x_ptr, xo + 3 * PSTEP, xm, m, mmask, stride_xm, GS, BLOCK_N, PREC, USE_DOT)
         if k0 + BLOCK_K < k_end:  # the next step's weights
             w0, w1, w2, w3 = _step_planes(k0 + BLOCK_K, k_end, g, s3, nmask, qs_rows, qh_rows, sc_rows, d_rows,
                                           GW, QTYPE)
-    yp = y_ptr + pid_k * stride_ys + n[:, None]
-    tl.store(yp + m0[None, :] * stride_ym, acc0, mask=nmask[:, None] & (m0 < M)[None, :])
-    if ROW_TILES > 1:
-        tl.store(yp + m1[None, :] * stride_ym, acc1, mask=nmask[:, None] & (m1 < M)[None, :])
-    if ROW_TILES > 2:
-        tl.store(yp + m2[None, :] * stride_ym, acc2, mask=nmask[:, None] & (m2 < M)[None, :])
-        tl.store(yp + m3[None, :] * stride_ym, acc3, mask=nmask[:, None] & (m3 < M)[None, :])
-    m = pid_m * SPAN + tl.arange(0, SPAN)
-    return pid_m, m, m < M, n, nmask
+    yp = y_ptr + pid_k * stride_ys + m[None, :] * stride_ym + n[:, None]
+    tl.store(yp, acc, mask=nmask[:, None] & mmask[None, :])
+    return pid_m, m, mmask, n, nmask
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -237,13 +204,12 @@ def _qmma_kernel(
     QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     PREC: tl.constexpr, USE_DOT: tl.constexpr, GLU: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr,
-    ROW_TILES: tl.constexpr,
 ):
     qmma_item(tl.program_id(0), tl.program_id(1),
               x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr,
               M, N, K, k_split, stride_xm, stride_ym, stride_ys, qs_row, qh_row, sc_row, d_row, o_ptr, stride_o,
               count_ptr, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC, USE_DOT, GLU,
-              NSPLIT, PDL, ROW_TILES)
+              NSPLIT, PDL)
 
 
 @triton.jit
@@ -254,7 +220,6 @@ def qmma_item(
     QTYPE: tl.constexpr, GW: tl.constexpr, S: tl.constexpr, NPLANE: tl.constexpr, PSTEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     PREC: tl.constexpr, USE_DOT: tl.constexpr, GLU: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr,
-    ROW_TILES: tl.constexpr,
 ):
     """Program (pid, pid_k) of ``_qmma_kernel``'s grid: the kernel's body (the pair kernel's
     tensor-core programs too)."""
@@ -262,10 +227,10 @@ def qmma_item(
         pid, pid_k,
         x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_ym, stride_ys,
         qs_row, qh_row, sc_row, d_row, QTYPE, GW, S, NPLANE, PSTEP, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PREC,
-        USE_DOT, PDL, ROW_TILES)
+        USE_DOT, PDL)
     if GLU > 0:  # a fused [gate | up] weight: the pair's last program writes act(gate) * up
         pairs = (N // 2) // BLOCK_N
-        pid_n = pid // tl.cdiv(M, BLOCK_M * ROW_TILES)
+        pid_n = pid // tl.cdiv(M, BLOCK_M)
         glu_pair_epilogue(y_ptr, stride_ys, stride_ym, o_ptr, stride_o, count_ptr, pid_m * pairs + pid_n % pairs,
                           n, nmask, m, mmask, N // 2, NSPLIT, GLU - 1)
 
@@ -280,7 +245,7 @@ def _mma_gemv_pair_kernel(
     PREC: tl.constexpr, USE_DOT: tl.constexpr,
     QTYPE_B: tl.constexpr, GW_B: tl.constexpr, S_B: tl.constexpr, NPLANE_B: tl.constexpr, PSTEP_B: tl.constexpr,
     M_TILE: tl.constexpr, BLOCK_N_B: tl.constexpr, BLOCK_K_B: tl.constexpr, NUM_STAGES_B: tl.constexpr,
-    LATE_REDUCE: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr, ROW_TILES: tl.constexpr,
+    LATE_REDUCE: tl.constexpr, NSPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Two products of one x in one launch: programs [0, programs_a) are ``_qmma_kernel``'s for
     weight A, the rest ``_qgemv_kernel``'s for weight B, each running its kernel's body with its
@@ -290,7 +255,7 @@ def _mma_gemv_pair_kernel(
         qmma_item(pid, tl.program_id(1), x_ptr, qs_a, qh_a, sc_a, d_a, y_a,
                   M, N_a, K, k_split, stride_xm, stride_ym, stride_ys, qs_row_a, qh_row_a, sc_row_a, d_row_a, y_a, 0,
                   y_a, QTYPE_A, GW_A, S_A, NPLANE_A, PSTEP_A, BLOCK_M, BLOCK_N_A, BLOCK_K_A, NUM_STAGES_A, PREC,
-                  USE_DOT, 0, NSPLIT, PDL, ROW_TILES)
+                  USE_DOT, 0, NSPLIT, PDL)
     else:
         qgemv_item(pid - programs_a, tl.program_id(1), x_ptr, qs_b, qh_b, sc_b, d_b, y_b,
                    M, N_b, K, k_split, stride_xm, stride_ym, stride_ys, qs_row_b, qh_row_b, sc_row_b, d_row_b, y_b, 0,
@@ -299,15 +264,12 @@ def _mma_gemv_pair_kernel(
 
 
 def launch_mma_gemv_pair(x: torch.Tensor, wa: PackedWeight, ya: torch.Tensor, wb: PackedWeight, yb: torch.Tensor,
-                         splits: int, stride_ys: int, prec: str = "bf16", use_dot: bool | None = None,
-                         row_tiles: int = 1) -> None:
+                         splits: int, stride_ys: int, prec: str = "bf16", use_dot: bool | None = None) -> None:
     """``launch_qmma(x, wa, ya, ...)`` and ``qmatmul.launch_qgemv(x, wb, yb, ...)`` as one launch
     (``_mma_gemv_pair_kernel``) at the tensor-core config's warps: the same K split for both
     (one shape-only split: same K), ya and yb the same partial buffer's column ranges (one row
     and split stride). The GEMV runs at those warps, so its bits are those of ``launch_qgemv``
-    with ``num_warps`` set so: one fixed choice per runner. ``row_tiles``: the tensor-core
-    programs' row tiles (``launch_qmma``'s)."""
-    check_row_tiles(row_tiles)
+    with ``num_warps`` set so: one fixed choice per runner."""
     if prec not in QMMA_PRECISIONS:
         raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(QMMA_PRECISIONS)}")
     if wa.K != wb.K or ya.stride(-2) != yb.stride(-2) or wa.slice_k != wb.slice_k \
@@ -316,7 +278,7 @@ def launch_mma_gemv_pair(x: torch.Tensor, wa: PackedWeight, ya: torch.Tensor, wb
     ca = mma_config(wa.fmt.name, wa.N, wa.K, x.device, wa.slice_k)
     cb = gemv_config(wb.fmt.name, wb.N, wb.K, x.device, wb.slice_k)
     M = x.shape[0]
-    programs_a = triton.cdiv(M, ca.block_m * row_tiles) * triton.cdiv(wa.N, ca.block_n)
+    programs_a = triton.cdiv(M, ca.block_m) * triton.cdiv(wa.N, ca.block_n)
     programs_b = triton.cdiv(M, cb.m_tile) * triton.cdiv(wb.N, cb.block_n)
     la, lb = packed_launch_args(x, wa, ya, splits, stride_ys), packed_launch_args(x, wb, yb, splits, stride_ys)
     ga, gb = packed_geometry(wa), packed_geometry(wb)
@@ -327,7 +289,7 @@ def launch_mma_gemv_pair(x: torch.Tensor, wa: PackedWeight, ya: torch.Tensor, wb
         USE_DOT=x.is_cuda if use_dot is None else use_dot,
         QTYPE_B=gb["QTYPE"], GW_B=gb["GW"], S_B=gb["S"], NPLANE_B=gb["NPLANE"], PSTEP_B=gb["PSTEP"],
         M_TILE=cb.m_tile, BLOCK_N_B=cb.block_n, BLOCK_K_B=cb.block_k, NUM_STAGES_B=cb.num_stages,
-        LATE_REDUCE=cb.late_reduce, NSPLIT=splits, ROW_TILES=row_tiles, num_warps=ca.num_warps,
+        LATE_REDUCE=cb.late_reduce, NSPLIT=splits, num_warps=ca.num_warps,
         **launch_kw(x),
     )
 
@@ -340,13 +302,10 @@ def _native(x: torch.Tensor) -> bool:
 
 def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, stride_ys: int,
                 prec: str = "bf16", config: MmaConfig | None = None, use_dot: bool | None = None,
-                glu: GluEpilogue | None = None, row_tiles: int = 1) -> None:
+                glu: GluEpilogue | None = None) -> None:
     """Launch ``_qmma_kernel``: y[s, m, n] (s < splits, at stride_ys; y's row stride is
     y.stride(-2)) = the K slice s of x[m] @ W[n]^T; with ``glu`` also act(gate) * up into glu.out
-    (``step_fused.glu_pair_epilogue``). ``row_tiles`` (1, 2 or 4): row tiles per program, each
-    K step's weights decoded once for all of them (``row_tiles_for``: the same bits at any
-    value). No value checks: callers check."""
-    check_row_tiles(row_tiles)
+    (``step_fused.glu_pair_epilogue``). No value checks: callers check."""
     if prec not in QMMA_PRECISIONS:
         raise ValueError(f"prec={prec!r} is not allowed: allowed {', '.join(QMMA_PRECISIONS)}")
     cfg = config or mma_config(w.fmt.name, w.N, w.K, x.device, w.slice_k)
@@ -357,35 +316,17 @@ def launch_qmma(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int, 
     M = x.shape[0]
     if cfg.block_m not in (16, 32):
         raise ValueError(f"bad qmma config {cfg} for {w.fmt.name}: block_m must be 16 or 32")
-    span = cfg.block_m * row_tiles
-    grid = (triton.cdiv(M, span) * triton.cdiv(w.N, cfg.block_n), splits)
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(w.N, cfg.block_n), splits)
     _qmma_kernel[grid](
-        *packed_launch_args(x, w, y, splits, stride_ys), *glu_args(glu, y, splits, cfg.block_n, M, span, w.N),
+        *packed_launch_args(x, w, y, splits, stride_ys), *glu_args(glu, y, splits, cfg.block_n, M, cfg.block_m, w.N),
         **packed_geometry(w), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NUM_STAGES=cfg.num_stages, PREC=prec, USE_DOT=x.is_cuda if use_dot is None else use_dot,
-        GLU=glu.code if glu else 0, NSPLIT=splits, ROW_TILES=row_tiles, num_warps=cfg.num_warps, **launch_kw(x),
+        GLU=glu.code if glu else 0, NSPLIT=splits, num_warps=cfg.num_warps, **launch_kw(x),
     )
 
 
-ROW_TILES = (1, 2, 4)  # row tiles a tensor-core program may take
-
-
-def check_row_tiles(row_tiles: int) -> None:
-    if row_tiles not in ROW_TILES:
-        raise ValueError(f"row_tiles={row_tiles!r} is not allowed: allowed {', '.join(map(str, ROW_TILES))}")
-
-
-def row_tiles_for(M: int, block_m: int, most: int) -> int:
-    """Row tiles per program for M rows, at most ``most``: the fewest of ROW_TILES that hold
-    M's tiles, so a decode step (one tile) keeps one tile a program and a verify or prefill
-    chunk decodes each weight tile once for up to ``most`` tiles. Choosing it from M is safe:
-    a tile's arithmetic is the same whatever the program's other tiles (``_qmma_program``)."""
-    tiles = triton.cdiv(M, block_m)
-    return next((t for t in ROW_TILES if t >= tiles and t <= most), max(t for t in ROW_TILES if t <= most))
-
-
 def qmma(x: torch.Tensor, w: PackedWeight, prec: str = "bf16", out: torch.Tensor | None = None,
-         config: MmaConfig | None = None, use_dot: bool | None = None, row_tiles: int = 1) -> torch.Tensor:
+         config: MmaConfig | None = None, use_dot: bool | None = None) -> torch.Tensor:
     """float32 [M, N] = x[M, K] @ W^T on tensor cores (see the module docstring for precision).
 
     x: float32 or bfloat16 [M, K], unit stride along K, on the weight's device. Batch-invariant:
@@ -400,9 +341,9 @@ def qmma(x: torch.Tensor, w: PackedWeight, prec: str = "bf16", out: torch.Tensor
         return out
     splits = triton.cdiv(K, w.slice_k)
     if splits == 1:
-        launch_qmma(x, w, out, 1, 0, prec, config, use_dot, row_tiles=row_tiles)
+        launch_qmma(x, w, out, 1, 0, prec, config, use_dot)
         return out
     part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
-    launch_qmma(x, w, part, splits, part.stride(0), prec, config, use_dot, row_tiles=row_tiles)
+    launch_qmma(x, w, part, splits, part.stride(0), prec, config, use_dot)
     sum_splits(part, out)  # in slice order, as the runner's consumers add them
     return out

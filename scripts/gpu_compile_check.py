@@ -63,7 +63,7 @@ def _install() -> None:
         if kernel is not None:
             KERNELS[(self.__name__, kernel.hash)] = kernel
             TILES[(self.__name__, kernel.hash)] = " ".join(
-                f"{k}={kwargs[k]}" for k in ("QTYPE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "NSPLIT", "ROW_TILES") if k in kwargs)
+                f"{k}={kwargs[k]}" for k in ("QTYPE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "NSPLIT", "RUN") if k in kwargs)
         COMPILED.add((self.__name__, kernel.hash if kernel is not None else None))
         return kernel
 
@@ -98,7 +98,7 @@ VARIANTS = {
     "noargmax": {"argmax_in_head": False},
     "dense_head": {"head_matmul": "dense"},  # the head's dequantized bf16 copy (the default until session 12)
     "seg32": {"attn_segment": 32},
-    "rowtiles4": {"mma_row_tiles": 4},  # tensor-core programs of up to four 16-row tiles (a 64-row chunk too)
+    "runs": {"attention_runs": True},  # attention rows of one slot a run at a time (a 64-row chunk too)
     "m32": "m32",  # 32-row tensor-core tiles, layers and head
     "dense_m32": "dense_m32",  # the dense head in 32-row tiles, one program per tile
     "densestream": "densestream",  # the dense head, streaming form at 128 outputs, 2 programs per SM
@@ -174,7 +174,7 @@ def check(model, name: str, kw) -> float:
         V = model.config.vocab_size
         pages = DirectPages(r, 64 * 256)
         r.run([pages.segment(0, "a", tuple(range(5, 12)), 0)], {0: 256})  # a 7-row prefill chunk
-        if options.get("mma_row_tiles", 1) > 1:  # a 64-row chunk: every row-tile count up to 4
+        if options.get("attention_runs"):  # a 64-row chunk: its rows in runs
             r.run([pages.segment(1, "w", tuple(range(5, 69)), 0)], {1: 256})
         for rows in (1, 16, 32):  # decode steps: one token per sequence (new ones), the graph's body
             r.run([pages.segment(s, f"{rows}-{s}", (5,), 0) for s in range(rows)], {s: 256 for s in range(rows)})

@@ -21,8 +21,8 @@
 #           telemetry to logs/spec_steps_*.parquet); FAMILY_VARIANT=verify_graph_family=false: a third arm
 #   spectests  natively: the speculation tests on the Triton runner (run-ahead at the guard's k = 0)
 #   verify  scripts/verify_step_bench.py: a verify step's device and wall time by rows per slot and by
-#           the products' row tiles (VERIFY_TILES, VERIFY_ROWS), a kernel profile, the row tiles' bits;
-#           then the row-tile kernel tests natively
+#           runner option variants (VERIFY_VARIANTS, ';'-separated; VERIFY_ROWS), a kernel profile, the variants' bits;
+#           then the attention kernels' tests natively (runs among them)
 # Logs and the run store are tarred into $OUT (at most three files).
 set -u
 cd "$(dirname "$0")/.."
@@ -89,10 +89,10 @@ for stage in ${STAGES//,/ }; do
       done ;;
     verify)
       timeout ${VERIFY_S:-240} python3 scripts/verify_step_bench.py $MODEL_ARGS --out "$OUT/logs" \
-          --row-tiles ${VERIFY_TILES:-1,2,4} --rows ${VERIFY_ROWS:-1,2,3,5,8} > "$OUT/logs/verify_step.log" 2>&1; echo "rc $?"
+          --variants "${VERIFY_VARIANTS:-default;attention_runs=true}" --rows ${VERIFY_ROWS:-1,2,3,5,8} > "$OUT/logs/verify_step.log" 2>&1; echo "rc $?"
       grep -v "^VERIFY_STEP" "$OUT/logs/verify_step.log" | tail -60 | cut -c1-200
       python3 -c "import json; [print(r) for r in json.load(open('$OUT/logs/verify_step.json'))]" 2>&1 | cut -c1-220
-      timeout ${KT_S:-120} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qmma.py tests/kernels/test_step_fused.py \
+      timeout ${KT_S:-120} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_attention.py tests/kernels/test_qmma.py \
           > "$OUT/logs/qmma_tests.log" 2>&1; tail -3 "$OUT/logs/qmma_tests.log" ;;
     *) echo "unknown stage $stage: allowed qsa, tests, spectests, pflash, yield, family, verify" ;;
   esac

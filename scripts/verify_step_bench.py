@@ -1,13 +1,13 @@
-"""What a speculative verify step costs on the device, by rows per slot and by the tensor-core
-products' row tiles (`TritonOptions.mma_row_tiles`): C slots at L positions each, a verify of r
-rows per slot (every row scored, as the speculator sends it) replayed as its chunk graph (r = 1:
-the decode graph), on the Triton runner with the real model.
+"""What a speculative verify step costs on the device, by rows per slot and by runner option
+variants (`--variants`, e.g. `TritonOptions.attention_runs`): C slots at L positions each, a
+verify of r rows per slot (every row scored, as the speculator sends it) replayed as its chunk
+graph (r = 1: the decode graph), on the Triton runner with the real model.
 
-For each row-tile setting: the device time of one replay (CUDA events, median of --replays), the
-wall time of `TritonRunner.run` on the same forward (host + device, greedy tokens to the host),
-a per-kernel profile of the widest verify, and every row's logits checked bitwise against the
-first setting's (the row tiles change no bit: kernels/qmma.py). One row per (setting, r) into
-verify_step.parquet (and .json) under --out.
+For each variant: the device time of one replay (CUDA events, median of --replays), the wall
+time of `TritonRunner.run` on the same forward (host + device, greedy tokens to the host), a
+per-kernel profile of the widest verify, and every row's logits checked bitwise against the
+first variant's (variants that claim the same bits, as attention_runs does). One row per
+(variant, r) into verify_step.parquet (and .json) under --out.
 
     python3 scripts/verify_step_bench.py --model model.gguf --out /tmp/out
     python3 scripts/verify_step_bench.py --shapes gemma3-270m --out /tmp/out   # no GGUF to upload
@@ -38,7 +38,9 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--rows", default="1,2,3,5,8", type=_positive_ints, help="rows per slot (1: a plain decode step)")
-    ap.add_argument("--row-tiles", default="1,2,4", type=_positive_ints, help="TritonOptions.mma_row_tiles settings")
+    ap.add_argument("--variants", default="default;attention_runs=true", type=_variants,
+                    help="';'-separated TritonOptions overrides (TritonOptions.parse's name=value,...; "
+                         "'default': none), each timed and checked bitwise against the first")
     ap.add_argument("--replays", type=int, default=40)
     ap.add_argument("--profile", type=int, default=10, metavar="REPLAYS", help="0: no kernel profile")
     ap.add_argument("--out", default="/tmp/out")
@@ -55,7 +57,7 @@ def main(argv=None) -> int:
     from workbench.runners.triton_options import TritonOptions
     from workbench.runners.triton_runner import TritonRunner
 
-    rows_per_slot, settings = a.rows, a.row_tiles
+    rows_per_slot, settings = a.rows, a.variants
     from workbench.model import load_model
 
     out = Path(a.out)
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
     results, reference = [], {}
     for rt in settings:
         try:
-            runner = TritonRunner(m, L + 64, replace(base, mma_row_tiles=rt))
+            runner = TritonRunner(m, L + 64, replace(base, **settings[rt]))
         except WorkbenchError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -114,7 +116,7 @@ def main(argv=None) -> int:
                 runner.run(fwd, ctx, argmax=greedy)
                 walls.append((time.perf_counter() - t0) * 1e3)
             dev = _device_ms(runner, fwd, r, C, L, a.replays) if cuda else None
-            row = dict(row_tiles=rt, slots=C, context=L, rows_per_slot=r, rows=C * r,
+            row = dict(variant=rt, slots=C, context=L, rows_per_slot=r, rows=C * r,
                        device_ms=dev, wall_ms=statistics.median(walls), launches=runner.launches,
                        bitwise_first_setting=same)
             results.append(row)
@@ -129,9 +131,28 @@ def main(argv=None) -> int:
     bad = [x for x in results if x["bitwise_first_setting"] is False]
     _write(out, results)
     if bad:
-        print(f"error: {len(bad)} verify shapes changed bits with the row tiles: {bad}", file=sys.stderr)
+        print(f"error: {len(bad)} verify shapes changed bits with the variant: {bad}", file=sys.stderr)
         return 1
     return 0
+
+
+def _variants(raw: str) -> dict[str, dict]:
+    """';'-separated TritonOptions overrides -> {label: {name: value}} ('default': none), each
+    checked by TritonOptions (argparse's type: a bad one is one line, exit 2)."""
+    from workbench.errors import WorkbenchError
+    from workbench.runners.triton_options import TritonOptions
+
+    out = {}
+    for label in filter(None, (v.strip() for v in raw.split(";"))):
+        try:
+            opts = TritonOptions() if label == "default" else TritonOptions.parse(label)
+        except WorkbenchError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        names = [] if label == "default" else [item.partition("=")[0].strip() for item in label.split(",") if item.strip()]
+        out[label] = {n: getattr(opts, n) for n in names}
+    if not out:
+        raise argparse.ArgumentTypeError(f"{raw!r} names no variant: e.g. 'default;attention_runs=true'")
+    return out
 
 
 def _positive_ints(raw: str) -> list[int]:
@@ -155,20 +176,24 @@ def _device_ms(runner, fwd, r: int, C: int, L: int, replays: int) -> float:
     """Median device time of the forward's graph, replayed on the inputs the last run left."""
     from graph_timing import replay_us  # (scripts/, the script's own folder)
 
+    import torch
+
     g = _graph(runner, C * r, r, L)
-    if r == 1:
-        runner.graphs.fill(fwd, g.bucket)
-    else:
-        runner.graphs.fill_chunk(fwd, g.bucket)
+    with torch.inference_mode():  # (the graphs' input buffers are inference tensors)
+        if r == 1:
+            runner.graphs.fill(fwd, g.bucket)
+        else:
+            runner.graphs.fill_chunk(fwd, g.bucket)
     return statistics.median(replay_us(g, replays)) / 1e3
 
 
-def _profile(runner, fwd, rows: int, L: int, replays: int, rt: int) -> None:
+def _profile(runner, fwd, rows: int, L: int, replays: int, rt: str) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     r = rows // len(fwd)
-    runner.graphs.fill_chunk(fwd, _graph(runner, rows, r, L).bucket)
+    with torch.inference_mode():  # (the graphs' input buffers are inference tensors)
+        runner.graphs.fill_chunk(fwd, _graph(runner, rows, r, L).bucket)
     g = _graph(runner, rows, r, L)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -178,7 +203,7 @@ def _profile(runner, fwd, rows: int, L: int, replays: int, rt: int) -> None:
     kern = sorted(((e.key, e.count, getattr(e, "device_time_total", 0) or 0) for e in prof.key_averages()),
                   key=lambda k: -k[2])
     total = sum(k[2] for k in kern) / replays
-    print(f"PROFILE row_tiles={rt} rows={rows}: kernel time {total:.0f} us per replay", flush=True)
+    print(f"PROFILE variant={rt} rows={rows}: kernel time {total:.0f} us per replay", flush=True)
     for name, count, dt in kern[:16]:
         print(f"  {dt / replays:9.1f} us  x{count // replays:<4d} {name[:100]}", flush=True)
 

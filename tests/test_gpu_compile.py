@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_runner_kernels_compile_for_sm90():
-    variants = "default,mma,m32,gemv,noglu,unfused_combine,norope,dense_head,qsa,rowtiles4"
+    variants = "default,mma,m32,gemv,noglu,unfused_combine,norope,dense_head,qsa,runs"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_compile_check.py"), "--variants", variants],
                        capture_output=True, text=True, timeout=1200, cwd=ROOT, check=False)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

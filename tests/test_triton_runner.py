@@ -129,8 +129,7 @@ def test_options_are_validated_and_reach_the_runner(tiny_model):
         (dict(products="fast"), "products='fast' is not allowed: allowed quant, cublas_bf16"),
         (dict(graph_history=0), "graph_history=0 is out of range: allowed 1..65536"),
         (dict(pdl=1), "pdl=1 is not allowed: allowed True, False"),
-        (dict(mma_row_tiles=3), "mma_row_tiles=3 is not allowed: allowed 1, 2, 4"),
-        (dict(mma_row_tiles=True), "mma_row_tiles=True is not allowed: allowed 1, 2, 4"),
+        (dict(attention_runs=4), "attention_runs=4 is not allowed: allowed True, False"),
     ]:
         with pytest.raises(ConfigError) as e:
             TritonOptions(**kw)
@@ -524,24 +523,3 @@ def test_per_format_k_slices_are_invariant(tiny_model, monkeypatch):
     assert r.launches == base.launches
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     _assert_batched_is_solo(r, pages, a, b, 8, got)
-
-
-def test_product_row_tiles_leave_every_scored_row_bitwise(tiny_model):
-    """mma_row_tiles=4: a tensor-core program takes up to four 16-row tiles, so a verify of many
-    scored rows decodes each weight tile once for all of them; every row's logits are bitwise
-    those of one tile a program (a 40-row prefill, three tiles; then a 3-slot verify of 9 scored
-    rows each, 27 rows, two tiles). (2: the kernel tests, tests/kernels/test_qmma.py.)"""
-    m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
-    a, b, c = _tokens(m, 5, 40, 30, 20)
-    outs = []
-    for tiles in (1, 4):
-        r = TritonRunner(m, 128, TritonOptions(graphs=False, mma_row_tiles=tiles, layer_forms={"Q8_0": "mma"}))
-        pages = DirectPages(r, tokens_per_group=2048)
-        got = [r.run([pages.segment(0, "a", a, 0, scored=40)], {0: 64})[0]]
-        r.run([pages.segment(1, "b", b, 0), pages.segment(2, "c", c, 0)], {1: 64, 2: 64})
-        verify = [pages.segment(s, rid, draft[:9], start, scored=9)
-                  for s, rid, draft, start in ((0, "a", b, 40), (1, "b", c, 30), (2, "c", a, 20))]
-        got += list(r.run(verify, {0: 64, 1: 64, 2: 64}).values())
-        outs.append(torch.cat(got))
-    assert outs[0].shape == (40 + 27, m.config.vocab_size)
-    assert torch.equal(outs[0], outs[1])

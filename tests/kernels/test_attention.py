@@ -306,3 +306,39 @@ def test_segment_mass_is_each_pages_softmax_share(span, device):
                 want[t[key // P]] += p[j]
         assert torch.allclose(mass.double().cpu(), want, rtol=1e-4, atol=1e-5), (mass, want)
         assert abs(float(mass.sum()) - 5 * Hq) < 1e-4
+
+
+@pytest.mark.parametrize("window,precision", [(0, None), (40, None), (40, "bf16")])
+def test_rows_that_run_together_are_bitwise_each_row_alone(window, precision, device):
+    """attention_rows(runs=True): consecutive rows of one sequence at consecutive positions (a
+    verify's, a prefill chunk's) are computed RUN at a time by their run's first row's programs
+    (4 here: 4 query heads a kv head fill a 16-row tile). Bitwise the rows computed one by one:
+    runs of 1 to 9 rows, cut at positions that are multiples of RUN, interleaved with each other
+    and with single rows, across segment and page edges, through scattered pages, with a window
+    (and its span grid) and without, the two-launch and the fused combine; the cache NaN beyond
+    every sequence's last row."""
+    if precision == "bf16" and device.type == "cpu":
+        pytest.skip("bf16 products: the tl.dot form only (the interpreter's tl.dot has no bfloat16)")
+    gen = torch.Generator().manual_seed(53)
+    P, W, Hq, Hkv, D = 32, 4, 8, 2, 32
+    table = torch.tensor([[3, 7, 0, 5], [8, 1, 2, 6], [4, 9, 10, 11]], dtype=torch.int32, device=device)
+    runs = [(0, 29, 9), (1, 2, 3), (2, 63, 1), (0, 38, 1), (1, 5, 4), (2, 64, 2), (1, 9, 1)]  # (seq, first pos, rows)
+    seq = torch.tensor([s for s, _, n in runs for _ in range(n)], device=device)
+    pos = torch.tensor([p + i for _, p, n in runs for i in range(n)], device=device)
+    last = {s: p + n - 1 for s, p, n in runs}
+    k, v = (_randn(12, P, Hkv, D, device=device, gen=gen) for _ in range(2))
+    for s, p in last.items():  # NaN past each sequence's last position
+        for key in range(p + 1, W * P):
+            k[table[s, key // P], key % P] = float("nan")
+            v[table[s, key // P], key % P] = float("nan")
+    R = len(seq)
+    q = _randn(R, Hq, D, device=device, gen=gen)
+    win = torch.full((R,), window, device=device)
+    counters = torch.zeros(R * Hkv, dtype=torch.int32, device=device)
+    for c in (None, counters):
+        kw = dict(block_table=table, segment=32, counters=c, precision=precision, span=window or None)
+        alone = attention_rows(q, k, v, seq, pos, win, 0.3, **kw)
+        assert not alone.isnan().any()
+        together = attention_rows(q, k, v, seq, pos, win, 0.3, runs=True, out=torch.full_like(q, float("nan")), **kw)
+        assert torch.equal(together, alone)
+        assert not counters.any()

@@ -49,8 +49,9 @@ class LayerLoop:
     def __init__(self, weights, cfg, device: torch.device, *, mma_prec: str, attn_prec: str | None, use_dot: bool,
                  head_x_dtype: torch.dtype | None, segment: int, products: str, fuse_combine: bool, fuse_glu: bool,
                  pair_launch: bool, rope_in_attention: bool, argmax_in_head: bool, qsa=None,
-                 qsa_layers: tuple[int, ...] = (), mma_row_tiles: int = 1):
+                 qsa_layers: tuple[int, ...] = (), attention_runs: bool = False):
         self.cfg, self.device = cfg, device
+        self.attention_runs = attention_runs  # a slot's consecutive rows a run at a time (TritonOptions)
         self.layers, self.embed, self.head, self.output_norm = weights.layers, weights.embed, weights.head, \
             weights.output_norm
         self.vocab = self.head.N
@@ -63,7 +64,6 @@ class LayerLoop:
         self.pair_launch = pair_launch and quant
         self.rope_in_attention = rope_in_attention and fuse_combine
         self.argmax_in_head = argmax_in_head
-        self.mma_row_tiles = mma_row_tiles  # the most row tiles a tensor-core program takes (TritonOptions)
         self._inv_freq = {b: rope_inv_freq(cfg.head_dim, b, device)
                           for b in {cfg.layer_rope_base(i) for i in range(cfg.n_layers)}}
         # one buffer per fold for every forward (graphs keep its address); each launch leaves it zero
@@ -149,7 +149,7 @@ class LayerLoop:
             attn = _attn.attention_rows(q, kp, vp, seq, pos, qsa_wins if sparse else wins if c.layer_window(li)
                                         else zeros, c.attn_scale, max_pos=max_pos, use_dot=self.use_dot,
                                         counters=counters, precision=self.attn_prec, num_warps=ATTN_WARPS, rope=rope,
-                                        segment=self.segment, block_table=bt, span=span,
+                                        segment=self.segment, block_table=bt, span=span, runs=self.attention_runs,
                                         mass=None if sparse or kv.mass is None else kv.mass[gi])
             self.launches += 1 if counters is not None else 2
             if sparse:
@@ -201,8 +201,7 @@ class LayerLoop:
         if self._pair(p) and glu is None and out is None:
             (oa, wa), (ob, wb) = p.parts
             _qmma.launch_mma_gemv_pair(x, wa.packed, part[:, :, oa:], wb.packed, part[:, :, ob:], p.splits,
-                                       part.stride(0), self.mma_prec, use_dot=self.use_dot,
-                                       row_tiles=self._row_tiles(wa, M))
+                                       part.stride(0), self.mma_prec, use_dot=self.use_dot)
             self.launches += 1
             return part
         for off, w in p.parts:
@@ -215,20 +214,12 @@ class LayerLoop:
                 self.launches += 2
             elif w.form == "mma":
                 _qmma.launch_qmma(x, w.packed, part[:, :, off:], w.splits, part.stride(0), self.mma_prec,
-                                  use_dot=self.use_dot, glu=glu, row_tiles=self._row_tiles(w, M))
+                                  use_dot=self.use_dot, glu=glu)
                 self.launches += 1
             else:
                 _qm.launch_qgemv(x, w.packed, part[:, :, off:], w.splits, part.stride(0), glu=glu)
                 self.launches += 1
         return part if out is None else out
-
-    def _row_tiles(self, w, M: int) -> int:
-        """Row tiles per program of a tensor-core product of M rows (kernels/qmma.row_tiles_for:
-        one for a decode step's rows; the same bits at any value)."""
-        if self.mma_row_tiles == 1:
-            return 1
-        cfg = _qmma.mma_config(w.fmt.name, w.N, w.K, self.device, w.k_split)
-        return _qmma.row_tiles_for(M, cfg.block_m, self.mma_row_tiles)
 
     def _project_add_norm(self, a, p, x, w_post, w_next, h) -> None:
         """x += post_norm(a @ W^T); h = rmsnorm(x) * w_next: the product, then ``add_rmsnorm``."""

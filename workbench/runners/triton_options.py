@@ -119,13 +119,13 @@ class TritonOptions:
     # run 84 (essays, 16 slots: 1-6 captures of ~40 ms inside each timed pass, 0.85-0.92x plain
     # decoding at a draft yield of 4.4-6.9); to be measured on and off (docs/GPU_NOTES.md).
     verify_graph_family: bool = True
-    # The most 16-row tiles a tensor-core product's program takes (1, 2 or 4), each K step's
-    # weights decoded once for all of them: a forward of more than 16 rows (a speculative
-    # verify, a prefill chunk) decodes each weight tile once per 64 rows instead of once per 16.
-    # A decode step's rows are one tile either way. The same bits at any value (each tile takes
-    # the same MMA shapes: kernels/qmma.py). 1 (the form measured until session 27) until the
-    # device shows another value pays (scripts/verify_step_bench.py; docs/GPU_NOTES.md).
-    mma_row_tiles: int = 1
+    # Attention rows that run together (a speculative verify's rows of one slot, a prefill
+    # chunk's) computed a run at a time: each K/V block read once per 4 rows (Gemma 3's 4 query
+    # heads a kv head fill the products' 16-row tile that one row's heads pad) instead of once a
+    # row. The same bits either way (kernels/attention.attention_run_item). Decode steps (one
+    # row a slot, the rope prologue's form) are unchanged. Off until the device shows it pays
+    # (scripts/verify_step_bench.py; docs/GPU_NOTES.md, session 28).
+    attention_runs: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.graphs, bool) or self.graphs == "emulate"):
@@ -142,12 +142,9 @@ class TritonOptions:
         if isinstance(P, bool) or not isinstance(P, int) or not 1 <= P <= 4096 or P % seg:
             _fail(f"page_size={P!r} is not allowed: allowed multiples of attn_segment={seg} up to 4096")
         for name in ("pdl", "fuse_combine", "fuse_glu", "pair_launch", "rope_in_attention", "argmax_in_head",
-                     "verify_graph_family"):
+                     "verify_graph_family", "attention_runs"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"{name}={getattr(self, name)!r} is not allowed: allowed True, False")
-        # (kernels/qmma.ROW_TILES, spelled out so the options import without triton)
-        if self.mma_row_tiles not in (1, 2, 4) or isinstance(self.mma_row_tiles, bool):
-            _fail(f"mma_row_tiles={self.mma_row_tiles!r} is not allowed: allowed 1, 2, 4")
         r = self.chunk_graph_rows
         if isinstance(r, bool) or r not in (0,) + CHUNK_BUCKETS:
             _fail(f"chunk_graph_rows={r!r} is not allowed: allowed 0 (off) or one of {', '.join(map(str, CHUNK_BUCKETS))}")
@@ -210,7 +207,7 @@ def _parse_value(name: str, raw: str) -> Any:
         return raw if low == "emulate" else _BOOLS.get(low, raw)
     if name in ("head_matmul", "kv_dtype"):
         return None if low in ("none", "") else raw
-    if name in ("attn_segment", "graph_history", "page_size", "chunk_graph_rows", "mma_row_tiles"):
+    if name in ("attn_segment", "graph_history", "page_size", "chunk_graph_rows"):
         try:
             return int(raw)
         except ValueError:

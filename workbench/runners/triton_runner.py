@@ -128,7 +128,7 @@ class TritonRunner:
                               products=self.products, fuse_combine=options.fuse_combine, fuse_glu=options.fuse_glu,
                               pair_launch=options.pair_launch, rope_in_attention=options.rope_in_attention,
                               argmax_in_head=options.argmax_in_head, qsa=qsa, qsa_layers=self.qsa_layers,
-                              mma_row_tiles=options.mma_row_tiles)
+                              attention_runs=options.attention_runs)
         emulate = options.graphs == "emulate"
         use_graphs = emulate or (options.graphs is True and self.device.type == "cuda")
         self._use_graphs, self._emulate = use_graphs, emulate
