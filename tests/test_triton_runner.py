@@ -523,3 +523,24 @@ def test_per_format_k_slices_are_invariant(tiny_model, monkeypatch):
     assert r.launches == base.launches
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     _assert_batched_is_solo(r, pages, a, b, 8, got)
+
+
+def test_attention_runs_leave_every_scored_row_bitwise(tiny_model):
+    """attention_runs=True: a slot's consecutive rows are attended a run at a time (each K/V
+    block read once per run); every row's logits are bitwise those of the rows alone: a 40-row
+    prefill (runs cut at multiples of RUN) and a 3-slot verify of 9 scored rows each, with a
+    sliding window, under the interpreter. (The kernel's own cases: tests/kernels/test_attention.py.)"""
+    m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=WINDOW)
+    a, b, c = _tokens(m, 5, 40, 30, 20)
+    outs = []
+    for runs in (False, True):
+        r = TritonRunner(m, 128, TritonOptions(graphs=False, attention_runs=runs))
+        pages = DirectPages(r, tokens_per_group=2048)
+        got = [r.run([pages.segment(0, "a", a, 0, scored=40)], {0: 64})[0]]
+        r.run([pages.segment(1, "b", b, 0), pages.segment(2, "c", c, 0)], {1: 64, 2: 64})
+        verify = [pages.segment(s, rid, draft[:9], start, scored=9)
+                  for s, rid, draft, start in ((0, "a", b, 40), (1, "b", c, 30), (2, "c", a, 20))]
+        got += list(r.run(verify, {0: 64, 1: 64, 2: 64}).values())
+        outs.append(torch.cat(got))
+    assert outs[0].shape == (40 + 27, m.config.vocab_size)
+    assert torch.equal(outs[0], outs[1])
