@@ -19,6 +19,7 @@
 #           against AR (scripts/spec_overhead.py, three alternating timed passes after a warm-up: goodput,
 #           steps run ahead, graphs captured inside a pass, each step's time by phase; every step's
 #           telemetry to logs/spec_steps_*.parquet); FAMILY_VARIANT=verify_graph_family=false: a third arm
+#           (TritonOptions), FAMILY_SPEC_VARIANT=step_plan=joint: one more (SpecConfig fields)
 #   spectests  natively: the speculation tests on the Triton runner (run-ahead at the guard's k = 0)
 #   verify  scripts/verify_step_bench.py: a verify step's device and wall time by rows per slot and by
 #           runner option variants (VERIFY_VARIANTS, ';'-separated; VERIFY_ROWS), a kernel profile, the variants' bits;
@@ -83,6 +84,7 @@ for stage in ${STAGES//,/ }; do
         IFS=@ read -r w c sp <<< "$run"; c=${c:-16}; sp=${sp:-ngram:8}; tag="${w}_c${c}_${sp/:/}"
         timeout ${FAMILY_S:-200} python3 scripts/spec_overhead.py --model "$MODEL" --workload $w --concurrency $c \
             --spec $sp --repeats 3 --phases ${FAMILY_VARIANT:+--variant $FAMILY_VARIANT} \
+            ${FAMILY_SPEC_VARIANT:+--spec-variant $FAMILY_SPEC_VARIANT} \
             --steps-out "$OUT/logs/spec_steps_$tag.parquet" \
             > "$OUT/logs/spec_overhead_$tag.log" 2>&1; echo "$tag rc $?"
         tail -24 "$OUT/logs/spec_overhead_$tag.log" | cut -c1-300

@@ -105,6 +105,20 @@ def _ms(v) -> str:
     return "none" if v is None else f"{v:.3f} ms"  # (a pass that ran no plain decode step)
 
 
+def _fields(text: str) -> dict:
+    """'name=value,...' -> SpecConfig fields (integers and booleans as such, the rest as text;
+    SpecConfig checks each)."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, sep, raw = item.partition("=")
+        if not sep:
+            raise WorkbenchError(f"--spec-variant item {item!r} is not name=value: e.g. 'step_plan=joint'")
+        low = raw.strip().lower()
+        out[name.strip()] = (int(low) if low.lstrip("-").isdigit() else
+                             {"true": True, "false": False}.get(low, raw.strip()))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -116,6 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts-dir", default="data")
     ap.add_argument("--variant", default=None, metavar="NAME=VALUE,...",
                     help="also time speculation on an engine with these TritonOptions (bench's --triton-options form)")
+    ap.add_argument("--spec-variant", default=None, metavar="NAME=VALUE,...",
+                    help="also time speculation with these SpecConfig fields changed (e.g. step_plan=joint)")
     ap.add_argument("--phases", action="store_true",
                     help="also print each pass's mean step time by phase (drafts, schedule, run, verify, commit, record)")
     ap.add_argument("--steps-out", default=None, metavar="PATH",
@@ -140,6 +156,11 @@ def main(argv=None) -> int:
 
             engines[f"{args.spec} {args.variant}"] = workbench.Engine(
                 m, EngineConfig(**base, speculation=spec, triton=TritonOptions.parse(args.variant)))
+        if args.spec_variant:
+            from dataclasses import replace
+
+            engines[f"{args.spec} {args.spec_variant}"] = workbench.Engine(
+                m, EngineConfig(**base, speculation=replace(spec, **_fields(args.spec_variant))))
         phases = {tag: Phases(e) for tag, e in engines.items()} if args.phases else {}
         for tag, e in engines.items():
             _pass(e, prompts, f"warm-{tag}")

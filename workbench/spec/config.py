@@ -22,12 +22,13 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError, refuse_unknown_keys
 
-__all__ = ["PROPOSERS", "SpecConfig", "VERIFIES", "proposer_fields"]
+__all__ = ["PROPOSERS", "STEP_PLANS", "SpecConfig", "VERIFIES", "proposer_fields"]
 
 # The proposers (proposers.py; "self" and "draft" are model_proposer.py's: greedy tokens of the
 # target's first `draft_layers` layers and its head, or of a draft GGUF at `draft_model`).
 PROPOSERS = ("ngram", "suffix", "self", "draft")
 VERIFIES = ("exact", "rejection")
+STEP_PLANS = ("slots", "joint")
 MAX_K = 16  # draft tokens per slot per step: the verify rows stay within the chunk graphs' buckets
 MAX_TREE = 128  # a token tree's node budget per slot per step (a step's rows stay within the graphs')
 MAX_PATHS = 8  # a tree's paths per slot per step: the main draft and up to 7 alternatives
@@ -54,6 +55,12 @@ class SpecConfig:
     # always with measure_cost off (decisions then do not depend on timing: reproducible)
     row_cost: float = 0.1
     measure_cost: bool = True
+    # how the yield guard's step is planned once plain and verify steps were both measured:
+    # "slots" (each slot's own length from its row cost, then the step weighed as a whole and
+    # vetoed where it does not pay: runs 92-99), or "joint" (the step's lengths chosen together
+    # for the most tokens per ms of the verify fit, then weighed the same way: guard.py's
+    # StepRule.joint). "slots" until the device shows "joint" pays (docs/GPU_NOTES.md).
+    step_plan: str = "slots"
     # n-gram (prompt lookup): the longest and the shortest suffix of the context matched
     ngram_max: int = 4
     ngram_min: int = 2
@@ -88,6 +95,8 @@ class SpecConfig:
             raise ConfigError(f"speculation measure_cost={self.measure_cost!r} is not allowed: allowed True or False")
         if isinstance(self.row_cost, bool) or not isinstance(self.row_cost, (int, float)) or not 0 <= self.row_cost <= 1:
             raise ConfigError(f"speculation row_cost={self.row_cost!r} is out of range: allowed 0..1")
+        if self.step_plan not in STEP_PLANS:
+            raise ConfigError(f"speculation step_plan={self.step_plan!r} is not allowed: allowed {', '.join(STEP_PLANS)}")
         _int("ngram_max", self.ngram_max, 1, 64)
         _int("ngram_min", self.ngram_min, 1, self.ngram_max)
         _int("suffix_depth", self.suffix_depth, 1, 64)

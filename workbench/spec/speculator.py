@@ -240,10 +240,23 @@ class Speculator:
                 held = {rid: held[rid] if rid in held and rid not in dirty else g.length(rid, cost)
                         for rid in rids}
         if changed:
+            if self.config.step_plan == "joint" and self.step_rule is not None:
+                held = self._joint(held)
             self._held, self._veto = held, None
             # a probe lasts one step: its slot is decided again at the next
             self._dirty = {rid for rid, k in held.items() if k and g.probing(rid)}
         return held
+
+    def _joint(self, held: dict[Hashable, int]) -> dict[Hashable, int]:
+        """`held` with the slots that are not probing given the step rule's joint plan
+        (StepRule.joint; `held` as it is until the rule has measured both kinds of step)."""
+        g = self.guard
+        free = {rid: g.alpha(rid) for rid in held if not (held[rid] and g.probing(rid))}
+        plan = self.step_rule.joint(free, self.config.k, self.draft_cost.ms_per_token or 0.0)
+        # (a plan of no draft keeps the slots' own lengths, which the step rule weighs as it
+        # would, so a verify fit that is too dear is still measured again: CPU, code editing at 2
+        # slots, a joint plan of nothing after its warm-up decoded every timed step plainly)
+        return held if plan is None or not any(plan.values()) else {**held, **plan}
 
     def _lengths(self, rids, pinned: Mapping[Hashable, int] | None = None) -> dict[Hashable, int]:
         """The draft length per request for one step (those in `pinned` as decided already):
