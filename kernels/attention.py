@@ -263,6 +263,21 @@ def _finish_item(r, kvh, sg, m_i, l_i, acc, lo, hi, ws_m_ptr, ws_l_ptr, ws_acc_p
 
 
 @triton.jit
+def _kv_block(k_ptr, v_ptr, table, first, j, jmask, kvh, stride_ks, stride_kl, stride_kh, stride_vs, stride_vl,
+              stride_vh, d, dmask, PAGE: tl.constexpr):
+    """K and V of the block of keys j = first.. (float32 [BLOCK_N, D_P], lanes outside jmask 0):
+    the block lies in one page (BLOCK_N divides PAGE), its page from the row's block table."""
+    page = tl.load(table + first // PAGE).to(tl.int64)
+    kvmask = jmask[:, None] & dmask[None, :]
+    jp = (j - (first // PAGE) * PAGE)[:, None].to(tl.int64)  # offsets in the page
+    k = tl.load(k_ptr + page * stride_ks + kvh * stride_kh + jp * stride_kl + d[None, :], mask=kvmask,
+                other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + page * stride_vs + kvh * stride_vh + jp * stride_vl + d[None, :], mask=kvmask,
+                other=0.0).to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def attention_item(
     r, kvh, sg,
     q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, row_seq_ptr, row_pos_ptr, row_win_ptr, bt_ptr, stride_bt,
@@ -288,17 +303,11 @@ def attention_item(
     l_i = tl.zeros([QROWS], dtype=tl.float32)
     acc = tl.zeros([QROWS, D_P], dtype=tl.float32)
     for blk in range(seg_lo // BLOCK_N, tl.cdiv(seg_hi, BLOCK_N)):
-        # a block lies in one page (BLOCK_N divides PAGE): its page from the row's block table
         first = blk * BLOCK_N
-        page = tl.load(table + first // PAGE).to(tl.int64)
         j = first + tl.arange(0, BLOCK_N)
         jmask = (j >= seg_lo) & (j < seg_hi)
-        kvmask = jmask[:, None] & dmask[None, :]
-        jp = (j - (first // PAGE) * PAGE)[:, None].to(tl.int64)  # offsets in the page
-        k = tl.load(k_ptr + page * stride_ks + kvh * stride_kh + jp * stride_kl + d[None, :], mask=kvmask,
-                    other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + page * stride_vs + kvh * stride_vh + jp * stride_vl + d[None, :], mask=kvmask,
-                    other=0.0).to(tl.float32)
+        k, v = _kv_block(k_ptr, v_ptr, table, first, j, jmask, kvh, stride_ks, stride_kl, stride_kh, stride_vs,
+                         stride_vl, stride_vh, d, dmask, PAGE)
         m_i, l_i, acc = _attend_block(q, k, v, jmask, m_i, l_i, acc, qk_scale_log2, USE_DOT, INPUT_PRECISION)
     _finish_item(r, kvh, sg, m_i, l_i, acc, lo, hi, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, o_ptr,
                  stride_or, stride_oh, D, Hkv, num_seg, GROUP, QROWS, D_P, SEG, FUSED, REL)
@@ -339,7 +348,7 @@ def attention_run_item(
     SEG: tl.constexpr, PAGE: tl.constexpr, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
     REL: tl.constexpr, RUN: tl.constexpr, GROUP_P: tl.constexpr, TROWS: tl.constexpr,
 ):
-    """Program (r, kvh, sg) where rows run together (``attention_rows(row_run=)``): if row r
+    """Program (r, kvh, sg) where rows run together (``attention_rows(runs=True)``): if row r
     leads a run of n rows (``_run_of``), the program computes segment sg of all n rows at once,
     their query heads stacked in one [TROWS, D_P] tile (row i's heads at tile rows i * GROUP_P ..),
     so each K/V block is read once for the run instead of once a row, and the tile's rows are
@@ -361,9 +370,7 @@ def attention_run_item(
         th = t % GROUP_P  # its query head within the kv head's group
         real = (ti < n) & (th < GROUP)
         lo0, hi0 = _row_key_range(row_pos_ptr, row_win_ptr, r)
-        win = tl.load(row_win_ptr + r).to(tl.int32)
-        hi_t = tl.load(row_pos_ptr + r + ti, mask=ti < n, other=0).to(tl.int32) + 1
-        lo_t = tl.where(win > 0, tl.maximum(hi_t - win, 0), 0)
+        lo_t, hi_t = _row_key_range(row_pos_ptr, row_win_ptr, r + tl.minimum(ti, n - 1))  # (each tile row's own)
         sga = sg + _first_segment(lo0, SEG, REL)
         seg_lo_t = tl.maximum(lo_t, sga * SEG)
         seg_hi_t = tl.where(ti < n, tl.minimum(hi_t, (sga + 1) * SEG), 0)
@@ -379,15 +386,9 @@ def attention_run_item(
         acc = tl.zeros([TROWS, D_P], dtype=tl.float32)
         for blk in range(seg_lo // BLOCK_N, tl.cdiv(seg_hi, BLOCK_N)):
             first = blk * BLOCK_N
-            page = tl.load(table + first // PAGE).to(tl.int64)
             j = first + tl.arange(0, BLOCK_N)
-            jmask = (j >= seg_lo) & (j < seg_hi)
-            kvmask = jmask[:, None] & dmask[None, :]
-            jp = (j - (first // PAGE) * PAGE)[:, None].to(tl.int64)
-            k = tl.load(k_ptr + page * stride_ks + kvh * stride_kh + jp * stride_kl + d[None, :], mask=kvmask,
-                        other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + page * stride_vs + kvh * stride_vh + jp * stride_vl + d[None, :], mask=kvmask,
-                        other=0.0).to(tl.float32)
+            k, v = _kv_block(k_ptr, v_ptr, table, first, j, (j >= seg_lo) & (j < seg_hi), kvh, stride_ks, stride_kl,
+                             stride_kh, stride_vs, stride_vl, stride_vh, d, dmask, PAGE)
             own = (j[None, :] >= seg_lo_t[:, None]) & (j[None, :] < seg_hi_t[:, None])
             m_new, l_new, acc_new = _attend_block_rows(q, k, v, own, m_i, l_i, acc, qk_scale_log2, USE_DOT,
                                                        INPUT_PRECISION)
