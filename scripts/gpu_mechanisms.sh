@@ -19,10 +19,11 @@
 #           against AR (scripts/spec_overhead.py, three alternating timed passes after a warm-up: goodput,
 #           steps run ahead, graphs captured inside a pass, each step's time by phase; every step's
 #           telemetry to logs/spec_steps_*.parquet); FAMILY_VARIANT=verify_graph_family=false: a third arm
-#           (TritonOptions), FAMILY_SPEC_VARIANT=step_plan=joint: one more (SpecConfig fields)
+#           (TritonOptions), FAMILY_SPEC_VARIANT=step_plan=joint: one more (SpecConfig fields); FAMILY_PROFILE=1:
+#           cProfile of the last arm's timed passes (logs/host_*.prof, top functions in the log)
 #   spectests  natively: the speculation tests on the Triton runner (run-ahead at the guard's k = 0)
 #   verify  scripts/verify_step_bench.py: a verify step's device and wall time by rows per slot and by
-#           runner option variants (VERIFY_VARIANTS, ';'-separated; VERIFY_ROWS), a kernel profile, the variants' bits;
+#           runner option variants (VERIFY_VARIANTS, ';'-separated; VERIFY_ROWS; VERIFY_CONTEXT positions a slot), a kernel profile, the variants' bits;
 #           then the attention kernels' tests natively (runs among them)
 # Logs and the run store are tarred into $OUT (at most three files).
 set -u
@@ -85,13 +86,13 @@ for stage in ${STAGES//,/ }; do
         timeout ${FAMILY_S:-200} python3 scripts/spec_overhead.py --model "$MODEL" --workload $w --concurrency $c \
             --spec $sp --repeats 3 --phases ${FAMILY_VARIANT:+--variant $FAMILY_VARIANT} \
             ${FAMILY_SPEC_VARIANT:+--spec-variant $FAMILY_SPEC_VARIANT} \
-            --steps-out "$OUT/logs/spec_steps_$tag.parquet" \
+            --steps-out "$OUT/logs/spec_steps_$tag.parquet" ${FAMILY_PROFILE:+--profile-out "$OUT/logs/host_$tag.prof"} \
             > "$OUT/logs/spec_overhead_$tag.log" 2>&1; echo "$tag rc $?"
-        tail -24 "$OUT/logs/spec_overhead_$tag.log" | cut -c1-300
+        grep -E "pass [0-9]|steps:|rror" "$OUT/logs/spec_overhead_$tag.log" | cut -c1-300
       done ;;
     verify)
       timeout ${VERIFY_S:-240} python3 scripts/verify_step_bench.py $MODEL_ARGS --out "$OUT/logs" \
-          --variants "${VERIFY_VARIANTS:-default;attention_runs=true}" --rows ${VERIFY_ROWS:-1,2,3,5,8} > "$OUT/logs/verify_step.log" 2>&1; echo "rc $?"
+          --variants "${VERIFY_VARIANTS:-default;attention_runs=true}" --rows ${VERIFY_ROWS:-1,2,3,5,8} --context ${VERIFY_CONTEXT:-512} > "$OUT/logs/verify_step.log" 2>&1; echo "rc $?"
       grep -v "^VERIFY_STEP" "$OUT/logs/verify_step.log" | tail -60 | cut -c1-200
       python3 -c "import json; [print(r) for r in json.load(open('$OUT/logs/verify_step.json'))]" 2>&1 | cut -c1-220
       timeout ${KT_S:-120} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_attention.py tests/kernels/test_qmma.py \

@@ -10,6 +10,8 @@ is time no steady state pays).
     python3 scripts/spec_overhead.py --workload code-edit --concurrency 16 --spec ngram:8 --phases
         (each pass's plain and verify steps split by phase: where a verify step's time goes)
     ... --steps-out steps.parquet   (every engine's step telemetry, all passes, one parquet: `engine` says whose)
+    ... --profile-out host.prof   (cProfile of the last engine's timed passes: where its host time goes,
+        with the device's time inside the runner's calls; the top functions printed too)
 """
 
 from __future__ import annotations
@@ -136,6 +138,8 @@ def main(argv=None) -> int:
                     help="also print each pass's mean step time by phase (drafts, schedule, run, verify, commit, record)")
     ap.add_argument("--steps-out", default=None, metavar="PATH",
                     help="write every engine's step telemetry (warm-up and timed passes) to this parquet")
+    ap.add_argument("--profile-out", default=None, metavar="PATH",
+                    help="cProfile the last engine's timed passes into this pstats file (and print its top functions)")
     args = ap.parse_args(argv)
     try:
         import workbench
@@ -167,9 +171,18 @@ def main(argv=None) -> int:
             if tag in phases:
                 phases[tag].report()  # (the warm-up's sums dropped)
         ref = None
+        profiler, last = None, list(engines)[-1]
+        if args.profile_out:
+            import cProfile
+
+            profiler = cProfile.Profile()
         for r in range(args.repeats):
             for tag, e in engines.items():
+                if profiler is not None and tag == last:
+                    profiler.enable()
                 got = _pass(e, prompts, f"{tag}-{r}")
+                if profiler is not None and tag == last:
+                    profiler.disable()
                 ref = ref or got["tokens"]
                 print(f"{tag:>12} pass {r}: {got['tok_s']:8.1f} tok/s, {got['steps']} steps, "
                       f"{got['verify_steps']} verify, {got['shadows']} shadows, "
@@ -179,6 +192,13 @@ def main(argv=None) -> int:
                       flush=True)
                 if tag in phases:
                     print(phases[tag].report(), flush=True)
+        if profiler is not None:
+            import pstats
+
+            profiler.dump_stats(args.profile_out)
+            print(f"cProfile of {last!r}, {args.repeats} timed passes (profiling slows each call):")
+            for order in ("tottime", "cumulative"):
+                pstats.Stats(args.profile_out).sort_stats(order).print_stats(30)
         if args.steps_out:
             import polars as pl
 

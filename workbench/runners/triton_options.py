@@ -123,8 +123,9 @@ class TritonOptions:
     # chunk's) computed a run at a time: each K/V block read once per 4 rows (Gemma 3's 4 query
     # heads a kv head fill the products' 16-row tile that one row's heads pad) instead of once a
     # row. The same bits either way (kernels/attention.attention_run_item). Decode steps (one
-    # row a slot, the rope prologue's form) are unchanged. Off until the device shows it pays
-    # (scripts/verify_step_bench.py; docs/GPU_NOTES.md, session 28).
+    # row a slot, the rope prologue's form) are unchanged. Off: H100 runs 101 / 104 (session 29,
+    # 16 slots at 512 / 2048 positions) 2.307 -> 2.157 / 2.623 -> 2.355 ms at 8 verify rows a
+    # slot, but 2-5% slower at 2-5 rows a slot, where the guard's verifies mostly are.
     attention_runs: bool = False
 
     def __post_init__(self):

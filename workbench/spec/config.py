@@ -59,7 +59,8 @@ class SpecConfig:
     # "slots" (each slot's own length from its row cost, then the step weighed as a whole and
     # vetoed where it does not pay: runs 92-99), or "joint" (the step's lengths chosen together
     # for the most tokens per ms of the verify fit, then weighed the same way: guard.py's
-    # StepRule.joint). "slots" until the device shows "joint" pays (docs/GPU_NOTES.md).
+    # StepRule.joint). "slots": H100 runs 102-106 (session 29) found no gain at 16 slots for
+    # either, a verify step there being ~2 ms of host beside its forward (docs/GPU_NOTES.md).
     step_plan: str = "slots"
     # n-gram (prompt lookup): the longest and the shortest suffix of the context matched
     ngram_max: int = 4
