@@ -19,14 +19,8 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from spec_overhead import _fields  # noqa: E402  (the --spec-variant form, shared)
-
-from workbench.errors import WorkbenchError  # noqa: E402
+from workbench.errors import WorkbenchError
 
 
 class ReplayRunner:
@@ -90,7 +84,7 @@ def main(argv=None) -> int:
             # to let them decide)
             spec = SpecConfig(**proposer_fields(name), k=int(k), measure_cost=False)
             if args.spec_variant:
-                spec = replace(spec, **_fields(args.spec_variant))
+                spec = spec.overridden(args.spec_variant)
         m = workbench.load_model(args.model)
         prompts = _prompts(m, wl, args.workload, args.concurrency, 0, args.prompts_dir, args.max_tokens)
         base = dict(max_concurrency=args.concurrency, dtype=m.dtype_name, backend="torch", prefix_cache=False)

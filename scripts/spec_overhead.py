@@ -107,20 +107,6 @@ def _ms(v) -> str:
     return "none" if v is None else f"{v:.3f} ms"  # (a pass that ran no plain decode step)
 
 
-def _fields(text: str) -> dict:
-    """'name=value,...' -> SpecConfig fields (integers and booleans as such, the rest as text;
-    SpecConfig checks each)."""
-    out = {}
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        name, sep, raw = item.partition("=")
-        if not sep:
-            raise WorkbenchError(f"--spec-variant item {item!r} is not name=value: e.g. 'step_plan=joint'")
-        low = raw.strip().lower()
-        out[name.strip()] = (int(low) if low.lstrip("-").isdigit() else
-                             {"true": True, "false": False}.get(low, raw.strip()))
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -161,10 +147,8 @@ def main(argv=None) -> int:
             engines[f"{args.spec} {args.variant}"] = workbench.Engine(
                 m, EngineConfig(**base, speculation=spec, triton=TritonOptions.parse(args.variant)))
         if args.spec_variant:
-            from dataclasses import replace
-
             engines[f"{args.spec} {args.spec_variant}"] = workbench.Engine(
-                m, EngineConfig(**base, speculation=replace(spec, **_fields(args.spec_variant))))
+                m, EngineConfig(**base, speculation=spec.overridden(args.spec_variant)))
         phases = {tag: Phases(e) for tag, e in engines.items()} if args.phases else {}
         for tag, e in engines.items():
             _pass(e, prompts, f"warm-{tag}")

@@ -7,6 +7,7 @@ proposal, a miscounted acceptance or a biased rejection sampler shows up here, n
 than as a lower draft yield in a benchmark."""
 
 import random
+import re
 
 import pytest
 import torch
@@ -994,3 +995,16 @@ def test_a_joint_step_plan_keeps_outputs_and_is_validated():
     sp.guard.step = 16 * 5
     held = sp._decide(["a", "b"])
     assert held == {"a": 1, "b": 1}
+
+
+def test_spec_overrides_parse_typed_fields_and_refuse_bad_ones():
+    """SpecConfig.overridden: a script's --spec-variant word, each field typed and checked as the
+    constructor checks it; an unknown name, a bad value or an item without '=' is one line."""
+    base = SpecConfig(k=8)
+    got = base.overridden("step_plan=joint, guard=false,row_cost=0.25,tree=none")
+    assert (got.step_plan, got.guard, got.row_cost, got.tree, got.k) == ("joint", False, 0.25, None, 8)
+    assert base.overridden("") == base and base.overridden("k=4").k == 4
+    for text, want in (("foo=1", "unknown speculation key(s) 'foo'"), ("k=99", "allowed an integer 1..16"),
+                       ("step_plan", "is not name=value"), ("step_plan=both", "allowed slots, joint")):
+        with pytest.raises(ConfigError, match=re.escape(want)):
+            base.overridden(text)

@@ -126,6 +126,19 @@ class SpecConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def overridden(self, text: str) -> "SpecConfig":
+        """This config with ``"name=value,..."`` fields changed (a script's --spec-variant, a shell
+        word): true/false as booleans, none as None, integers and decimals as numbers, the rest
+        as text; unknown names and each value refused as `from_dict` and the constructor refuse
+        them. (Written here, not argparse: any of the fields in one word.)"""
+        out: dict[str, Any] = {}
+        for item in filter(None, (t.strip() for t in text.split(","))):
+            name, sep, raw = item.partition("=")
+            if not sep:
+                raise ConfigError(f"speculation override {item!r} is not name=value: e.g. 'step_plan=joint,k=8'")
+            out[name.strip()] = _parse_value(raw.strip())
+        return SpecConfig.from_dict({**self.to_dict(), **out})
+
 
 def proposer_fields(text: str) -> dict[str, Any]:
     """A proposer named in one word, as SpecConfig fields: ngram, suffix, self:K (the model's
@@ -145,3 +158,17 @@ def proposer_fields(text: str) -> dict[str, Any]:
 def _int(name: str, value: Any, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise ConfigError(f"speculation {name}={value!r} is out of range: allowed an integer {lo}..{hi}")
+
+
+def _parse_value(raw: str) -> Any:
+    low = raw.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
