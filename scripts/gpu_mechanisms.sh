@@ -23,7 +23,7 @@
 #           cProfile of the last arm's timed passes (logs/host_*.prof, top functions in the log)
 #   spectests  natively: the speculation tests on the Triton runner (run-ahead at the guard's k = 0)
 #   verify  scripts/verify_step_bench.py: a verify step's device and wall time by rows per slot and by
-#           runner option variants (VERIFY_VARIANTS, ';'-separated; VERIFY_ROWS; VERIFY_CONTEXT positions a slot), a kernel profile, the variants' bits;
+#           runner option variants (VERIFY_VARIANTS, ';'-separated; VERIFY_ROWS; VERIFY_CONTEXT positions a slot; VERIFY_SLOTS), a kernel profile, the variants' bits;
 #           then the attention kernels' tests natively (runs among them)
 # Logs and the run store are tarred into $OUT (at most three files).
 set -u
@@ -92,7 +92,7 @@ for stage in ${STAGES//,/ }; do
       done ;;
     verify)
       timeout ${VERIFY_S:-240} python3 scripts/verify_step_bench.py $MODEL_ARGS --out "$OUT/logs" \
-          --variants "${VERIFY_VARIANTS:-default;attention_runs=true}" --rows ${VERIFY_ROWS:-1,2,3,5,8} --context ${VERIFY_CONTEXT:-512} > "$OUT/logs/verify_step.log" 2>&1; echo "rc $?"
+          --variants "${VERIFY_VARIANTS:-default;attention_runs=true}" --rows ${VERIFY_ROWS:-1,2,3,5,8} --context ${VERIFY_CONTEXT:-512} --slots ${VERIFY_SLOTS:-16} > "$OUT/logs/verify_step.log" 2>&1; echo "rc $?"
       grep -v "^VERIFY_STEP" "$OUT/logs/verify_step.log" | tail -60 | cut -c1-200
       python3 -c "import json; [print(r) for r in json.load(open('$OUT/logs/verify_step.json'))]" 2>&1 | cut -c1-220
       timeout ${KT_S:-120} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_attention.py tests/kernels/test_qmma.py \
