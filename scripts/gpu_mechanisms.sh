@@ -67,7 +67,7 @@ for stage in ${STAGES//,/ }; do
           -k "triton or cuda or segment_mass or family" > "$OUT/logs/native_tests.log" 2>&1; tail -4 "$OUT/logs/native_tests.log" ;;
     spectests)
       timeout ${SPECTESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_speculation.py \
-          tests/test_chunk_graphs.py -k "triton or k0_steps or family" > "$OUT/logs/spec_native_tests.log" 2>&1
+          tests/test_chunk_graphs.py -k "triton or k0_steps or family or launch" > "$OUT/logs/spec_native_tests.log" 2>&1
       tail -4 "$OUT/logs/spec_native_tests.log" ;;
     pflash)
       timeout ${PFLASH_S:-240} python3 scripts/paging_cliff_run.py --data-dir /tmp/wbruns -p backend=triton -p model="$MODEL" \

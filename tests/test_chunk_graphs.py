@@ -126,3 +126,68 @@ def test_a_verify_captures_its_family_up_front_with_the_same_bits(tiny_model, fa
                         (48, 64, 1), (64, 64, 1)], keys
     else:
         assert keys == [(8, 2, 1), (8, 8, 1), (16, 16, 1)], keys
+
+
+def _cohorts(r: TritonRunner, toks: list[int], launch: bool) -> list[dict]:
+    """Four sequences' prompts (80 rows: eager), then two rounds of two cohorts' verifies (slots
+    0-1 and 2-3, 3 rows each: the same chunk graph), greedy tokens for slots 1 and 3, logits for
+    0 and 2. With `launch`, each round's two verifies are launched back to back and their
+    results asked for afterwards (round one B first, round two A first); else each is `run`."""
+    pages = DirectPages(r, tokens_per_group=12 * P)
+    r.kv.poison()
+    ctx = {sl: 4 * P for sl in range(4)}
+    seg = pages.segment
+    greedy = frozenset({1, 3})
+    prompts = [seg(sl, f"s{sl}", toks[40 * sl : 40 * sl + 20], 0) for sl in range(4)]
+    first = r.launch(prompts, ctx, greedy) if launch else None  # (eager: answered at once)
+    out = [first.result() if launch else r.run(prompts, ctx, greedy)]
+    for rnd, at in enumerate((20, 23)):
+        a, b = ([seg(sl, f"s{sl}", toks[40 * sl + at : 40 * sl + at + 3], at, scored=3) for sl in cohort]
+                for cohort in ((0, 1), (2, 3)))
+        if launch:
+            la, lb = r.launch(a, ctx, greedy), r.launch(b, ctx, greedy)
+            got = (lb.result(), la.result()) if rnd == 0 else (la.result(), lb.result())
+            out += sorted(got, key=lambda d: min(d))
+        else:
+            out += [r.run(a, ctx, greedy), r.run(b, ctx, greedy)]
+    return [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in d.items()} for d in out]
+
+
+def test_launches_in_flight_keep_their_own_answers(tiny_model):
+    """TritonRunner.launch (a cohort's step enqueued while the host prepares another's): two
+    verifies launched back to back over the same chunk graph, whose outputs the second replay
+    overwrites, then asked for in either order, answer bitwise what `run` gives each; a forward
+    that is no chunk graph's runs at once and answers the same."""
+    m = tiny_model("llama", "float32", "Q8_0", n_layers=1, n_embd=64, n_heads=2, n_kv_heads=1, n_ff=128)
+    toks = torch.randint(4, m.config.vocab_size, (200,), generator=torch.Generator().manual_seed(7)).tolist()
+    opts = TritonOptions(graphs=GRAPHS, page_size=P, chunk_graph_rows=64, verify_graph_family=False)
+    launched, ran = TritonRunner(m, 4 * P, opts), TritonRunner(m, 4 * P, opts)
+    got, want = _cohorts(launched, toks, True), _cohorts(ran, toks, False)
+    assert [sorted(d) for d in got] == [sorted(d) for d in want] == [[0, 1, 2, 3], [0, 1], [2, 3], [0, 1], [2, 3]]
+    for g, w in zip(got, want):
+        for slot, v in w.items():
+            if slot in (1, 3):
+                assert isinstance(g[slot], (int, tuple)) and g[slot] == v, slot
+            else:
+                assert torch.isfinite(v).all() and torch.equal(g[slot], v), slot
+    assert launched.graphs.chunk_keys == [(8, 8, 1)]  # (both cohorts' verifies: one graph)
+
+
+def test_the_torch_runner_launches_by_running(tiny_model):
+    """TorchRunner.launch: the forward runs at once and its answer is `run`'s (the engine may
+    launch on either runner)."""
+    from workbench.runner import TorchRunner
+
+    m = tiny_model("llama", "float32", "Q8_0", n_layers=1, n_embd=64, n_heads=2, n_kv_heads=1, n_ff=128)
+    toks = list(range(4, 30))
+    outs = []
+    for launch in (True, False):
+        r = TorchRunner(m, 4 * P)
+        pages = DirectPages(r, tokens_per_group=4 * P)
+        fwd = [pages.segment(0, "a", toks[:20], 0)]
+        outs.append(r.launch(fwd, {0: 4 * P}).result() if launch else r.run(fwd, {0: 4 * P}))
+        fwd = [pages.segment(0, "a", toks[20:23], 20, scored=3)]
+        outs.append(r.launch(fwd, {0: 4 * P}).result() if launch else r.run(fwd, {0: 4 * P}))
+    for g, w in zip(outs[:2], outs[2:]):
+        assert sorted(g) == sorted(w) == [0] and torch.equal(g[0], w[0])
+    assert outs[1][0].shape[0] == 3

@@ -21,6 +21,19 @@ from .scheduler import Segment, check_paged_forward
 from .state import cache_key
 
 
+class Launched:
+    """A forward a runner's `launch` enqueued: `result()` is what `run` returns for it (the first
+    call waits for the device and brings the answer to the host; later calls give the same)."""
+
+    def __init__(self, answer):
+        self._answer = answer  # the answer, or a function that waits for it
+
+    def result(self) -> dict:
+        if callable(self._answer):
+            self._answer = self._answer()
+        return self._answer
+
+
 class TorchRunner:
     supports_fused_step = True
     paged = True
@@ -116,6 +129,12 @@ class TorchRunner:
         return self.pages.nbytes if self.pages is not None else 0
 
     # -- run -------------------------------------------------------------------------------
+    def launch(self, forward: Sequence[Segment], max_context: dict[int, int],
+               argmax: frozenset[int] = frozenset()) -> Launched:
+        """`run` as a launch (the runners' common form; TritonRunner.launch leaves a forward
+        running): on the CPU the forward runs here and its answer is held."""
+        return Launched(self.run(forward, max_context, argmax))
+
     def run(self, forward: Sequence[Segment], max_context: dict[int, int],
             argmax: frozenset[int] = frozenset(), ahead: bool = False) -> dict[int, torch.Tensor | int]:
         """One forward call; returns slot id -> float32 logits of its last row (where sampled),

@@ -35,6 +35,7 @@ from .. import device_weights as _dw
 from ..errors import WorkbenchError
 from ..model import Model
 from ..planner import SlotView
+from ..runner import Launched
 from ..scheduler import Segment, check_paged_forward
 from ..state import StateLayout, cache_key
 from .triton_kv import DevicePages, HostPages, forward_tables
@@ -308,21 +309,53 @@ class TritonRunner:
             return {}
         check_paged_forward(forward, self.kv is not None)
         with self._pdl.enabled(self.options.pdl):
-            launched = None
-            if self.graphs is not None:
-                launched, self.graphs.ahead = self.graphs.ahead, None
-            if self.host is not None:
-                self.host.order_before(forward)
-            copies = [c for s in forward for c in s.copies]
-            if copies:
-                self.kv.copy(copies)
-            if self.qsa is not None:
-                self._count_qsa(forward)
+            launched = self._prologue(forward)
             if self.graphs is not None and self.graphs.takes(forward):
                 return self._run_graphed(forward, max_context, argmax, ahead, launched)
             if self.graphs is not None and self.graphs.takes_chunk(forward):
                 return self._run_chunk_graph(forward, argmax)
             return self._run_eager(forward, argmax)
+
+    def launch(self, forward: Sequence[Segment], max_context: dict[int, int],
+               argmax: frozenset[int] = frozenset()) -> Launched:
+        """`run`'s first half: the forward enqueued and its sampled rows kept on the device (a
+        copy, so a later launch may replay the same graph over its buffers), the host not
+        waiting; `result()` is `run`'s answer. A forward that replays a chunk graph (a verify, a
+        prefill chunk or mixed step) is left running; any other form (a graphed decode step, an
+        eager forward, or while a step launched ahead is pending) runs to its end here as `run`
+        does, its answer held. Launches complete in their order (one stream), so the host may
+        launch the next before asking for this one's result: while the device runs one, the
+        host prepares the next (a step of another cohort of slots)."""
+        g = self.graphs
+        if (not forward or g is None or g.ahead is not None or g.takes(forward)
+                or not g.takes_chunk(forward)):
+            return Launched(self.run(forward, max_context, argmax))
+        check_paged_forward(forward, self.kv is not None)
+        with self._pdl.enabled(self.options.pdl):
+            self._prologue(forward)
+            n = self._launch_chunk_graph(forward)
+            if not n:
+                return Launched({})
+            # (greedy rows need only their tokens: no copy of [rows, vocab] logits for them)
+            rows = any(s.num_scored and s.slot_id not in argmax for s in forward)
+            logits = g.logits[:n].clone() if rows else None
+            tokens = g.tokens[:n].clone()
+        return Launched(lambda: self._rows_out(forward, logits, tokens, argmax))
+
+    def _prologue(self, forward: Sequence[Segment]):
+        """Before any forward: a step launched ahead taken off the graphs (returned), the host
+        store's moves ordered first, copy-on-write copies run, QSA's rows counted."""
+        launched = None
+        if self.graphs is not None:
+            launched, self.graphs.ahead = self.graphs.ahead, None
+        if self.host is not None:
+            self.host.order_before(forward)
+        copies = [c for s in forward for c in s.copies]
+        if copies:
+            self.kv.copy(copies)
+        if self.qsa is not None:
+            self._count_qsa(forward)
+        return launched
 
     def _run_graphed(self, forward, max_context, argmax, ahead, launched) -> dict[int, torch.Tensor | int]:
         n = len(forward)
@@ -334,12 +367,15 @@ class TritonRunner:
         return self._rows_out(forward, self.graphs.logits[:n], self.graphs.tokens[:n], argmax)
 
     def _run_chunk_graph(self, forward, argmax) -> dict[int, torch.Tensor | int]:
-        g = self.graphs
-        n = g.chunk(forward)
-        self.launches = g.launches
+        n = self._launch_chunk_graph(forward)
         if not n:
             return {}
-        return self._rows_out(forward, g.logits[:n], g.tokens[:n], argmax)
+        return self._rows_out(forward, self.graphs.logits[:n], self.graphs.tokens[:n], argmax)
+
+    def _launch_chunk_graph(self, forward) -> int:
+        n = self.graphs.chunk(forward)
+        self.launches = self.graphs.launches
+        return n
 
     def _run_eager(self, forward: Sequence[Segment], argmax: frozenset[int] = frozenset()) -> dict[int, torch.Tensor | int]:
         groups = self.kv.groups
