@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--workload", default="code-edit")
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--spec", default="ngram:8", help="PROPOSER:K, or 'off' (plain decoding's host alone)")
+    ap.add_argument("--spec", default="ngram:8", help="PROPOSER:K (e.g. ngram:8), or 'off' (plain decoding's host alone)")
     ap.add_argument("--spec-variant", default=None, metavar="NAME=VALUE,...", help="SpecConfig fields changed")
     ap.add_argument("--passes", type=int, default=5, help="timed passes, after one untimed")
     ap.add_argument("--max-tokens", type=int, default=None, help="cap each prompt's tokens")
@@ -70,19 +70,16 @@ def main(argv=None) -> int:
         from workbench import workloads as wl
         from workbench.draft_yield import _prompts
         from workbench.engine_config import EngineConfig
-        from workbench.spec import SpecConfig, proposer_fields
+        from workbench.spec import spec_config
 
         if args.passes < 1 or args.concurrency < 1:
             raise WorkbenchError(f"--passes={args.passes} and --concurrency={args.concurrency}: allowed integers >= 1")
         spec = None
         if args.spec != "off":
-            name, _, k = args.spec.rpartition(":")
-            if not k.isdigit():
-                raise WorkbenchError(f"--spec={args.spec!r} is not PROPOSER:K: e.g. 'ngram:8', or 'off'")
             # the guard's lengths from its acceptance counts and row_cost alone: measured costs
             # would be the replay's host times, not a device's (--spec-variant measure_cost=true
             # to let them decide)
-            spec = SpecConfig(**proposer_fields(name), k=int(k), measure_cost=False)
+            spec = spec_config(args.spec, measure_cost=False)
             if args.spec_variant:
                 spec = spec.overridden(args.spec_variant)
         m = workbench.load_model(args.model)

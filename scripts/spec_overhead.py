@@ -132,10 +132,9 @@ def main(argv=None) -> int:
         from workbench import workloads as wl
         from workbench.draft_yield import _prompts
         from workbench.engine_config import EngineConfig
-        from workbench.spec import SpecConfig, proposer_fields
+        from workbench.spec import spec_config
 
-        name, _, k = args.spec.rpartition(":")
-        spec = SpecConfig(**proposer_fields(name), k=int(k))
+        spec = spec_config(args.spec)
         m = workbench.load_model(args.model)
         prompts = _prompts(m, wl, args.workload, args.concurrency, 0, args.prompts_dir, None)
         base = dict(max_concurrency=args.concurrency, dtype=m.dtype_name, backend=args.backend, prefix_cache=False)

@@ -178,8 +178,10 @@ def _device_ms(runner, fwd, r: int, C: int, L: int, replays: int) -> float:
 
     import torch
 
-    with torch.inference_mode():  # (the graphs' input buffers are inference tensors; a graph the
-        g = _graph(runner, C * r, r, L)  # run did not capture, e.g. 144 rows' sampled bucket, is captured here)
+    # (the graphs' input buffers are inference tensors; a graph the run did not capture, e.g.
+    # 144 rows' sampled bucket, is captured here)
+    with torch.inference_mode():
+        g = _graph(runner, C * r, r, L)
         if r == 1:
             runner.graphs.fill(fwd, g.bucket)
         else:

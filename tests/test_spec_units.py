@@ -1008,3 +1008,15 @@ def test_spec_overrides_parse_typed_fields_and_refuse_bad_ones():
                        ("step_plan", "is not name=value"), ("step_plan=both", "allowed slots, joint")):
         with pytest.raises(ConfigError, match=re.escape(want)):
             base.overridden(text)
+
+
+def test_spec_config_reads_proposer_and_k_from_one_word():
+    """spec_config: a script's PROPOSER:K (the scripts' --spec), other fields as keywords; a word
+    without a K is one line."""
+    from workbench.spec import spec_config
+
+    assert spec_config("ngram:8") == SpecConfig(k=8)
+    assert spec_config("self:4:2", guard=False) == SpecConfig(proposer="self", draft_layers=4, k=2, guard=False)
+    for text in ("ngram", "ngram:x", ":4"):
+        with pytest.raises(ConfigError, match=re.escape(f"speculation {text!r} is not PROPOSER:K")):
+            spec_config(text)

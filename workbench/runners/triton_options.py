@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
-from ..errors import ConfigError, refuse_unknown_keys
+from ..errors import ConfigError, name_values, refuse_unknown_keys
 
 HEAD_MATMULS = ("dense", "q8i8")
 PRODUCTS = ("quant", "cublas_bf16")
@@ -183,14 +183,10 @@ class TritonOptions:
         which argparse does not parse.)"""
         kinds = {f.name: f.name for f in fields(cls)}
         out: dict[str, Any] = {}
-        for item in filter(None, (t.strip() for t in text.split(","))):
-            name, sep, raw = item.partition("=")
-            name = name.strip()
-            if not sep:
-                _fail(f"triton option {item!r} is not name=value: e.g. 'head_matmul=dense,pdl=false'")
+        for name, raw in name_values(text, "triton option", "head_matmul=dense,pdl=false"):
             if name not in kinds:
                 _fail(f"unknown triton option {name!r}; valid options: {', '.join(kinds)}")
-            out[name] = _parse_value(name, raw.strip())
+            out[name] = _parse_value(name, raw)
         return cls(**out)
 
 

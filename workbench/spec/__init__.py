@@ -6,9 +6,9 @@ rules. This package's top level imports no torch (EngineConfig, hence the schedu
 it); verify.py and speculator.py do, and are imported from their modules.
 """
 
-from .config import MAX_K, PROPOSERS, VERIFIES, SpecConfig, proposer_fields
+from .config import MAX_K, PROPOSERS, VERIFIES, SpecConfig, proposer_fields, spec_config
 from .guard import DraftCost, StepCost, YieldGuard
 from .proposers import NgramProposer, Proposer, SuffixProposer, make_proposer
 
 __all__ = ["DraftCost", "MAX_K", "NgramProposer", "PROPOSERS", "Proposer", "SpecConfig", "StepCost", "SuffixProposer",
-           "VERIFIES", "YieldGuard", "make_proposer", "proposer_fields"]
+           "VERIFIES", "YieldGuard", "make_proposer", "proposer_fields", "spec_config"]

@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-from ..errors import ConfigError, refuse_unknown_keys
+from ..errors import ConfigError, name_values, refuse_unknown_keys
 
-__all__ = ["PROPOSERS", "STEP_PLANS", "SpecConfig", "VERIFIES", "proposer_fields"]
+__all__ = ["PROPOSERS", "STEP_PLANS", "SpecConfig", "VERIFIES", "proposer_fields", "spec_config"]
 
 # The proposers (proposers.py; "self" and "draft" are model_proposer.py's: greedy tokens of the
 # target's first `draft_layers` layers and its head, or of a draft GGUF at `draft_model`).
@@ -131,12 +131,7 @@ class SpecConfig:
         word): true/false as booleans, none as None, integers and decimals as numbers, the rest
         as text; unknown names and each value refused as `from_dict` and the constructor refuse
         them. (Written here, not argparse: any of the fields in one word.)"""
-        out: dict[str, Any] = {}
-        for item in filter(None, (t.strip() for t in text.split(","))):
-            name, sep, raw = item.partition("=")
-            if not sep:
-                raise ConfigError(f"speculation override {item!r} is not name=value: e.g. 'step_plan=joint,k=8'")
-            out[name.strip()] = _parse_value(raw.strip())
+        out = {name: _parse_value(raw) for name, raw in name_values(text, "speculation override", "step_plan=joint,k=8")}
         return SpecConfig.from_dict({**self.to_dict(), **out})
 
 
@@ -153,6 +148,15 @@ def proposer_fields(text: str) -> dict[str, Any]:
         return {"proposer": "draft", "draft_model": arg}
     raise ConfigError(f"proposer {text!r} is not allowed: allowed ngram, suffix, self:K (the model's first K "
                       f"layers, e.g. self:4) or draft:PATH (a GGUF with the model's tokenizer)")
+
+
+def spec_config(text: str, **overrides: Any) -> SpecConfig:
+    """A script's one-word speculation, ``PROPOSER:K`` (the proposer as `proposer_fields` names
+    it: "ngram:8", "self:4:2"), with other fields given as keywords."""
+    name, _, k = str(text).rpartition(":")
+    if not name or not k.isdigit():
+        raise ConfigError(f"speculation {text!r} is not PROPOSER:K: e.g. 'ngram:8' or 'self:4:2'")
+    return SpecConfig(**proposer_fields(name), k=int(k), **overrides)
 
 
 def _int(name: str, value: Any, lo: int, hi: int) -> None:
