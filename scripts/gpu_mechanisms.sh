@@ -21,7 +21,8 @@
 #           telemetry to logs/spec_steps_*.parquet); FAMILY_VARIANT=verify_graph_family=false: a third arm
 #           (TritonOptions), FAMILY_SPEC_VARIANT=step_plan=joint: one more (SpecConfig fields); FAMILY_PROFILE=1:
 #           cProfile of the last arm's timed passes (logs/host_*.prof, top functions in the log)
-#   spectests  natively: the speculation tests on the Triton runner (run-ahead at the guard's k = 0)
+#   spectests  natively: the speculation tests on the Triton runner (run-ahead at the guard's k = 0, the
+#           pipeline's halves launched in turn)
 #   verify  scripts/verify_step_bench.py: a verify step's device and wall time by rows per slot and by
 #           runner option variants (VERIFY_VARIANTS, ';'-separated; VERIFY_ROWS; VERIFY_CONTEXT positions a slot; VERIFY_SLOTS), a kernel profile, the variants' bits;
 #           then the attention kernels' tests natively (runs among them)
@@ -67,7 +68,7 @@ for stage in ${STAGES//,/ }; do
           -k "triton or cuda or segment_mass or family" > "$OUT/logs/native_tests.log" 2>&1; tail -4 "$OUT/logs/native_tests.log" ;;
     spectests)
       timeout ${SPECTESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_speculation.py \
-          tests/test_chunk_graphs.py -k "triton or k0_steps or family or launch" > "$OUT/logs/spec_native_tests.log" 2>&1
+          tests/test_chunk_graphs.py tests/test_pipeline.py -k "triton or k0_steps or family or launch" > "$OUT/logs/spec_native_tests.log" 2>&1
       tail -4 "$OUT/logs/spec_native_tests.log" ;;
     pflash)
       timeout ${PFLASH_S:-240} python3 scripts/paging_cliff_run.py --data-dir /tmp/wbruns -p backend=triton -p model="$MODEL" \

@@ -42,6 +42,7 @@ def _pass(engine, prompts, tag: str) -> dict:
             "shadows": sum(r.spec.shadows for r in res) if res[0].spec else 0,
             "plain_step_ms": float(plain["wall_ms"].mean()) if plain.height else None,
             "captures": _graphs(engine) - before, "ahead": int(steps["ran_ahead"].sum()),
+            "pipelined": int(steps["pipelined"].sum()),
             "tokens": [r.token_ids for r in res]}
 
 
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
                 print(f"{tag:>12} pass {r}: {got['tok_s']:8.1f} tok/s, {got['steps']} steps, "
                       f"{got['verify_steps']} verify, {got['shadows']} shadows, "
                       f"plain step {_ms(got['plain_step_ms'])}, "
-                      f"{got['ahead']} ran ahead, {got['captures']} graph captures, "
+                      f"{got['ahead']} ran ahead, {got['pipelined']} pipelined, {got['captures']} graph captures, "
                       f"tokens {'same' if got['tokens'] == ref else 'DIFFER'}",
                       flush=True)
                 if tag in phases:

@@ -214,6 +214,8 @@ def _pass(engine, prompts, sampling: dict, tag: str) -> dict:
         # steps whose forward was launched ahead during the step before (the Triton runner's
         # run-ahead: plain decoding's overlap of host and device, also the guard's k = 0 steps')
         "ahead_steps": int(steps["ran_ahead"].sum()),
+        # half steps of the pipeline (SpecConfig.pipeline: the slots' halves verify in turn)
+        "pipelined_steps": int(steps["pipelined"].sum()),
     }
 
 
@@ -228,7 +230,8 @@ def _row(model, got: dict, ref: dict, *, workload, concurrency, proposer, k, tre
     keep = ("wall_s", "generated_tokens", "goodput_tok_s", "num_steps", "verify_steps", "drafted", "accepted",
             "emitted_in_verify", "acceptance", "draft_yield", "guard_skips", "guard_vetoes", "shadow_checks",
             "shadow_acceptance", "empty_proposals", "acceptance_hist", "position_acceptance", "row_cost",
-            "draft_rows", "tree_paths", "tree_rows", "tree_wins", "cohort_decision", "ahead_steps")
+            "draft_rows", "tree_paths", "tree_rows", "tree_wins", "cohort_decision", "ahead_steps",
+            "pipelined_steps")
     return {
         "workload": workload,
         "concurrency": concurrency,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Hashable, Iterator, Sequence
@@ -156,6 +157,21 @@ class _Contexts(Mapping):
         return len(self._rids)
 
 
+@dataclass
+class _Flight:
+    """A pipelined half's step in flight: its plan, step id, half, slot -> request id, the
+    runner's launches (one per forward), when its planning began, CUDA graphs it captured."""
+
+    plan: object
+    step_id: int
+    half: int
+    running: dict
+    launched: list
+    num_forwards: int
+    t0: float
+    captures: int
+
+
 class RequestHandle:
     """A submitted request: iterate its tokens or text as they come, cancel it, or wait."""
 
@@ -244,6 +260,12 @@ class Engine:
         self._step_index = 0
         self._proc = psutil.Process(os.getpid())
         self._t_origin = time.perf_counter()  # (steps' start_s are seconds since)
+        self._last_done = self._t_origin  # when the latest step finished (a pipelined step's start_s)
+        # the pipeline (SpecConfig.pipeline): the two halves of the slots while it runs (None
+        # otherwise), their steps in flight (oldest first), and whether it is winding down
+        self._halves: list[set[int]] | None = None
+        self._flights: deque[_Flight] = deque()
+        self._leaving = False
         self.stop_ids = tuple(sorted(model.tokenizer.eos_ids))
 
     def _machine_budget(self) -> int:
@@ -291,6 +313,8 @@ class Engine:
         return RequestHandle(self, rid)
 
     def cancel(self, request_id: Hashable) -> None:
+        while self._flights:  # (the pipeline's steps in flight land first: a plan is never dropped mid-flight)
+            self._finish_flight()
         for ev in self.scheduler.cancel(request_id):
             self._finish(ev)
 
@@ -321,10 +345,17 @@ class Engine:
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list:
+        """One step: plan, run, commit (module docstring); the finished and cancelled requests'
+        events. While the pipeline runs (`SpecConfig.pipeline`) a call either launches one
+        half's step or finishes the older one in flight."""
+        if self._flights:
+            return self._pipeline_step()
         t0 = time.perf_counter()
         captures = getattr(self.runner, "num_captures", 0)
         ahead_used = getattr(self.runner, "num_ahead_used", 0)
         drafts = self._drafts()
+        if drafts and self._enter_pipeline(drafts):
+            return []
         branches = self.speculator.branches if self.speculator is not None else None
         plan = self.scheduler.schedule(self._step_index, drafts, branches)  # plan
         if plan is None and self.scheduler.has_work() and getattr(self.runner, "ahead_in_flight", False):
@@ -340,38 +371,68 @@ class Engine:
             self.runner.move_pages(moves)
         forwards = self.scheduler.forwards(plan)
         max_ctx = self.scheduler.max_contexts()
-        logits = {}
-        running = self.scheduler.running_ids()
-        # greedy rows whose logits nobody keeps may be answered by the runner with the token
-        # itself (argmax where the logits are, e.g. on the GPU: no logits transfer)
-        argmax = frozenset() if self.keep_logits else frozenset(
-            slot for slot, rid in running.items() if self._live[rid].params.greedy)
         for slot, paths in plan.branches.items():  # token trees: each path runs under an id of its own
             for b in range(1, len(paths) + 1):
                 max_ctx[branch_slot(slot, b)] = max_ctx[slot]
-            if slot in argmax:
-                argmax = argmax | {branch_slot(slot, b) for b in range(1, len(paths) + 1)}
-        sampled = {}
-        verified = {}  # slot -> its verify rows' logits [1 + k, vocab], or their greedy tokens
-        on_paths = {}  # token trees: branch_slot id -> its path's rows, as verified's
+        running = self.scheduler.running_ids()
+        argmax = self._argmax(running, plan)
         # a greedy steady state: the runner may start the next step before returning this one's
         # (with speculation: when the guard lets no slot draft in that next step, decided now)
         ahead = (bool(argmax) and self.scheduler.repeats_after(plan) and set(plan.slot_ids()) <= argmax
                  and (self.speculator is None or self.speculator.plain_next(list(running.values()))))
+        outs = []
         for fwd in forwards:  # run
             for seg in fwd:
                 live = self._live[seg.request_id]
                 if live.prefill_started_at is None:
                     live.prefill_started_at = t0
-            for slot, out in self.runner.run(fwd, max_ctx, argmax=argmax, ahead=ahead).items():
+            outs.append(self.runner.run(fwd, max_ctx, argmax=argmax, ahead=ahead))
+        events, num_kept, num_out = self._settle(plan, running, outs)  # sample, verify, commit
+        # the device is done with this step, unless the runner launched the next one ahead: that
+        # launch may still write pages released by this commit, so they stay fenced a step more
+        ahead_in_flight = getattr(self.runner, "ahead_in_flight", False)
+        if self._step_index - ahead_in_flight >= 0:
+            self.scheduler.retire(self._step_index - ahead_in_flight)
+        for ev in events:
+            self._finish(ev)
+        # the step's wall time ends after its bookkeeping (with run-ahead the device keeps
+        # working meanwhile); bench's decode time takes each step to the next one's start_s
+        self._record_step(plan, self._step_index, len(forwards), t0, time.perf_counter(), num_kept, num_out,
+                          getattr(self.runner, "num_captures", 0) - captures,
+                          getattr(self.runner, "num_ahead_used", 0) > ahead_used)
+        self._step_index += 1
+        self._last_done = time.perf_counter()
+        return events
+
+    def _argmax(self, running: Mapping[int, Hashable], plan) -> frozenset[int]:
+        """Greedy rows whose logits nobody keeps: the runner may answer them with the token
+        itself (argmax where the logits are, e.g. on the GPU: no logits transfer)."""
+        if self.keep_logits:
+            return frozenset()
+        argmax = frozenset(slot for slot, rid in running.items() if self._live[rid].params.greedy)
+        for slot, paths in plan.branches.items():  # token trees: each path's rows too
+            if slot in argmax:
+                argmax = argmax | {branch_slot(slot, b) for b in range(1, len(paths) + 1)}
+        return argmax
+
+    def _settle(self, plan, running: Mapping[int, Hashable], outs: Sequence[Mapping]) -> tuple[list, int, int]:
+        """A step's answers (`outs`: one per forward, the runner's) sampled, its drafts
+        verified, its tokens appended and committed: (the scheduler's events, draft tokens
+        kept, tokens emitted)."""
+        logits = {}
+        sampled = {}
+        verified = {}  # slot -> its verify rows' logits [1 + k, vocab], or their greedy tokens
+        on_paths = {}  # token trees: branch_slot id -> its path's rows, as verified's
+        for out in outs:
+            for slot, row in out.items():
                 if slot < 0:
-                    on_paths[slot] = out
+                    on_paths[slot] = row
                 elif slot in plan.drafts:
-                    verified[slot] = out
-                elif isinstance(out, int):
-                    sampled[slot] = out
+                    verified[slot] = row
+                elif isinstance(row, int):
+                    sampled[slot] = row
                 else:
-                    logits[slot] = out
+                    logits[slot] = row
         # greedy rows: one argmax over the stacked rows and one host transfer (rows may live on
         # a GPU); argmax is per row, so this equals sampling each row alone
         greedy = [slot for slot in logits if self._live[running[slot]].params.greedy]
@@ -418,20 +479,100 @@ class Engine:
             live.token_times += [now] * len(burst)
         sampled.update(bursts)
         events = self.scheduler.commit(plan, sampled, chosen)  # commit
-        # the device is done with this step, unless the runner launched the next one ahead: that
-        # launch may still write pages released by this commit, so they stay fenced a step more
-        ahead_in_flight = getattr(self.runner, "ahead_in_flight", False)
-        if self._step_index - ahead_in_flight >= 0:
-            self.scheduler.retire(self._step_index - ahead_in_flight)
+        num_out = sum(len(t) if isinstance(t, list) else 1 for t in sampled.values())
+        return events, num_kept, num_out
+
+    # -- the pipeline ----------------------------------------------------------------------
+    # With SpecConfig(pipeline=N), from N decoding slots on, a step that drafts splits the slots
+    # into two halves whose steps alternate: the runner launches one half's forward and the host
+    # goes on to accept, commit, record and draft the other half's step and launch it behind
+    # (TritonRunner.launch: the device runs them in launch order), so a verify step's host work
+    # (~2 ms at 16 slots, H100 runs 102-106) hides under the other half's forward instead of
+    # adding to its own. Each row's bits are its own whatever shares its forward, so every
+    # token and logit is what one step of all slots gives. It runs only in a steady state:
+    # every request resident and decoding, none admissible; a finished request with others
+    # waiting, a half whose guard drafts nothing, or a half whose rows do not fit its pages
+    # winds it down (what is in flight lands, then whole steps), and a cancel lands it first.
+
+    def _pipeline_ready(self) -> bool:
+        spec = self.config.speculation
+        return (spec is not None and spec.pipeline > 0 and self.scheduler.num_running >= spec.pipeline
+                and self.scheduler.steady()
+                and not getattr(self.runner, "ahead_in_flight", False))
+
+    def _enter_pipeline(self, drafts: Mapping[Hashable, tuple[int, ...]]) -> bool:
+        """A step whose slots draft, as the pipeline's first two half steps (each half with its
+        own of `drafts`, both drafting now); False, nothing launched, where it cannot start."""
+        if not self._pipeline_ready():
+            return False
+        running = self.scheduler.running_ids()
+        slots = list(running)
+        halves = [slots[: (len(slots) + 1) // 2], slots[(len(slots) + 1) // 2 :]]
+        parts = [{running[s]: drafts[running[s]] for s in half if running[s] in drafts} for half in halves]
+        if not all(parts):  # (a half without drafts would be a plain step of half the rows)
+            return False
+        self._halves = [set(h) for h in halves]
+        if not self._launch_half(0, parts[0]):
+            self._halves = None
+            return False
+        if not self._launch_half(1, parts[1]):
+            self._leaving = True
+        return True
+
+    def _pipeline_step(self) -> list:
+        """Launch the half not in flight while the state stays steady, else land the older
+        step in flight (its events)."""
+        if not self._leaving and len(self._flights) == 1:
+            h = 1 - self._flights[0].half
+            if self._halves[h] and self._pipeline_ready() and self._plan_half(h):
+                return []
+            self._leaving = True
+        return self._finish_flight()
+
+    def _plan_half(self, h: int) -> bool:
+        """Draft and launch half h's step; False where its guard drafts nothing or its rows do
+        not fit (the pipeline then winds down)."""
+        running = self.scheduler.running_ids()
+        rids = [running[s] for s in sorted(self._halves[h])]
+        n = len(running)
+        if self.speculator.plain_next(rids, of=n):  # (its lengths stay pinned for the whole step next)
+            return False
+        drafts = self.speculator.drafts(_Contexts(self._live, rids), of=n, tick=h == 1)
+        return bool(drafts) and self._launch_half(h, drafts)
+
+    def _launch_half(self, h: int, drafts: Mapping[Hashable, tuple[int, ...]]) -> bool:
+        t0 = time.perf_counter()
+        captures = getattr(self.runner, "num_captures", 0)
+        plan = self.scheduler.schedule(self._step_index, drafts, slots=self._halves[h])
+        if plan is None:
+            return False
+        forwards = self.scheduler.forwards(plan)
+        max_ctx = self.scheduler.max_contexts()
+        running = {slot: rid for slot, rid in self.scheduler.running_ids().items() if slot in self._halves[h]}
+        argmax = self._argmax(running, plan)
+        launched = [self.runner.launch(fwd, max_ctx, argmax=argmax) for fwd in forwards]
+        self._flights.append(_Flight(plan, self._step_index, h, running, launched, len(forwards), t0,
+                                     getattr(self.runner, "num_captures", 0) - captures))
+        self._step_index += 1
+        return True
+
+    def _finish_flight(self) -> list:
+        """Land the oldest step in flight: wait for its answers, settle it, retire it, record it
+        (its wall time runs from the previous step's end or its own planning, the later: in a
+        steady pipeline, the time it added)."""
+        fl = self._flights.popleft()
+        events, num_kept, num_out = self._settle(fl.plan, fl.running, [l.result() for l in fl.launched])
+        self.scheduler.retire(fl.step_id)  # (launches complete in order: every earlier step is done too)
         for ev in events:
             self._finish(ev)
-        # the step's wall time ends after its bookkeeping (with run-ahead the device keeps
-        # working meanwhile); bench's decode time takes each step to the next one's start_s
-        num_out = sum(len(t) if isinstance(t, list) else 1 for t in sampled.values())
-        self._record_step(plan, len(forwards), t0, time.perf_counter(), num_kept, num_out,
-                          getattr(self.runner, "num_captures", 0) - captures,
-                          getattr(self.runner, "num_ahead_used", 0) > ahead_used)
-        self._step_index += 1
+            for half in self._halves:
+                half.discard(ev.slot_id)
+        t1 = time.perf_counter()
+        self._record_step(fl.plan, fl.step_id, fl.num_forwards, max(fl.t0, self._last_done), t1, num_kept,
+                          num_out, fl.captures, pipelined=True)
+        self._last_done = time.perf_counter()
+        if not self._flights:
+            self._halves, self._leaving = None, False
         return events
 
     def _drafts(self) -> dict:
@@ -542,12 +683,12 @@ class Engine:
             "spec_tree_wins": None if spec is None else spec.tree_wins,
         })
 
-    def _record_step(self, plan, num_forwards: int, t0: float, t1: float, num_kept: int = 0,
-                     num_out: int = 0, captures: int = 0, ran_ahead: bool = False) -> None:
+    def _record_step(self, plan, step_id: int, num_forwards: int, t0: float, t1: float, num_kept: int = 0,
+                     num_out: int = 0, captures: int = 0, ran_ahead: bool = False, pipelined: bool = False) -> None:
         solo = [g for g in plan.decode_groups if not g.batched]
         phase = "mixed" if plan.num_decode_rows and plan.num_prefill_rows else "decode" if plan.num_decode_rows else "prefill"
         self.telemetry.record_step({
-            "step": self._step_index,
+            "step": step_id,
             "phase": phase,
             "num_slots": len(plan.slot_ids()),
             "rows": plan.num_decode_rows + plan.num_prefill_rows,
@@ -566,6 +707,7 @@ class Engine:
             "start_s": t0 - self._t_origin,
             "graph_captures": captures,  # CUDA graphs captured inside the step (their time is in wall_ms)
             "ran_ahead": ran_ahead,  # its forward was launched during the previous step (run-ahead)
+            "pipelined": pipelined,  # a half's step in the pipeline (SpecConfig.pipeline; engine.py)
             "kv_bytes": self.scheduler.kv_bytes_in_use if self.scheduler.paged else self.runner.kv_bytes,
             "rss_bytes": self._proc.memory_info().rss,
             # host backing: resident requests the plan left out (paged-out ones wait too), and the

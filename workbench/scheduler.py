@@ -40,7 +40,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Hashable, Mapping, Protocol, Sequence
+from typing import Any, Collection, Hashable, Mapping, Protocol, Sequence
 
 from .engine_config import EngineConfig
 from .errors import WorkbenchError
@@ -206,7 +206,9 @@ class Scheduler:
         self._running: dict[int, _Sequence] = {}  # slot id -> sequence
         self._known: set[Hashable] = set()  # waiting or running
         self._done: dict[Hashable, str] = {}  # request id -> "finished" | "cancelled"
-        self._pending: StepPlan | None = None
+        # plans scheduled and not yet committed, oldest first: one, or one per half of the slots
+        # while the engine pipelines (schedule(slots=...))
+        self._pending: list[StepPlan] = []
         self._admissions = itertools.count()
         self._preempted: dict[Hashable, _Sequence] = {}  # waiting again after a preemption
         self._step_id: int | None = None  # the newest step handed out (its fence), None before any
@@ -349,9 +351,9 @@ class Scheduler:
             raise WorkbenchError(f"request {request_id!r} already {self._done[request_id]}")
         if request_id not in self._known:
             raise WorkbenchError(f"unknown request {request_id!r}")
-        if self._pending is not None and self.paged:  # (its token trees' forks go with it)
+        if self._pending and self.paged:  # (its token trees' forks go with it)
             self.memory.drop_branches(self._step_id)
-        self._pending = None
+        self._pending = []
         slot = self.slots.slot_of(request_id)
         if slot is None:
             self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
@@ -371,7 +373,8 @@ class Scheduler:
 
     def schedule(self, step_id: int | None = None,
                  drafts: Mapping[Hashable, Sequence[int]] | None = None,
-                 branches: Mapping[Hashable, Sequence[Sequence[int]]] | None = None) -> StepPlan | None:
+                 branches: Mapping[Hashable, Sequence[Sequence[int]]] | None = None,
+                 slots: Collection[int] | None = None) -> StepPlan | None:
         """Admit what fits, then plan the next step; None when nothing is running. `step_id`:
         the engine's id of the step (increasing; default: one more than the previous one),
         the fence of whatever the step's commit releases. Paged: every planned segment has
@@ -380,10 +383,18 @@ class Scheduler:
         token; a decoding request's draft is cut to what it may still emit (`draft_room`) and,
         where pages are short, to what fits (`plan.drafts` holds what is verified). `branches`
         (token trees): request id -> alternative paths beside its draft, each cut alike, kept
-        where their forks' pages fit (`plan.branches`)."""
-        if self._pending is not None and self.paged:  # (a plan discarded before its commit)
+        where their forks' pages fit (`plan.branches`).
+
+        `slots` (the engine's pipeline, engine.py): plan only these decoding slots, beside plans
+        still pending for the others (their steps in flight; each is committed on its own).
+        Such a plan admits nothing, pages nothing in or out and preempts nothing: it is None
+        when one of its rows cannot get its page (the engine then finishes what is in flight
+        and plans the whole step), and it carries no token trees."""
+        if slots is not None:
+            return self._schedule_part(step_id, drafts or {}, frozenset(slots))
+        if self._pending and self.paged:  # (a plan discarded before its commit)
             self.memory.drop_branches(self._step_id)
-        self._pending = None
+        self._pending = []
         self._drafts = drafts or {}
         self._branch_paths = branches or {}
         if step_id is None:
@@ -413,9 +424,39 @@ class Scheduler:
                 s.max_wait_steps = max(s.max_wait_steps, step_id - s.last_run - 1)
             s.last_run = step_id
         self._step_id = step_id
-        self._pending = plan
+        self._pending = [plan]
         self._moves = self.memory.take_moves() if self.paged else ()
         return plan
+
+    def _schedule_part(self, step_id: int | None, drafts: Mapping[Hashable, Sequence[int]],
+                       slots: frozenset[int]) -> StepPlan | None:
+        """`schedule(slots=...)`: a plan of these decoding slots alone (see there)."""
+        if self._paged_out or any(slot not in self._running for slot in slots):
+            raise RuntimeError(f"a plan of slots {sorted(slots)}: allowed running, resident slots only")
+        if any(slot in p.slot_ids() for p in self._pending for slot in slots):
+            raise RuntimeError(f"a plan of slots {sorted(slots)} while one of them is pending: commit it first")
+        if step_id is None:
+            step_id = 0 if self._step_id is None else self._step_id + 1
+        self._drafts, self._branch_paths = drafts, {}
+        plan = self._plan("decode-first", slots)
+        if plan.prefill_chunks or not plan.decode_groups:
+            raise RuntimeError(f"a plan of slots {sorted(slots)}: allowed decoding slots only")
+        order = {slot: rid for slot, rid in self._by_admission().items() if slot in slots}
+        plan = self.memory.fit(plan, order, self._step_id)
+        if plan is None:
+            return None
+        for slot in plan.slot_ids():  # (a slot of a part runs every other step: it waits for none)
+            self._running[slot].last_run = step_id
+        self._step_id = step_id
+        self._pending.append(plan)
+        self._moves = ()
+        return plan
+
+    def steady(self) -> bool:
+        """Whether every admitted request is resident and decoding and none waits for a free
+        slot: the state in which the engine may plan its slots in parts (`schedule(slots=...)`)."""
+        return (not self._paged_out and not (self._waiting and self.slots.can_allocate())
+                and all(s.num_prefilled == s.prefill_len for s in self._running.values()))
 
     def page_moves(self, plan: StepPlan) -> tuple:
         """The plan's page moves (host backing: page-outs and page-ins, `PageMove`s), to run in
@@ -424,7 +465,7 @@ class Scheduler:
         paged in with nothing else to run): a runner whose moves run asynchronously must order
         such a forward after them (TritonRunner does; the torch runner's moves are synchronous)."""
         self._check_pending(plan)
-        return self._moves
+        return self._moves if plan is self._pending[-1] else ()
 
     def _page_in(self, step_id: int) -> None:
         """Page the paged-out requests back in, oldest page-out first, while they fit; for the
@@ -485,9 +526,11 @@ class Scheduler:
         touch are released (paged; nothing otherwise)."""
         self.memory.retire(step_id)
 
-    def _plan(self, policy: str | None = None) -> StepPlan:
+    def _plan(self, policy: str | None = None, slots: frozenset[int] | None = None) -> StepPlan:
         policy = policy or self.config.policy
         views = self.views()
+        if slots is not None:
+            views = [v for v in views if v.slot_id in slots]
         drafts = {}
         if self._drafts:
             for v in views:
@@ -565,7 +608,7 @@ class Scheduler:
         `paths` (token trees): slot -> the path its burst followed (0: its draft, b >= 1:
         `plan.branches[slot][b - 1]`, whose fork then becomes the slot's pages)."""
         self._check_pending(plan)
-        self._pending = None
+        self._pending = [p for p in self._pending if p is not plan]
         paths = paths or {}
         events = []
         for group in plan.decode_groups:
@@ -715,7 +758,7 @@ class Scheduler:
         self._waiting.appendleft(s.request)
 
     def _check_pending(self, plan: StepPlan) -> None:
-        if plan is not self._pending:
+        if not any(plan is p for p in self._pending):
             raise RuntimeError(
                 "plan is not the pending one: it was committed, replaced by a later schedule(), "
                 "or discarded by cancel(); call schedule() again"

@@ -387,12 +387,21 @@ class StepGraphs:
         # (as wide as the graph reads: its row bucket, and its sampled rows' bucket, up to
         # SCORED_ROWS, which may exceed it: row 3 past the sampled rows must be padding, not
         # a wider call's indices; H200 run 79 read those and index_select failed)
-        host = torch.zeros((4, max(bucket, BUCKETS[-1], SCORED_ROWS)), dtype=torch.int32)
+        pin = self._pinned
+        host = torch.zeros((4, max(bucket, BUCKETS[-1], SCORED_ROWS)), dtype=torch.int32, pin_memory=pin)
         host[2, :] = BUCKETS[-1]
         host[:3, : len(ids)] = torch.tensor([ids, pos, row], dtype=torch.int32)
         host[3, : len(sel)] = torch.tensor(sel, dtype=torch.int32)
-        self.inputs[:, : host.shape[1]].copy_(host)
+        self.inputs[:, : host.shape[1]].copy_(host, non_blocking=pin)
         self._fill_tables(forward)
+
+    @property
+    def _pinned(self) -> bool:
+        """Whether inputs go up from pinned memory without the host waiting: on a GPU, so a
+        forward is enqueued behind one still running (the engine's pipeline) rather than after
+        it ends (a pageable copy synchronizes the stream); the stream order keeps the running
+        forward's inputs until it is done with them."""
+        return self.device.type == "cuda"
 
     def _fill_tables(self, forward: Sequence[Segment]) -> None:
         """Segment i's block tables into table row i, per group: the rows that differ from what
@@ -405,8 +414,8 @@ class StepGraphs:
                 continue
             if max(len(t) for t in rows[: last + 1]) > self.width:
                 raise RuntimeError(f"a block table of more than {self.width} pages (the slot capacity)")
-            stage = torch.full((last + 1, self.width), -1, dtype=torch.int32)
+            stage = torch.full((last + 1, self.width), -1, dtype=torch.int32, pin_memory=self._pinned)
             for i, t in enumerate(rows[: last + 1]):
                 stage[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
                 mirror[i] = t
-            self.tables[gi][: last + 1].copy_(stage)
+            self.tables[gi][: last + 1].copy_(stage, non_blocking=self._pinned)

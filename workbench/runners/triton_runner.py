@@ -316,6 +316,7 @@ class TritonRunner:
                 return self._run_chunk_graph(forward, argmax)
             return self._run_eager(forward, argmax)
 
+    @torch.inference_mode()
     def launch(self, forward: Sequence[Segment], max_context: dict[int, int],
                argmax: frozenset[int] = frozenset()) -> Launched:
         """`run`'s first half: the forward enqueued and its sampled rows kept on the device (a
@@ -336,11 +337,22 @@ class TritonRunner:
             n = self._launch_chunk_graph(forward)
             if not n:
                 return Launched({})
-            # (greedy rows need only their tokens: no copy of [rows, vocab] logits for them)
+            # its answer copied to the host behind it in the stream, so asking for it waits for
+            # this forward alone, not for a launch enqueued after it (greedy rows need only
+            # their tokens: no copy of [rows, vocab] logits for them)
+            cuda = self.device.type == "cuda"
             rows = any(s.num_scored and s.slot_id not in argmax for s in forward)
-            logits = g.logits[:n].clone() if rows else None
-            tokens = g.tokens[:n].clone()
-        return Launched(lambda: self._rows_out(forward, logits, tokens, argmax))
+            logits = _host_copy(g.logits[:n], cuda) if rows else None
+            tokens = _host_copy(g.tokens[:n], cuda)
+            done = torch.cuda.Event() if cuda else None
+            if done is not None:
+                done.record()
+
+        def answer():
+            if done is not None:
+                done.synchronize()
+            return self._rows_out(forward, logits, tokens, argmax)
+        return Launched(answer)
 
     def _prologue(self, forward: Sequence[Segment]):
         """Before any forward: a step launched ahead taken off the graphs (returned), the host
@@ -464,6 +476,14 @@ def _head_form(model: Model, options: TritonOptions) -> str:
     if form == "q8i8" and qtype != "Q8_0":
         raise WorkbenchError(f"head_matmul='q8i8' reads a Q8_0 head; this head is {qtype}: allowed dense")
     return form
+
+
+def _host_copy(t: torch.Tensor, pinned: bool) -> torch.Tensor:
+    """A host copy of `t` enqueued on the stream (pinned memory: the host does not wait), or a
+    plain copy of a host tensor."""
+    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+    h.copy_(t, non_blocking=pinned)
+    return h
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

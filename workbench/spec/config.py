@@ -62,6 +62,13 @@ class SpecConfig:
     # StepRule.joint). "slots": H100 runs 102-106 (session 29) found no gain at 16 slots for
     # either, a verify step there being ~2 ms of host beside its forward (docs/GPU_NOTES.md).
     step_plan: str = "slots"
+    # the pipeline (engine.py): from this many decoding slots on, the slots are split in two
+    # halves whose verify steps alternate, so the host accepts, commits and drafts one half's
+    # step while the device runs the other's (a 16-slot verify step was ~2 ms of host beside a
+    # 2.6 ms forward: H100 runs 102-106). Each row's bits are its own whatever shares its
+    # forward, so outputs do not change. 0: off. Lookup proposers only (ngram, suffix): a
+    # model's drafts would run on the device between the halves.
+    pipeline: int = 0
     # n-gram (prompt lookup): the longest and the shortest suffix of the context matched
     ngram_max: int = 4
     ngram_min: int = 2
@@ -98,6 +105,18 @@ class SpecConfig:
             raise ConfigError(f"speculation row_cost={self.row_cost!r} is out of range: allowed 0..1")
         if self.step_plan not in STEP_PLANS:
             raise ConfigError(f"speculation step_plan={self.step_plan!r} is not allowed: allowed {', '.join(STEP_PLANS)}")
+        n = self.pipeline
+        if isinstance(n, bool) or not isinstance(n, int) or not (n == 0 or 2 <= n <= 1 << 16):
+            raise ConfigError(f"speculation pipeline={n!r} is out of range: allowed 0 (off) or the slots it "
+                              f"starts at, an integer 2..{1 << 16}")
+        if self.pipeline:
+            if self.proposer not in ("ngram", "suffix"):
+                raise ConfigError(f"speculation pipeline={self.pipeline} with proposer={self.proposer!r} is not "
+                                  f"allowed: allowed with ngram or suffix (a model's drafts run on the device "
+                                  f"between the halves), or pipeline=0")
+            if self.tree is not None:
+                raise ConfigError(f"speculation pipeline={self.pipeline} with tree={self.tree} is not allowed: "
+                                  f"allowed tree=None (a chain), or pipeline=0")
         _int("ngram_max", self.ngram_max, 1, 64)
         _int("ngram_min", self.ngram_min, 1, self.ngram_max)
         _int("suffix_depth", self.suffix_depth, 1, 64)

@@ -306,20 +306,24 @@ class StepRule:
                 self.ahead_seen, self.plain = True, StepCost()
             self.plain.observe(rows, wall_ms)
 
-    def _weigh(self, slots: int, rows: int, tokens: float, extra_ms: float) -> tuple[bool, float]:
-        """(whether such a step gains `margin`, its expected ms beyond a plain step)."""
+    def _weigh(self, slots: int, rows: int, tokens: float, extra_ms: float,
+               of: int | None = None) -> tuple[bool, float]:
+        """(whether such a step gains `margin`, its expected ms beyond plain decoding of its
+        slots). `of`: the step is a part of the decoding slots (the engine's pipeline: its
+        halves' steps alternate), weighed against a plain step of all `of` of them."""
         if self.verify.num_steps and self.plain.num_steps < self.explore:
             return False, 0.0  # (measure plain steps first)
-        p, v = self.plain.at(slots), self.verify.at(rows)
+        n = of or slots
+        p, v = self.plain.at(n), self.verify.at(rows)
         if p is None or v is None or p <= 0:
             return True, 0.0
-        return tokens / (v + extra_ms) >= (1 + self.margin) * slots / p, v + extra_ms - p
+        return tokens / (v + extra_ms) >= (1 + self.margin) * n / p, v + extra_ms - p * slots / n
 
-    def could_pay(self, slots: int, rows: int) -> bool:
-        """Whether a verify step of `rows` rows over `slots` slots, every row's token kept (the
-        best any draft could do), would gain: where it would not, no draft can, and measuring
-        acceptance is wasted (the speculator's shadow drafts)."""
-        return self._weigh(slots, rows, float(rows), 0.0)[0]
+    def could_pay(self, slots: int, rows: int, of: int | None = None) -> bool:
+        """Whether a verify step of `rows` rows over `slots` slots (of `of`, as `_weigh`), every
+        row's token kept (the best any draft could do), would gain: where it would not, no
+        draft can, and measuring acceptance is wasted (the speculator's shadow drafts)."""
+        return self._weigh(slots, rows, float(rows), 0.0, of)[0]
 
     def joint(self, alphas: Mapping[Hashable, float], k_max: int, extra_per_token: float = 0.0,
               rounds: int = 4) -> dict[Hashable, int] | None:
@@ -359,18 +363,19 @@ class StepRule:
             plan, lam = ks, max(lam, rate)
         return plan
 
-    def pays(self, slots: int, rows: int, tokens: float, extra_ms: float, step: int) -> bool:
+    def pays(self, slots: int, rows: int, tokens: float, extra_ms: float, step: int,
+             of: int | None = None) -> bool:
         """Whether a verify step of `rows` rows over `slots` decoding slots, expected to emit
         `tokens` and to take `extra_ms` beside its forward (proposing), gains `margin` over a
         plain step (True until both kinds were measured; `step`: the guard's step count, on
         whose probe cadence a veto held long enough lets one step through to be measured)."""
-        gains, more = self._weigh(slots, rows, tokens, extra_ms)
+        gains, more = self._weigh(slots, rows, tokens, extra_ms, of)
         if gains:
             self.since = None
             return True
         if self.since is None:
             self.since = step
-        p = self.plain.at(slots)
+        p = self.plain.at(of or slots)
         if p and step % self.probe_every == 0 and (step - self.since) * p * self.remeasure >= more:
             self.since = step + 1
             return True

@@ -200,51 +200,56 @@ class Speculator:
         anew every step cost host time at 16 slots)."""
         return self._cost
 
-    def plain_next(self, rids: Sequence[Hashable]) -> bool:
+    def plain_next(self, rids: Sequence[Hashable], of: int | None = None) -> bool:
         """Whether the next step drafts nothing for the decoding requests `rids`: decides that
         step's draft lengths now, and the next `drafts` call keeps them. Only between a step
         that verified nothing and the next one: the guard's lengths change with what a verify or a
         shadow draft observed and with the step count, never with this step's tokens, so they
         are what that call would decide (the row cost is one step older). A runner may then
         launch the next step before this one's tokens are read (run-ahead), as plain decoding
-        does."""
-        self._pinned = self._lengths(rids)
+        does. The engine's pipeline asks it of a half before planning its step (`of`: the
+        decoding requests of both halves, as `drafts` takes it)."""
+        self._pinned = self._lengths(rids, of=of)
         return not any(self._pinned.values())
 
-    def _decide(self, rids: Sequence[Hashable]) -> dict[Hashable, int]:
+    def _decide(self, rids: Sequence[Hashable], of: int | None = None) -> dict[Hashable, int]:
         """Each slot's own length (the guard's). With the yield guard on, a slot's length is
         decided again only at the probe cadence's steps (where probes fall, and the row cost and
         the decay move) and after something was observed of it; in between the slot keeps its
         length, so a run held at k = 0 costs the speculator a dict a step, not the guard's sums
         (H100 run 93: deciding every slot every step was 0.13 ms of host time a step at 16
-        slots, essays 0.69x of AR against 0.91x with the held decisions, run 94)."""
+        slots, essays 0.69x of AR against 0.91x with the held decisions, run 94). `rids` may be
+        a part of the decoding requests (the pipeline's halves, `of` of them in all): the held
+        lengths are kept for every request, each part's decided on its own calls (both parts
+        of a step see the same cadence: the guard ticks once a step, `drafts`)."""
         g = self.guard
+        n = of or len(rids)
         if not isinstance(g, YieldGuard) or not g.enabled:
-            cost = self._cost = self.row_cost(len(rids))
+            cost = self._cost = self.row_cost(n)
             return {rid: g.length(rid, cost) for rid in rids}
         held, dirty = self._held, self._dirty
-        if g.on_cadence() or len(held) != len(rids):
-            cost = self._cost = self.row_cost(len(rids))
-            held = {rid: g.length(rid, cost) for rid in rids}
+        if g.on_cadence() or any(rid not in held for rid in rids):
+            cost = self._cost = self.row_cost(n)
+            held = {**held, **{rid: g.length(rid, cost) for rid in rids}}
             if self.step_rule is not None and self.shadowing:
                 k = self.config.k
                 rows = len(rids) * (1 + k)
                 if self.max_step_rows is not None:
                     rows = min(rows, self.max_step_rows)
-                self._shadow_pays = self.step_rule.could_pay(len(rids), rows)
+                self._shadow_pays = self.step_rule.could_pay(len(rids), rows, of)
             changed = True
         else:
-            changed = bool(dirty) or held.keys() != set(rids)
+            changed = bool(dirty) and not dirty.isdisjoint(rids)
             if changed:  # (the row cost as measured now: cheap next to the guard's sums)
-                cost = self._cost = self.row_cost(len(rids))
-                held = {rid: held[rid] if rid in held and rid not in dirty else g.length(rid, cost)
-                        for rid in rids}
+                cost = self._cost = self.row_cost(n)
+                held = {**held, **{rid: g.length(rid, cost) for rid in rids if rid in dirty}}
         if changed:
             if self.config.step_plan == "joint" and self.step_rule is not None:
                 held = self._joint(held)
             self._held, self._veto = held, None
-            # a probe lasts one step: its slot is decided again at the next
-            self._dirty = {rid for rid, k in held.items() if k and g.probing(rid)}
+            # a probe lasts one step: its slot is decided again at the next (another part's
+            # observed slots stay to be decided at its own call)
+            self._dirty = dirty.difference(rids) | {rid for rid in rids if held[rid] and g.probing(rid)}
         return held
 
     def _joint(self, held: dict[Hashable, int]) -> dict[Hashable, int]:
@@ -258,21 +263,23 @@ class Speculator:
         # slots, a joint plan of nothing after its warm-up decoded every timed step plainly)
         return held if plan is None or not any(plan.values()) else {**held, **plan}
 
-    def _lengths(self, rids, pinned: Mapping[Hashable, int] | None = None) -> dict[Hashable, int]:
+    def _lengths(self, rids, pinned: Mapping[Hashable, int] | None = None,
+                 of: int | None = None) -> dict[Hashable, int]:
         """The draft length per request for one step (those in `pinned` as decided already):
-        the guard's, cut to the runner's fastest verify, weighed as a step by the step rule."""
+        the guard's, cut to the runner's fastest verify, weighed as a step by the step rule
+        (`of`: the step is a part of that many decoding requests, `_decide`)."""
         pinned = pinned or {}
-        decided = self._decide(rids)
+        decided = self._decide(rids, of)
         lengths = {rid: pinned[rid] if rid in pinned else decided[rid] for rid in rids}
         if self.max_step_rows is not None:
             _fit(lengths, self.max_step_rows - len(lengths))
-        if self.step_rule is not None and any(lengths.values()) and len(pinned) < len(lengths):
+        if self.step_rule is not None and any(lengths.values()) and any(rid not in pinned for rid in lengths):
             veto = self._veto
             if veto is None or pinned or self.guard.on_cadence():
                 drafted = sum(lengths.values())
                 tokens = sum(self.guard.expected(rid, k) for rid, k in lengths.items())
                 extra = drafted * (self.draft_cost.ms_per_token or 0.0)
-                veto = not self.step_rule.pays(len(lengths), len(lengths) + drafted, tokens, extra, self.guard.step)
+                veto = not self.step_rule.pays(len(lengths), len(lengths) + drafted, tokens, extra, self.guard.step, of)
                 if not pinned:
                     self._veto = veto
             if veto:
@@ -282,15 +289,18 @@ class Speculator:
                         self.stats[rid].vetoed += 1
         return lengths
 
-    def drafts(self, contexts: Mapping[Hashable, Sequence[int]]) -> dict[Hashable, tuple[int, ...]]:
+    def drafts(self, contexts: Mapping[Hashable, Sequence[int]], *, of: int | None = None,
+               tick: bool = True) -> dict[Hashable, tuple[int, ...]]:
         """Request id -> its draft for this step, for the decoding requests `contexts` (request
         id -> prompt and output so far; read only for those the guard lets draft, so it may be
-        a lazy mapping); requests without one decode plainly."""
+        a lazy mapping); requests without one decode plainly. The engine's pipeline drafts
+        each half on its own: `of` the decoding requests of both, `tick` only on the second
+        (the guard counts steps of every slot, so both halves meet the same cadence)."""
         pinned, self._pinned = self._pinned, None
         if pinned is not None and pinned.keys() == contexts.keys():
             lengths = pinned
-        else:  # (the requests changed since: the new ones decided now)
-            lengths = self._lengths(list(contexts), pinned)
+        else:  # (the requests changed since, or a part of them: those not pinned decided now)
+            lengths = self._lengths(list(contexts), pinned, of)
         asks = {}
         for rid, k in lengths.items():
             if k == 0:
@@ -318,7 +328,10 @@ class Speculator:
                 self.stats[rid].empty += 1
         if self.shadowing:
             self._shadow(contexts, lengths)
-        self.guard.tick()
+            if of is not None:  # (a part: the other's shadows may be due before this one's)
+                self._shadow_next = 0
+        if tick:
+            self.guard.tick()
         return out
 
     def _shadow(self, contexts: Mapping[Hashable, Sequence[int]], lengths: Mapping[Hashable, int]) -> None:
@@ -430,6 +443,7 @@ class Speculator:
         self.tree_guard.forget(rid)
         self._shadows.pop(rid, None)
         self._dirty.discard(rid)
+        self._held.pop(rid, None)
         return self.stats.pop(rid)
 
 

@@ -1,0 +1,159 @@
+"""The pipeline (SpecConfig.pipeline, engine.py): from N decoding slots on, a step that drafts
+splits the slots into two halves whose steps alternate, one half's host work running while the
+other's forward is on the device. It is a schedule, not an approximation: every token and logit
+is bitwise what plain decoding gives, each request alone. Every test asserts that half steps
+ran (the `pipelined` step column), so none passes with the pipeline idle."""
+
+import pytest
+import torch
+
+from workbench.errors import ConfigError
+from workbench.spec import SpecConfig
+
+from test_paged_engine import _no_page_left, _same
+from test_speculation import TRITON_GRAPHS, Adversary, Oracle, _engine, _ids, _refs, _run, _triton
+
+
+def _pipelined(e) -> int:
+    steps = e.telemetry.steps()
+    return int(steps["pipelined"].sum())
+
+
+def _oracle(prompts, refs, wrong_from=None):
+    return Oracle({tuple(p): r[0] for p, r in zip(prompts, refs)}, wrong_from=wrong_from)
+
+
+@pytest.mark.parametrize("n,temperature", [(4, 0.0), (8, 0.0), (4, 0.9)])
+def test_halves_verify_in_turn_bitwise_ar(tiny_model, n, temperature):
+    """Mixed prompt lengths and max_tokens, drafts kept in part (right for two tokens, then
+    wrong): each request's tokens and logits are the reference's, and half steps ran."""
+    m = tiny_model()
+    prompts = [_ids(5 + 7 * i, 100 + i) for i in range(n)]
+    max_tokens = [14 + 3 * (i % 3) for i in range(n)]
+    refs = _refs(m, prompts, max_tokens, temperature, seed=11)
+    e = _engine(m, n, SpecConfig(k=4, guard=False, pipeline=2), _oracle(prompts, refs, wrong_from=2))
+    out = _run(e, prompts, max_tokens, temperature, seed=11)
+    for r, ref in zip(out, refs):
+        _same(r, ref)
+        assert r.spec.accepted > 0 and r.spec.drafted > r.spec.accepted
+    steps = e.telemetry.steps()
+    half = steps.filter(steps["pipelined"])
+    assert half.height > 4
+    # a half's step holds at most its half of the slots, and its step ids are the engine's own
+    assert int(half["num_slots"].max()) <= (n + 1) // 2
+    assert steps["step"].to_list() == sorted(steps["step"].to_list())
+    assert len(set(steps["step"].to_list())) == steps.height
+    _no_page_left(e)
+
+
+def test_a_permutation_and_more_requests_than_slots_stay_exact(tiny_model):
+    """Six requests through four slots, submitted in a shuffled order: a finished request with
+    others waiting winds the pipeline down (their prefills are whole steps), and it starts
+    again once every slot decodes."""
+    m = tiny_model()
+    prompts = [_ids(6 + 5 * i, 120 + i) for i in range(6)]
+    order = [3, 0, 5, 1, 4, 2]
+    refs = _refs(m, prompts, 16)
+    e = _engine(m, 4, SpecConfig(k=3, guard=False, pipeline=2), _oracle(prompts, refs, wrong_from=1))
+    hs = {i: e.submit(prompts[i], max_tokens=16, index=i, ignore_eos=True) for i in order}
+    e.run_until_done()
+    for i, h in hs.items():
+        _same(h.result(), refs[i])
+    steps = e.telemetry.steps()
+    assert _pipelined(e) > 4
+    # whole steps came between half steps: the prefills of the requests that waited
+    flips = sum(a != b for a, b in zip(steps["pipelined"].to_list(), steps["pipelined"].to_list()[1:]))
+    assert flips >= 3
+    _no_page_left(e)
+
+
+def test_a_cancel_while_halves_are_in_flight_leaves_the_others_exact(tiny_model):
+    m = tiny_model()
+    prompts = [_ids(n, 140 + n) for n in (9, 15, 21, 6)]
+    refs = _refs(m, prompts, 24)
+    e = _engine(m, 4, SpecConfig(k=3, guard=False, pipeline=2), _oracle(prompts, refs))
+    hs = [e.submit(p, max_tokens=24, index=i, ignore_eos=True) for i, p in enumerate(prompts)]
+    while len(e._flights) < 2:
+        e.step()
+    hs[2].cancel()  # (both halves' steps land first, then the cancel)
+    assert not e._flights
+    e.run_until_done()
+    assert hs[2].result().finish_reason == "cancelled"
+    for i in (0, 1, 3):
+        _same(hs[i].result(), refs[i])
+    assert _pipelined(e) > 2
+    _no_page_left(e)
+
+
+def test_an_always_wrong_proposer_under_the_guard_leaves_the_pipeline(tiny_model):
+    """The guard turns drafting off: a half whose guard drafts nothing winds the pipeline down,
+    and the rest is plain whole steps. Tokens bitwise AR's."""
+    m = tiny_model()
+    prompts = [_ids(n, 160 + n) for n in (7, 12, 9, 14)]
+    refs = _refs(m, prompts, 40)
+    spec = SpecConfig(k=4, guard=True, pipeline=2, row_cost=0.3, measure_cost=False)
+    e = _engine(m, 4, spec, Adversary({tuple(p): r[0] for p, r in zip(prompts, refs)}))
+    out = _run(e, prompts, 40)
+    for r, ref in zip(out, refs):
+        _same(r, ref)
+        assert r.spec.accepted == 0 and r.spec.guard_skips > 0
+    steps = e.telemetry.steps()
+    assert 0 < _pipelined(e) < steps.height // 2  # it ran, then the guard stopped it
+    assert not steps["pipelined"].to_list()[-1]
+
+
+def test_ngram_under_the_guard_pipelines_bitwise_ar(tiny_model):
+    """The configuration a GPU run uses: n-gram drafts chosen by the guard (shadow drafts, the
+    step rule), the pipeline from 4 slots; repeating prompts so drafts are kept."""
+    m = tiny_model()
+    prompts = [_ids(24 + 3 * i, 180 + i, period=4 + i % 3) for i in range(6)]
+    refs = _refs(m, prompts, 30)
+    e = _engine(m, 6, SpecConfig(proposer="ngram", k=4, pipeline=4, measure_cost=False))
+    out = _run(e, prompts, 30)
+    for r, ref in zip(out, refs):
+        _same(r, ref)
+    assert sum(r.spec.accepted for r in out) > 0
+    assert _pipelined(e) > 0
+
+
+def test_below_its_slots_the_pipeline_stays_off(tiny_model):
+    m = tiny_model()
+    prompts = [_ids(n, 190 + n) for n in (7, 12, 9)]
+    refs = _refs(m, prompts, 12)
+    e = _engine(m, 3, SpecConfig(k=3, guard=False, pipeline=4), _oracle(prompts, refs))
+    for r, ref in zip(_run(e, prompts, 12), refs):
+        _same(r, ref)
+        assert r.spec.accepted > 0
+    assert _pipelined(e) == 0
+
+
+@pytest.mark.parametrize("keep_logits", [True, False])
+def test_triton_halves_launch_in_turn_bitwise_its_plain_decoding(tiny_model, keep_logits):
+    """The Triton runner (chunk graphs emulated on the CPU, natively on the device): each half's
+    verify launched behind the other's, its answer read later; tokens (and logits, where kept)
+    bitwise those of plain decoding on the same runner."""
+    m = tiny_model("gemma3", "float32", "Q8_0", sliding_window=8)
+    prompts = [_ids(n, 200 + n, vocab=m.config.vocab_size) for n in (5, 11, 3, 8)]
+    kw = dict(max_tokens=9, temperature=0.0, ignore_eos=True)
+    plain = _triton(m, 4, keep_logits=keep_logits).generate(prompts, **kw)
+    oracle = Oracle({tuple(p): r.token_ids for p, r in zip(prompts, plain)}, wrong_from=2)
+    e = _triton(m, 4, SpecConfig(k=3, guard=False, pipeline=2), oracle, keep_logits=keep_logits)
+    out = e.generate(prompts, **kw)
+    for r, p in zip(out, plain):
+        assert r.token_ids == p.token_ids
+        if keep_logits:
+            assert torch.equal(r.logits, p.logits)
+        assert r.spec.accepted > 0
+    assert _pipelined(e) > 2
+    if TRITON_GRAPHS:
+        assert any(sel > 1 for _, sel, _ in e.runner.graphs.chunk_keys)  # the halves' verifies took chunk graphs
+
+
+def test_pipeline_bad_input_is_refused_in_one_line():
+    for kw, words in [(dict(pipeline=1), "allowed 0 (off) or the slots it starts at"),
+                      (dict(pipeline=True), "allowed 0 (off)"),
+                      (dict(pipeline=4, proposer="self", draft_layers=2), "allowed with ngram or suffix"),
+                      (dict(pipeline=4, tree=8), "allowed tree=None")]:
+        with pytest.raises(ConfigError, match="pipeline") as err:
+            SpecConfig(**kw)
+        assert words in str(err.value) and "\n" not in str(err.value)
