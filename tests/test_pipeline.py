@@ -157,3 +157,21 @@ def test_pipeline_bad_input_is_refused_in_one_line():
         with pytest.raises(ConfigError, match="pipeline") as err:
             SpecConfig(**kw)
         assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bench_names_the_pipeline_and_flags_it_idle(tiny_gguf, tmp_path, capsys):
+    from workbench.bench import activation_flag, spec_text
+    from workbench.cli import main
+
+    assert spec_text(SpecConfig(k=8, pipeline=8)) == "ngram:k8+pipeline8"
+    idle = {"spec_verify_steps": 5, "spec_pipelined_steps": 0}
+    assert "no step ran as a half" in activation_flag(idle, prefix_cache=False, shared_prefix_len=0,
+                                                       speculation=True, pipeline=True)
+    assert activation_flag({**idle, "spec_pipelined_steps": 3}, prefix_cache=False, shared_prefix_len=0,
+                           speculation=True, pipeline=True) is None
+    rc = main(["bench", "--model", str(tiny_gguf("gemma3")), "--concurrency", "2", "--prompt-len", "16", "--gen", "2",
+               "--spec", "ngram", "--spec-pipeline", "1", "--data-dir", str(tmp_path), "--no-progress"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pipeline=1 is out of range: allowed 0 (off)" in err[0]
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

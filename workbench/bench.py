@@ -174,6 +174,8 @@ def measure(model, concurrency: int, prompt_len: int, gen: int, chunk: int | Non
         # token trees: alternative paths verified, and verifies an alternative won (0 with chains)
         "spec_tree_paths": sum(r.spec.tree_paths for r in results) if speculation else None,
         "spec_tree_wins": sum(r.spec.tree_wins for r in results) if speculation else None,
+        # the pipeline's half steps (SpecConfig.pipeline; 0 when it never started)
+        "spec_pipelined_steps": int(steps["pipelined"].sum()) if speculation else None,
         "draft_yield": (sum(r.spec.emitted for r in results) / max(1, sum(r.spec.verify_steps for r in results))
                         if speculation else None),
         # a draft model's forwards and their wall time (self / draft proposers; None otherwise)
@@ -292,6 +294,7 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
                                               host_backing=kv_host_tokens is not None,
                                               speculation=speculation is not None,
                                               tree=speculation is not None and speculation.tree is not None,
+                                              pipeline=(speculation is not None and 0 < speculation.pipeline <= c),
                                               qsa_boundary=None if qsa is None else qsa.dense_positions,
                                               scored_eviction=eviction == "scored")
                 rows.append(row)
@@ -315,13 +318,14 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
 def activation_flag(row: dict, *, prefix_cache: bool, shared_prefix_len: int,
                     prompt_compression: str | float = "off", host_backing: bool = False,
                     speculation: bool = False, tree: bool = False, qsa_boundary: int | None = None,
-                    scored_eviction: bool = False) -> str | None:
+                    scored_eviction: bool = False, pipeline: bool = False) -> str | None:
     """Why a measurement that asked for a feature shows none of it (None when each asked-for
     feature ran; each feature's reason, joined by "; ", when several did not): a shared prefix
     with the cache on must show prefix-hit tokens, on a paged runner; prompt compression must
     have compressed at least one request ("auto" leaves prompts below its threshold whole); host
     backing must have paged a page out or recomputed a request (else the pool held everything);
-    speculation must have verified a draft."""
+    speculation must have verified a draft, and with the pipeline asked at the concurrency it
+    starts at, run half steps."""
     why = []
     if shared_prefix_len and prefix_cache:
         if not row.get("paged"):
@@ -342,6 +346,9 @@ def activation_flag(row: dict, *, prefix_cache: bool, shared_prefix_len: int,
     if tree and row.get("spec_verify_steps") and not row.get("spec_tree_paths"):
         why.append("token trees asked, but no alternative path was verified (the proposer offered one path "
                    "only, or the forks' pages did not fit)")
+    if pipeline and row.get("spec_verify_steps") and not row.get("spec_pipelined_steps"):
+        why.append("the pipeline asked at this concurrency, but no step ran as a half (no step drafted in both "
+                   "halves, or requests kept waiting for slots)")
     if speculation and row.get("draft_forwards") == 0:
         why.append("a draft model asked, but it ran no forward (the guard kept every slot at k=0, or its KV "
                    "pool had no room: raise SpecConfig.draft_kv_tokens)")
@@ -356,12 +363,13 @@ def activation_flag(row: dict, *, prefix_cache: bool, shared_prefix_len: int,
 
 def spec_text(spec) -> str:
     """'off', or the speculation's proposer and k ("ngram:k4"; "+tree12" with a node budget,
-    "+noguard" with the guard off, "+cohort" with seed 002's rule)."""
+    "+noguard" with the guard off, "+cohort" with seed 002's rule, "+pipeline8" with the pipeline)."""
     if spec is None:
         return "off"
     name = {"self": f"self:{spec.draft_layers}", "draft": f"draft:{os.path.basename(spec.draft_model or '')}"}
     return (f"{name.get(spec.proposer, spec.proposer)}:k{spec.k}" + ("" if spec.tree is None else f"+tree{spec.tree}")
-            + {True: "", False: "+noguard", "cohort": "+cohort"}[spec.guard])
+            + {True: "", False: "+noguard", "cohort": "+cohort"}[spec.guard]
+            + (f"+pipeline{spec.pipeline}" if spec.pipeline else ""))
 
 
 def compression_text(mode: str | float) -> str:
@@ -417,7 +425,7 @@ def _cmd_bench(args) -> int:
 
         # (a bad combination: one line, before the model loads; --spec-tree without --spec too)
         args.speculation = SpecConfig(**(args.spec or {"proposer": SpecConfig.proposer}), k=args.spec_k,
-                                      tree=args.spec_tree, guard=args.spec_guard)
+                                      tree=args.spec_tree, guard=args.spec_guard, pipeline=args.spec_pipeline)
     model = load_model(args.model, dtype=args.dtype)
     run, rows = run_bench(model, concurrency=args.concurrency, prompt_len=args.prompt_len, gen=args.gen,
                           chunk=args.chunk, repeats=args.repeats, data_dir=args.data_dir, backend=args.backend,
@@ -585,6 +593,9 @@ def register_cli(sub) -> None:
     p.add_argument("--spec-tree", type=int_range(1), default=None, metavar="N",
                    help="--spec: token trees with a node budget of N draft tokens per slot per step across "
                         "its paths (more than --spec-k; default: linear chains)")
+    p.add_argument("--spec-pipeline", type=int, default=SpecConfig.pipeline, metavar="N",
+                   help="--spec: from N decoding slots on, the slots' halves verify in turn, one half's host work "
+                        "under the other's forward (n-gram and suffix; outputs unchanged; default 0: off)")
     p.add_argument("--no-spec-guard", dest="spec_guard", action="store_false",
                    help="--spec: every slot drafts what its proposer offers, up to K (default: the yield guard)")
     p.add_argument("--qsa", type=_qsa, default=None, metavar="on|NAME=VALUE,...",
