@@ -45,6 +45,7 @@ def measure_draft_yield(
     concurrency: Sequence[int],
     guards: Sequence[str] = ("on",),
     trees: Sequence[int] = (0,),
+    pipelines: Sequence[int] = (0,),
     temperatures: Sequence[float] = (0.0,),
     max_tokens: int | None = None,
     backend: str = "torch",
@@ -55,6 +56,7 @@ def measure_draft_yield(
 ):
     """One row per (workload, temperature, concurrency, proposer, k, tree, guard), each beside
     its AR reference. `trees`: token-tree node budgets (SpecConfig.tree; 0: a linear chain).
+    `pipelines`: the slots the pipeline starts at (SpecConfig.pipeline; 0: off).
     `max_tokens`: a cap on each prompt's own suggestion (None: the suggestion).
     `timed_passes`: each engine runs the prompts this many times after its warm-up pass; a row
     reports the pass of median goodput (on the GPU a step shape first met in a timed pass
@@ -70,12 +72,13 @@ def measure_draft_yield(
     bad = [g for g in guards if g not in GUARDS]
     if bad:
         raise WorkbenchError(f"guard={bad[0]!r} is not allowed: allowed {', '.join(GUARDS)}")
-    specs = [(p, k, n, g) for p in proposers for k in ks for n in trees for g in guards]
+    specs = [(p, k, n, g, pipe) for p in proposers for k in ks for n in trees for g in guards for pipe in pipelines]
     # (built before any work: a bad value is one line)
-    configs = {(p, k, n, g): SpecConfig(**proposer_fields(p), k=k, tree=n or None, guard=GUARD_VALUES[g])
-               for p, k, n, g in specs}
-    labels = [f"{w} T={t:g} C={c} " + (_arm(p, k, n, g) if p else "AR")
-              for w in workloads for t in temperatures for c in concurrency for p, k, n, g in [(None, 0, 0, None)] + specs]
+    configs = {spec: SpecConfig(**proposer_fields(spec[0]), k=spec[1], tree=spec[2] or None,
+                                guard=GUARD_VALUES[spec[3]], pipeline=spec[4]) for spec in specs}
+    labels = [f"{w} T={t:g} C={c} " + (_arm(*spec) if spec[0] else "AR")
+              for w in workloads for t in temperatures for c in concurrency
+              for spec in [(None, 0, 0, None, 0)] + specs]
     rows = []
     with measurement_bar(labels, enabled=progress) as bar:
         for w in workloads:
@@ -88,11 +91,12 @@ def measure_draft_yield(
                     base = dict(max_concurrency=c, dtype=model.dtype_name, backend=backend, prefix_cache=False)
                     ref = _run(model, EngineConfig(**base), timed, sampling, timed_passes)
                     next_measurement(bar, labels)
-                    for p, k, n, g in specs:
-                        got = _run(model, EngineConfig(**base, speculation=configs[p, k, n, g]), timed, sampling,
+                    for spec in specs:
+                        p, k, n, g, pipe = spec
+                        got = _run(model, EngineConfig(**base, speculation=configs[spec]), timed, sampling,
                                    timed_passes)
                         rows.append(_row(model, got, ref, workload=w, concurrency=c, proposer=p, k=k, tree=n,
-                                         guard=g, backend=backend, temperature=t))
+                                         guard=g, pipeline=pipe, backend=backend, temperature=t))
                         next_measurement(bar, labels)
     return pl.DataFrame(rows, infer_schema_length=None)
 
@@ -103,6 +107,7 @@ def measure_from_config(model, config: dict):
     return measure_draft_yield(
         model, workloads=config["workloads"], proposers=config["proposers"], ks=config["ks"],
         concurrency=config["concurrencies"], guards=config["guards"], trees=config["trees"],
+        pipelines=config["pipelines"],
         max_tokens=config["max_tokens"],
         temperatures=[t / 100 for t in config["temperatures_pct"]],
         backend=config["backend"], seed=config["seed"], data_dir=config["data_dir"], progress=config["progress"],
@@ -219,11 +224,13 @@ def _pass(engine, prompts, sampling: dict, tag: str) -> dict:
     }
 
 
-def _arm(proposer, k, tree, guard) -> str:
-    return f"{proposer} k={k}" + (f" tree={tree}" if tree else "") + f" guard {guard}"
+def _arm(proposer, k, tree, guard, pipeline=0) -> str:
+    return (f"{proposer} k={k}" + (f" tree={tree}" if tree else "") + f" guard {guard}"
+            + (f" pipeline {pipeline}" if pipeline else ""))
 
 
-def _row(model, got: dict, ref: dict, *, workload, concurrency, proposer, k, tree, guard, backend, temperature) -> dict:
+def _row(model, got: dict, ref: dict, *, workload, concurrency, proposer, k, tree, guard, backend, temperature,
+         pipeline=0) -> dict:
     same = [a.token_ids == b.token_ids for results in got.get("all_results", [got["results"]])
             for a, b in zip(results, ref["results"])]
     ok, flag = activation(got["verify_steps"] or 0, tree=bool(tree), tree_paths=got["tree_paths"] or 0)
@@ -241,7 +248,8 @@ def _row(model, got: dict, ref: dict, *, workload, concurrency, proposer, k, tre
         "guard": guard,
         "temperature": temperature,
         "backend": backend,
-        "arm": _arm(proposer, k, tree, guard),
+        "pipeline": pipeline,
+        "arm": _arm(proposer, k, tree, guard, pipeline),
         **{key: got[key] for key in keep},
         "ar_goodput_tok_s": ref["goodput_tok_s"],
         "ar_wall_s": ref["wall_s"],
