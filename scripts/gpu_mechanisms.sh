@@ -21,6 +21,8 @@
 #           telemetry to logs/spec_steps_*.parquet); FAMILY_VARIANT=verify_graph_family=false: a third arm
 #           (TritonOptions), FAMILY_SPEC_VARIANT=step_plan=joint: one more (SpecConfig fields); FAMILY_PROFILE=1:
 #           cProfile of the last arm's timed passes (logs/host_*.prof, top functions in the log)
+#   pipeline  scripts/pipeline_bench.py: AR, speculation in whole steps and the pipeline (SpecConfig.pipeline)
+#           at PIPE_SLOTS slots, scripted drafts keeping PIPE_KEPT of PIPE_K (random weights with NO_BUNDLE)
 #   spectests  natively: the speculation tests on the Triton runner (run-ahead at the guard's k = 0, the
 #           pipeline's halves launched in turn)
 #   verify  scripts/verify_step_bench.py: a verify step's device and wall time by rows per slot and by
@@ -66,6 +68,11 @@ for stage in ${STAGES//,/ }; do
       timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_spec_trees.py tests/test_compression.py \
           tests/test_scored_eviction.py tests/test_chunk_graphs.py tests/kernels/test_attention.py \
           -k "triton or cuda or segment_mass or family" > "$OUT/logs/native_tests.log" 2>&1; tail -4 "$OUT/logs/native_tests.log" ;;
+    pipeline)
+      timeout ${PIPE_S:-300} python3 scripts/pipeline_bench.py $MODEL_ARGS --out "$OUT/logs" --slots ${PIPE_SLOTS:-16} \
+          --k ${PIPE_K:-8} --kept ${PIPE_KEPT:-7} --prompt ${PIPE_PROMPT:-256} --gen ${PIPE_GEN:-256} \
+          > "$OUT/logs/pipeline_bench.log" 2>&1; echo "rc $?"
+      tail -16 "$OUT/logs/pipeline_bench.log" | cut -c1-300 ;;
     spectests)
       timeout ${SPECTESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_speculation.py \
           tests/test_chunk_graphs.py tests/test_pipeline.py -k "triton or k0_steps or family or launch" > "$OUT/logs/spec_native_tests.log" 2>&1

@@ -6,6 +6,7 @@ machine; on the device a verify step cannot hide it (docs/GPU_NOTES.md, session 
 
     python3 scripts/host_overhead.py --workload code-edit --concurrency 16 --spec ngram:8
     python3 scripts/host_overhead.py ... --spec-variant step_plan=joint --out steps.parquet
+    python3 scripts/host_overhead.py ... --spec-variant pipeline=8   (the pipeline: a half step's host)
 
 The recorded run is plain greedy decoding on the torch runner (the slow part on a CPU: about a
 minute for code editing at 16 slots). Each pass's tokens must equal it, or the script exits 1.
@@ -30,6 +31,12 @@ class ReplayRunner:
 
     def __init__(self, prompts: list[tuple[int, ...]], outputs: list[list[int]]):
         self.prompts, self.outputs = prompts, outputs
+
+    def launch(self, forward, max_context, argmax=frozenset()):
+        """The pipeline's launch (SpecConfig.pipeline): answered at once, as `run`."""
+        from workbench.runner import Launched
+
+        return Launched(self.run(forward, max_context, argmax))
 
     def run(self, forward, max_context, argmax=frozenset(), ahead=False):
         out = {}
@@ -88,7 +95,8 @@ def main(argv=None) -> int:
         recorded = _pass(workbench.Engine(m, EngineConfig(**base)), prompts, "ar")
         engine = workbench.Engine(m, EngineConfig(**base, speculation=spec))
         # (an engine builds its own runner; its run alone is replaced, an instance attribute)
-        engine.runner.run = ReplayRunner([tuple(p) for p, _ in prompts], recorded).run
+        replay = ReplayRunner([tuple(p) for p, _ in prompts], recorded)
+        engine.runner.run, engine.runner.launch = replay.run, replay.launch
         _pass(engine, prompts, "warm")
         first = engine.telemetry.steps().height
         for r in range(args.passes):
@@ -103,8 +111,9 @@ def main(argv=None) -> int:
             print(f"pass {r}: {1e3 * wall:.1f} ms for {sum(map(len, got))} tokens", flush=True)
         steps = engine.telemetry.steps().slice(first)
         decode = steps.filter(pl.col("phase") == "decode")
-        for kind, rows in (("plain", decode.filter(pl.col("draft_tokens").fill_null(0) == 0)),
-                           ("verify", decode.filter(pl.col("draft_tokens").fill_null(0) > 0))):
+        verify, half = pl.col("draft_tokens").fill_null(0) > 0, pl.col("pipelined")
+        for kind, rows in (("plain", decode.filter(~verify & ~half)), ("verify", decode.filter(verify & ~half)),
+                           ("half plain", decode.filter(~verify & half)), ("half verify", decode.filter(verify & half))):
             if rows.height:
                 print(f"{kind} steps: {rows.height}, host {statistics.median(rows['wall_ms']):.3f} ms each (median), "
                       f"{rows['rows'].mean():.1f} rows, {rows['tokens_out'].mean():.1f} tokens out")
