@@ -167,7 +167,6 @@ class _Flight:
     half: int
     running: dict
     launched: list
-    num_forwards: int
     t0: float
     captures: int
 
@@ -551,7 +550,7 @@ class Engine:
         running = {slot: rid for slot, rid in self.scheduler.running_ids().items() if slot in self._halves[h]}
         argmax = self._argmax(running, plan)
         launched = [self.runner.launch(fwd, max_ctx, argmax=argmax) for fwd in forwards]
-        self._flights.append(_Flight(plan, self._step_index, h, running, launched, len(forwards), t0,
+        self._flights.append(_Flight(plan, self._step_index, h, running, launched, t0,
                                      getattr(self.runner, "num_captures", 0) - captures))
         self._step_index += 1
         return True
@@ -568,7 +567,7 @@ class Engine:
             for half in self._halves:
                 half.discard(ev.slot_id)
         t1 = time.perf_counter()
-        self._record_step(fl.plan, fl.step_id, fl.num_forwards, max(fl.t0, self._last_done), t1, num_kept,
+        self._record_step(fl.plan, fl.step_id, len(fl.launched), max(fl.t0, self._last_done), t1, num_kept,
                           num_out, fl.captures, pipelined=True)
         self._last_done = time.perf_counter()
         if not self._flights:

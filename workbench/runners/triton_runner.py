@@ -319,9 +319,9 @@ class TritonRunner:
     @torch.inference_mode()
     def launch(self, forward: Sequence[Segment], max_context: dict[int, int],
                argmax: frozenset[int] = frozenset()) -> Launched:
-        """`run`'s first half: the forward enqueued and its sampled rows kept on the device (a
-        copy, so a later launch may replay the same graph over its buffers), the host not
-        waiting; `result()` is `run`'s answer. A forward that replays a chunk graph (a verify, a
+        """`run`'s first half: the forward enqueued and its sampled rows copied to pinned host
+        memory behind it in the stream (so a later launch may replay the same graph over its
+        buffers), the host not waiting; `result()` waits for that copy alone and is `run`'s answer. A forward that replays a chunk graph (a verify, a
         prefill chunk or mixed step) is left running; any other form (a graphed decode step, an
         eager forward, or while a step launched ahead is pending) runs to its end here as `run`
         does, its answer held. Launches complete in their order (one stream), so the host may
@@ -492,7 +492,6 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     of 262144 floats, 1.6 GB/s)."""
     if t.device.type != "cuda":
         return t
-    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    h.copy_(t, non_blocking=True)
+    h = _host_copy(t, pinned=True)
     torch.cuda.current_stream().synchronize()
     return h
