@@ -709,6 +709,63 @@ def test_the_step_rule_weighs_a_steps_drafts_against_a_plain_step():
     assert rule.could_pay(16, 144) and not rule.could_pay(16, 20)  # (every row kept: 144 in 6.32 ms; 20 in 2.6)
 
 
+def test_the_step_rule_prices_the_pipelines_half_steps_apart():
+    """Code editing at 16 slots as the H100 measured it (runs 98-106): plain steps of 16 rows
+    run ahead at 0.66 ms, whole verify steps of 144 rows at 4.7 ms (their host unhidden), so a
+    whole step of ~112 tokens does not pay. The pipeline's half steps (72 rows, the time each
+    adds ~2.0 ms) are fitted apart and weighed, per half of ~56 tokens, against plain decoding
+    of all 16 slots: they pay. A half pays until one was measured, and a half's step never
+    moves the whole verify fit; a half's plain step (its drafts all cut) prices nothing."""
+    from workbench.spec.guard import StepRule
+
+    rule = StepRule()
+    for _ in range(8):
+        rule.observe(16, 0.66, verify=False, ahead=True)
+    rule.observe(144, 4.7, verify=True)
+    assert not rule.pays(16, 144, 112.0, 0.0, step=1)
+    assert rule.pays(8, 72, 56.0, 0.0, step=1, of=16)  # (no half step measured yet)
+    for _ in range(4):
+        rule.observe(72, 2.0, verify=True, pipelined=True)
+        rule.observe(8, 0.5, verify=False, pipelined=True)
+    assert rule.half.num_steps == 4 and rule.verify.num_steps == 1 and rule.plain.num_steps == 8
+    assert rule.verify.at(144) == pytest.approx(4.7) and rule.half.at(72) == pytest.approx(2.0)
+    assert rule.pays(8, 72, 56.0, 0.0, step=1, of=16)  # (28 a ms against 24.2 plainly)
+    assert not rule.pays(8, 72, 40.0, 0.0, step=1, of=16)  # (20 a ms)
+    assert rule.could_pay(8, 72, of=16) and not rule.could_pay(8, 24, of=16)
+    assert not rule.pays(16, 144, 112.0, 0.0, step=1)  # (the whole step's price is its own)
+
+
+def test_a_whole_step_the_pipeline_may_split_is_weighed_as_its_halves():
+    """The speculator's `split` (the engine's: the pipeline may run the step as two halves):
+    where whole verify steps measured dear and the halves cheap, the same drafts are vetoed as
+    one step and pass as two halves; without any half measured they pass, so the pipeline is
+    tried and measured. (Each slot's draft of 4 at the prior's alpha 2/3 is worth ~2.6 tokens;
+    plain decoding emits 4 in 0.66 ms.)"""
+    from workbench.spec.speculator import Speculator
+
+    def speculator():
+        sp = Speculator(SpecConfig(k=4, row_cost=0.05), _Repeat(3))
+        for r in "abcd":
+            sp.start(r, [1])
+        for _ in range(8):
+            sp.step_rule.observe(4, 0.66, verify=False, ahead=True)
+        for _ in range(4):  # (4 slots x 5 rows: 20 tokens at best, in 4.7 ms)
+            sp.step_rule.observe(20, 4.7, verify=True)
+        return sp
+
+    ctx = {r: [1] for r in "abcd"}
+    assert speculator().drafts(ctx) == {}
+    assert speculator().drafts(ctx, split=True) == {r: (3,) * 4 for r in "abcd"}
+    sp = speculator()
+    for _ in range(4):
+        sp.step_rule.observe(10, 0.5, verify=True, pipelined=True)  # (a half's ~5 tokens in 0.5 ms)
+    assert sp.drafts(ctx, split=True) == {r: (3,) * 4 for r in "abcd"}
+    sp = speculator()
+    for _ in range(4):
+        sp.step_rule.observe(10, 4.0, verify=True, pipelined=True)
+    assert sp.drafts(ctx, split=True) == {}
+
+
 def test_a_vetoed_step_decodes_plainly_but_for_its_probes():
     """With the step rule's fits saying verify steps do not pay, every slot's draft is vetoed
     (counted), except a slot whose length was a probe; plain_next then says the step is plain."""

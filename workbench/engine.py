@@ -378,7 +378,8 @@ class Engine:
         # a greedy steady state: the runner may start the next step before returning this one's
         # (with speculation: when the guard lets no slot draft in that next step, decided now)
         ahead = (bool(argmax) and self.scheduler.repeats_after(plan) and set(plan.slot_ids()) <= argmax
-                 and (self.speculator is None or self.speculator.plain_next(list(running.values()))))
+                 and (self.speculator is None
+                      or self.speculator.plain_next(list(running.values()), split=self._pipeline_possible())))
         outs = []
         for fwd in forwards:  # run
             for seg in fwd:
@@ -493,11 +494,15 @@ class Engine:
     # waiting, a half whose guard drafts nothing, or a half whose rows do not fit its pages
     # winds it down (what is in flight lands, then whole steps), and a cancel lands it first.
 
-    def _pipeline_ready(self) -> bool:
+    def _pipeline_possible(self) -> bool:
+        """Whether the slots are as the pipeline runs them (the speculator then weighs a whole
+        step's drafts as its two halves: spec/guard.py)."""
         spec = self.config.speculation
         return (spec is not None and spec.pipeline > 0 and self.scheduler.num_running >= spec.pipeline
-                and self.scheduler.steady()
-                and not getattr(self.runner, "ahead_in_flight", False))
+                and self.scheduler.steady())
+
+    def _pipeline_ready(self) -> bool:
+        return self._pipeline_possible() and not getattr(self.runner, "ahead_in_flight", False)
 
     def _enter_pipeline(self, drafts: Mapping[Hashable, tuple[int, ...]]) -> bool:
         """A step whose slots draft, as the pipeline's first two half steps (each half with its
@@ -581,7 +586,9 @@ class Engine:
             return {}
         # (a request re-prefilling after a preemption gets it ignored)
         rids = [rid for rid in self.scheduler.running_ids().values() if self._live[rid].token_ids]
-        return self.speculator.drafts(_Contexts(self._live, rids)) if rids else {}
+        if not rids:
+            return {}
+        return self.speculator.drafts(_Contexts(self._live, rids), split=self._pipeline_possible())
 
     def _verify(self, live: _Live, draft: tuple[int, ...], out) -> tuple[list[int], torch.Tensor | None]:
         """The tokens a verify emits (spec/verify.py's rule) and its rows' logits (None when the
@@ -732,7 +739,7 @@ class Engine:
                 self.speculator.skip_step()
             else:
                 self.speculator.record_step(plan.num_decode_rows, 1e3 * (t1 - t0), verify=bool(plan.drafts),
-                                            ahead=ran_ahead)
+                                            ahead=ran_ahead, pipelined=pipelined)
 
     # -- results ---------------------------------------------------------------------------
     @property

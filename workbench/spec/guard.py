@@ -46,6 +46,15 @@ rule vetoes until `explore` plain steps were too (a run whose slots all draft fr
 step has none to compare with). `could_pay` asks whether the best step, every slot's full
 draft all kept, would pay: where it would not, the speculator measures no acceptance.
 
+The engine's pipeline (SpecConfig.pipeline) verifies the slots' halves in turn, one half's host
+work beside the other's forward, so a half's step costs the time it adds, not a whole verify
+step's wall time: the rule fits those steps apart (`half`) and weighs a half (`of`: the
+decoding slots of both) against plain decoding of all of them. Where the pipeline could run,
+a whole step's drafts are weighed as its two halves (the speculator's `split`): pricing them as
+one verify step would veto the very steps that would start it (H100 runs 98-106: code editing
+at 16 slots, a whole verify step 3.8-4.7 ms for ~112 tokens, vetoed; its forward alone 2.6).
+Until a half step was measured, a half pays, so the pipeline gets measured.
+
 Seed 002's rule, for comparison (`SpecConfig(guard="cohort")`, `CohortGuard`; the draft-yield
 ablation's `guards=cohort`): fewer than `cohort_min_emitted` (6) tokens emitted per request on
 the first packed sample turns speculation off for the rest of the run; otherwise every slot
@@ -275,6 +284,7 @@ class StepRule:
     def __init__(self, margin: float = 0.05, probe_every: int = 16, explore: int = 4, remeasure: float = 0.01):
         self.plain = StepCost()
         self.verify = StepCost()
+        self.half = StepCost()  # the pipeline's verify steps of one half (the time each added)
         # plain steps measured before the first comparison: a run whose slots all draft from the
         # start never decodes plainly on its own, so it vetoes until it has (H100 run 92: essays
         # at 16 slots verified in every step, with no plain step to compare them with)
@@ -293,13 +303,18 @@ class StepRule:
         """A fresh run of vetoes (the fits kept)."""
         self.since = None
 
-    def observe(self, rows: int, wall_ms: float, verify: bool, ahead: bool = False) -> None:
+    def observe(self, rows: int, wall_ms: float, verify: bool, ahead: bool = False,
+                pipelined: bool = False) -> None:
         """A step of `rows` rows took `wall_ms` (`verify`: it verified drafts; `ahead`: a plain
-        step the runner had launched ahead). Once a plain step ran ahead, only such steps are
+        step the runner had launched ahead; `pipelined`: a half's step in the pipeline, its
+        wall time the time it added). Once a plain step ran ahead, only such steps are
         plain decoding's price: the one after a verify cannot, and is a verify's cost (H100 run
         96: essays at 16 slots measured plain steps only between verifies, at 1.4 ms against
         0.57 ms run ahead, so verifies of 2.4 ms for 51 tokens looked like they paid)."""
-        if verify:
+        if pipelined:  # (a half's plain step, drafts all cut, prices neither kind)
+            if verify:
+                self.half.observe(rows, wall_ms)
+        elif verify:
             self.verify.observe(rows, wall_ms)
         elif ahead or not self.ahead_seen:
             if ahead and not self.ahead_seen:
@@ -309,12 +324,14 @@ class StepRule:
     def _weigh(self, slots: int, rows: int, tokens: float, extra_ms: float,
                of: int | None = None) -> tuple[bool, float]:
         """(whether such a step gains `margin`, its expected ms beyond plain decoding of its
-        slots). `of`: the step is a part of the decoding slots (the engine's pipeline: its
-        halves' steps alternate), weighed against a plain step of all `of` of them."""
-        if self.verify.num_steps and self.plain.num_steps < self.explore:
+        slots). `of`: the step is a half of the decoding slots (the engine's pipeline: its
+        halves' steps alternate), priced by the half steps' fit and weighed against a plain step
+        of all `of` of them."""
+        fit = self.verify if of is None else self.half
+        if fit.num_steps and self.plain.num_steps < self.explore:
             return False, 0.0  # (measure plain steps first)
         n = of or slots
-        p, v = self.plain.at(n), self.verify.at(rows)
+        p, v = self.plain.at(n), fit.at(rows)
         if p is None or v is None or p <= 0:
             return True, 0.0
         return tokens / (v + extra_ms) >= (1 + self.margin) * n / p, v + extra_ms - p * slots / n

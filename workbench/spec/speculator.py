@@ -200,7 +200,7 @@ class Speculator:
         anew every step cost host time at 16 slots)."""
         return self._cost
 
-    def plain_next(self, rids: Sequence[Hashable], of: int | None = None) -> bool:
+    def plain_next(self, rids: Sequence[Hashable], of: int | None = None, split: bool = False) -> bool:
         """Whether the next step drafts nothing for the decoding requests `rids`: decides that
         step's draft lengths now, and the next `drafts` call keeps them. Only between a step
         that verified nothing and the next one: the guard's lengths change with what a verify or a
@@ -208,11 +208,11 @@ class Speculator:
         are what that call would decide (the row cost is one step older). A runner may then
         launch the next step before this one's tokens are read (run-ahead), as plain decoding
         does. The engine's pipeline asks it of a half before planning its step (`of`: the
-        decoding requests of both halves, as `drafts` takes it)."""
-        self._pinned = self._lengths(rids, of=of)
+        decoding requests of both halves, as `drafts` takes it; `split` as `drafts`)."""
+        self._pinned = self._lengths(rids, of=of, split=split)
         return not any(self._pinned.values())
 
-    def _decide(self, rids: Sequence[Hashable], of: int | None = None) -> dict[Hashable, int]:
+    def _decide(self, rids: Sequence[Hashable], of: int | None = None, split: bool = False) -> dict[Hashable, int]:
         """Each slot's own length (the guard's). With the yield guard on, a slot's length is
         decided again only at the probe cadence's steps (where probes fall, and the row cost and
         the decay move) and after something was observed of it; in between the slot keeps its
@@ -236,7 +236,8 @@ class Speculator:
                 rows = len(rids) * (1 + k)
                 if self.max_step_rows is not None:
                     rows = min(rows, self.max_step_rows)
-                self._shadow_pays = self.step_rule.could_pay(len(rids), rows, of)
+                slots, rows, part_of, _ = _weighed(len(rids), rows, of, split)
+                self._shadow_pays = self.step_rule.could_pay(slots, rows, part_of)
             changed = True
         else:
             changed = bool(dirty) and not dirty.isdisjoint(rids)
@@ -264,12 +265,13 @@ class Speculator:
         return held if plan is None or not any(plan.values()) else {**held, **plan}
 
     def _lengths(self, rids, pinned: Mapping[Hashable, int] | None = None,
-                 of: int | None = None) -> dict[Hashable, int]:
+                 of: int | None = None, split: bool = False) -> dict[Hashable, int]:
         """The draft length per request for one step (those in `pinned` as decided already):
         the guard's, cut to the runner's fastest verify, weighed as a step by the step rule
-        (`of`: the step is a part of that many decoding requests, `_decide`)."""
+        (`of`: the step is a part of that many decoding requests, `_decide`; `split`: the
+        step may run as the pipeline's two halves, and is weighed so, `_weighed`)."""
         pinned = pinned or {}
-        decided = self._decide(rids, of)
+        decided = self._decide(rids, of, split)
         lengths = {rid: pinned[rid] if rid in pinned else decided[rid] for rid in rids}
         if self.max_step_rows is not None:
             _fit(lengths, self.max_step_rows - len(lengths))
@@ -279,7 +281,8 @@ class Speculator:
                 drafted = sum(lengths.values())
                 tokens = sum(self.guard.expected(rid, k) for rid, k in lengths.items())
                 extra = drafted * (self.draft_cost.ms_per_token or 0.0)
-                veto = not self.step_rule.pays(len(lengths), len(lengths) + drafted, tokens, extra, self.guard.step, of)
+                slots, rows, part_of, share = _weighed(len(lengths), len(lengths) + drafted, of, split)
+                veto = not self.step_rule.pays(slots, rows, share * tokens, share * extra, self.guard.step, part_of)
                 if not pinned:
                     self._veto = veto
             if veto:
@@ -290,17 +293,18 @@ class Speculator:
         return lengths
 
     def drafts(self, contexts: Mapping[Hashable, Sequence[int]], *, of: int | None = None,
-               tick: bool = True) -> dict[Hashable, tuple[int, ...]]:
+               tick: bool = True, split: bool = False) -> dict[Hashable, tuple[int, ...]]:
         """Request id -> its draft for this step, for the decoding requests `contexts` (request
         id -> prompt and output so far; read only for those the guard lets draft, so it may be
         a lazy mapping); requests without one decode plainly. The engine's pipeline drafts
         each half on its own: `of` the decoding requests of both, `tick` only on the second
-        (the guard counts steps of every slot, so both halves meet the same cadence)."""
+        (the guard counts steps of every slot, so both halves meet the same cadence). `split`:
+        a whole step that the pipeline may run as two halves, weighed as those (guard.py)."""
         pinned, self._pinned = self._pinned, None
         if pinned is not None and pinned.keys() == contexts.keys():
             lengths = pinned
         else:  # (the requests changed since, or a part of them: those not pinned decided now)
-            lengths = self._lengths(list(contexts), pinned, of)
+            lengths = self._lengths(list(contexts), pinned, of, split)
         asks = {}
         for rid, k in lengths.items():
             if k == 0:
@@ -423,14 +427,16 @@ class Speculator:
         st.tree_tokens += alternative_tokens
         st.tree_wins += int(won)
 
-    def record_step(self, rows: int, wall_ms: float, verify: bool = True, ahead: bool = False) -> None:
+    def record_step(self, rows: int, wall_ms: float, verify: bool = True, ahead: bool = False,
+                    pipelined: bool = False) -> None:
         """A step that ran only decode and verify rows (`rows` of them; `verify`: some of them
-        verify rows; `ahead`: launched ahead by the runner) took `wall_ms`, its drafts() call
+        verify rows; `ahead`: launched ahead by the runner; `pipelined`: a half's step in the
+        engine's pipeline, `wall_ms` the time it added) took `wall_ms`, its drafts() call
         included (taken out here: DraftCost has it)."""
         ms = max(wall_ms - self._draft_ms, 0.0)
         self.cost.observe(rows, ms)
         if self.step_rule is not None:
-            self.step_rule.observe(rows, ms, verify, ahead)
+            self.step_rule.observe(rows, ms, verify, ahead, pipelined)
         self._draft_ms = 0.0
 
     def skip_step(self) -> None:
@@ -445,6 +451,15 @@ class Speculator:
         self._dirty.discard(rid)
         self._held.pop(rid, None)
         return self.stats.pop(rid)
+
+
+def _weighed(slots: int, rows: int, of: int | None, split: bool) -> tuple[float, float, int | None, float]:
+    """(slots, rows, of, share of its tokens) the step rule weighs for a step of `rows` rows over
+    `slots` decoding slots: with `split` (a whole step the engine's pipeline may run as two
+    halves), one half of it, of all `slots` (StepRule's `of`), with half its tokens."""
+    if split and of is None and slots >= 2:
+        return slots / 2, rows / 2, slots, 0.5
+    return slots, rows, of, 1.0
 
 
 def _guard(config: SpecConfig, probes: bool = True):
