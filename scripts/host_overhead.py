@@ -12,6 +12,18 @@ The recorded run is plain greedy decoding on the torch runner (the slow part on 
 minute for code editing at 16 slots). Each pass's tokens must equal it, or the script exits 1.
 The guard decides from its acceptance counts and `SpecConfig.row_cost` (measure_cost off): the
 replay's step times are no device's.
+
+With `--device-ms PA,PB,VA,VB` each forward also takes a simulated device's time on one stream:
+a plain step (one row a slot, the decode graph) PA + PB x rows ms, any other VA + VB x rows ms.
+Plain steps run ahead of the host as the Triton runner's do, the pipeline's halves queue behind
+each other, a verify step waits for its own forward. The guard then decides from the measured
+step times (measure_cost on, as on a device), and plain decoding (AR) is timed beside the
+speculation arm, alternating, so the two engines' scheduling (what the step rule does with
+such a device, whether the pipeline starts and stays) is seen on any machine: the tokens are
+the recorded run's, the times the model's. H100 figures (docs/GPU_NOTES.md, runs 104 and 107,
+16 slots at 2048 positions): plain 0.56 + 0.006 a row, a verify's chunk graph 0.52 + 0.0165.
+
+    python3 scripts/host_overhead.py ... --spec-variant pipeline=8 --device-ms 0.56,0.006,0.52,0.0165
 """
 
 from __future__ import annotations
@@ -24,21 +36,93 @@ import time
 from workbench.errors import WorkbenchError
 
 
-class ReplayRunner:
-    """Stands in for a runner's `run`: each scored row's greedy token from the recorded run
-    (its request's output at that position). Only `run` is replaced, so the runner's page pool
-    and the scheduler's view of it stay real."""
+class DeviceModel:
+    """A simulated device's time per forward (--device-ms): a plain step's (every segment one
+    row: the decode graph) and any other's (a verify's or a prefill's chunk), a + b x rows ms."""
 
-    def __init__(self, prompts: list[tuple[int, ...]], outputs: list[list[int]]):
-        self.prompts, self.outputs = prompts, outputs
+    def __init__(self, spec: str):
+        try:
+            pa, pb, va, vb = (float(x) for x in spec.split(","))
+        except ValueError:
+            raise WorkbenchError(f"--device-ms {spec!r} is not PA,PB,VA,VB: four numbers, ms and ms a row") from None
+        if min(pa, pb, va, vb) < 0:
+            raise WorkbenchError(f"--device-ms {spec!r} has a negative time: allowed numbers >= 0")
+        self.plain, self.other = (pa, pb), (va, vb)
+
+    def ms(self, forward) -> float:
+        rows = sum(len(s.token_ids) for s in forward)
+        a, b = self.plain if all(len(s.token_ids) == 1 for s in forward) else self.other
+        return a + b * rows
+
+
+class ReplayRunner:
+    """Stands in for the engine's runner: each scored row's greedy token from the recorded run
+    (its request's output at that position); all else (the page pool, resets, page moves) is
+    the wrapped runner's, so the scheduler's view of the pages stays real. With a DeviceModel,
+    each forward also takes its time on one simulated stream (module docstring)."""
+
+    def __init__(self, inner, prompts: list[tuple[int, ...]], outputs: list[list[int]],
+                 device: DeviceModel | None = None):
+        self.inner, self.prompts, self.outputs, self.device = inner, prompts, outputs, device
+        self._free_at = 0.0  # when the simulated stream is done with what was queued (perf_counter s)
+        self._ahead: float | None = None  # the end of a plain step launched ahead (None: none)
+        self._ahead_used = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    @property
+    def ahead_in_flight(self) -> bool:
+        return self._ahead is not None
+
+    @property
+    def num_ahead_used(self) -> int:
+        return self._ahead_used
+
+    def drain(self) -> None:
+        self._ahead = None  # (its time stays queued on the stream)
+
+    def _queue(self, forward) -> float:
+        """Queue the forward on the stream: when it ends."""
+        start = max(time.perf_counter(), self._free_at)
+        self._free_at = start + self.device.ms(forward) / 1e3
+        return self._free_at
+
+    @staticmethod
+    def _wait(until: float) -> None:
+        """Until perf_counter reaches `until` (a sleep short of it, then a spin: a sleep
+        alone overshoots by tens of us, a step's host is hundreds)."""
+        left = until - time.perf_counter()
+        if left > 3e-4:
+            time.sleep(left - 3e-4)
+        while time.perf_counter() < until:
+            pass
 
     def launch(self, forward, max_context, argmax=frozenset()):
-        """The pipeline's launch (SpecConfig.pipeline): answered at once, as `run`."""
+        """The pipeline's launch (SpecConfig.pipeline): answered when its forward's simulated
+        time is over (at once without a device)."""
         from workbench.runner import Launched
 
-        return Launched(self.run(forward, max_context, argmax))
+        answer = self._answer(forward)
+        if self.device is None:
+            return Launched(answer)
+        end = self._queue(forward)
+        return Launched(lambda: (self._wait(end), answer)[1])
 
     def run(self, forward, max_context, argmax=frozenset(), ahead=False):
+        answer = self._answer(forward)
+        if self.device is not None:
+            if self._ahead is not None:  # (the previous step launched this one, the same rows)
+                end, self._ahead = self._ahead, None
+                self._ahead_used += 1
+            else:
+                end = self._queue(forward)
+            self._wait(end)
+            if ahead:
+                self._ahead = self._queue(forward)
+        return answer
+
+    def _answer(self, forward) -> dict:
         out = {}
         for s in forward:
             n = s.num_scored
@@ -69,6 +153,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=None, help="cap each prompt's tokens")
     ap.add_argument("--prompts-dir", default="data")
     ap.add_argument("--out", default=None, metavar="PATH", help="every timed step's telemetry, as parquet")
+    ap.add_argument("--device-ms", default=None, metavar="PA,PB,VA,VB",
+                    help="a simulated device: a plain step PA + PB x rows ms, any other VA + VB x rows (module docstring)")
     args = ap.parse_args(argv)
     try:
         import polars as pl
@@ -81,41 +167,49 @@ def main(argv=None) -> int:
 
         if args.passes < 1 or args.concurrency < 1:
             raise WorkbenchError(f"--passes={args.passes} and --concurrency={args.concurrency}: allowed integers >= 1")
+        device = DeviceModel(args.device_ms) if args.device_ms else None
         spec = None
         if args.spec != "off":
-            # the guard's lengths from its acceptance counts and row_cost alone: measured costs
-            # would be the replay's host times, not a device's (--spec-variant measure_cost=true
-            # to let them decide)
-            spec = spec_config(args.spec, measure_cost=False)
+            # without a device model the guard's lengths come from its acceptance counts and
+            # row_cost alone: measured costs would be the replay's host times, not a device's
+            # (--spec-variant measure_cost=true to let them decide)
+            spec = spec_config(args.spec, measure_cost=device is not None)
             if args.spec_variant:
                 spec = spec.overridden(args.spec_variant)
         m = workbench.load_model(args.model)
         prompts = _prompts(m, wl, args.workload, args.concurrency, 0, args.prompts_dir, args.max_tokens)
         base = dict(max_concurrency=args.concurrency, dtype=m.dtype_name, backend="torch", prefix_cache=False)
         recorded = _pass(workbench.Engine(m, EngineConfig(**base)), prompts, "ar")
-        engine = workbench.Engine(m, EngineConfig(**base, speculation=spec))
-        # (an engine builds its own runner; its run alone is replaced, an instance attribute)
-        replay = ReplayRunner([tuple(p) for p, _ in prompts], recorded)
-        engine.runner.run, engine.runner.launch = replay.run, replay.launch
-        _pass(engine, prompts, "warm")
+        arms = {}  # name -> engine; with a device model plain decoding is timed beside speculation
+        for name, sp in ([("AR", None)] if device is not None and spec is not None else []) + [(args.spec, spec)]:
+            engine = workbench.Engine(m, EngineConfig(**base, speculation=sp))
+            engine.runner = ReplayRunner(engine.runner, [tuple(p) for p, _ in prompts], recorded, device)
+            _pass(engine, prompts, "warm")
+            arms[name] = engine
+        engine = arms[args.spec]
         first = engine.telemetry.steps().height
         for r in range(args.passes):
-            if engine.speculator is not None:
-                engine.speculator.forget_proposals()
-            t0 = time.perf_counter()
-            got = _pass(engine, prompts, f"p{r}")
-            wall = time.perf_counter() - t0
-            if got != recorded:
-                print(f"host_overhead: pass {r}: tokens differ from the recorded run", file=sys.stderr)
-                return 1
-            print(f"pass {r}: {1e3 * wall:.1f} ms for {sum(map(len, got))} tokens", flush=True)
+            rates = {}
+            for name, e in arms.items():
+                if e.speculator is not None:
+                    e.speculator.forget_proposals()
+                t0 = time.perf_counter()
+                got = _pass(e, prompts, f"p{r}")
+                wall = time.perf_counter() - t0
+                if got != recorded:
+                    print(f"host_overhead: {name} pass {r}: tokens differ from the recorded run", file=sys.stderr)
+                    return 1
+                rates[name] = sum(map(len, got)) / wall
+                print(f"{name} pass {r}: {1e3 * wall:.1f} ms for {sum(map(len, got))} tokens, {rates[name]:.0f} tok/s"
+                      + (f", {rates[name] / rates['AR']:.2f}x AR" if name != "AR" and "AR" in rates else ""), flush=True)
         steps = engine.telemetry.steps().slice(first)
         decode = steps.filter(pl.col("phase") == "decode")
         verify, half = pl.col("draft_tokens").fill_null(0) > 0, pl.col("pipelined")
+        what = "host" if device is None else "wall"
         for kind, rows in (("plain", decode.filter(~verify & ~half)), ("verify", decode.filter(verify & ~half)),
                            ("half plain", decode.filter(~verify & half)), ("half verify", decode.filter(verify & half))):
             if rows.height:
-                print(f"{kind} steps: {rows.height}, host {statistics.median(rows['wall_ms']):.3f} ms each (median), "
+                print(f"{kind} steps: {rows.height}, {what} {statistics.median(rows['wall_ms']):.3f} ms each (median), "
                       f"{rows['rows'].mean():.1f} rows, {rows['tokens_out'].mean():.1f} tokens out")
         if args.out:
             from workbench.atomic import atomic_write_parquet

@@ -38,3 +38,19 @@ def test_plain_decoding_and_bad_arguments(tiny_gguf):
     assert "plain steps:" in r.stdout and "verify steps:" not in r.stdout
     r = script("--model", model, "--spec", "ngram")
     assert r.returncode == 2 and "is not PROPOSER:K" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_simulated_device_times_plain_decoding_beside_speculation(tiny_gguf):
+    """--device-ms: each forward also takes a modelled device's time on one stream, and plain
+    decoding (AR) is timed beside speculation, pass by pass, with the same tokens (the pipeline's
+    half steps too); a malformed or negative model is one line and exit 2."""
+    model = str(tiny_gguf("gemma3"))
+    r = script("--model", model, "--workload", "code-edit", "--concurrency", "4", "--spec", "ngram:2",
+               "--spec-variant", "guard=false,pipeline=2", "--passes", "1", "--max-tokens", "24",
+               "--device-ms", "0.2,0.01,0.3,0.02")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "AR pass 0:" in r.stdout and "x AR" in r.stdout and "half verify steps:" in r.stdout
+    assert "wall" in r.stdout  # (step times are the simulated device's and the host's, not the host's alone)
+    for bad, says in (("1,2,3", "is not PA,PB,VA,VB"), ("0.2,-1,0.3,0.02", "negative")):
+        r = script("--model", model, "--concurrency", "2", "--device-ms", bad, "--passes", "1", "--max-tokens", "4")
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -1,8 +1,14 @@
 """The yield guard: each step, a draft length 0..k_max for each slot, from what it measured.
 
 Each slot's acceptance is a per-token rate alpha (a draft token is kept with probability alpha,
-given the one before it was): counts of kept and rejected draft tokens, decayed every step
-towards a prior of 2 kept to 1 rejected (the decay applied when a slot is read). A slot the
+given the one before it was): counts of kept and rejected draft tokens, decayed towards a prior
+of 2 kept to 1 rejected at each observation (a verify of the slot's draft, or a shadow draft's
+check), so alpha is the acceptance of the slot's latest drafts however far apart they fell.
+(Decayed every step instead, a slot held at k = 0 forgot what its shadow drafts showed before
+the next one came: 44% of it left after 16 steps, 4% after 64, so code editing's slots, whose
+shadows kept 7 of 8 draft tokens, read as the prior's 2/3 and at 16 slots never drafted; with
+a simulated H100, `scripts/host_overhead.py --device-ms`, 1.00x AR, and 1.5x with the counts
+kept, docs/GPU_NOTES.md session 31.) A slot the
 guard kept at k = 0 for `probe_every` steps in a row drafts one token once (a probe, one verify
 row; each probe that changes nothing doubles the wait for the next, up to `probe_max`), so a
 proposer that starts to pay, or a cost estimate that was too high, is found again (without it a
@@ -170,7 +176,6 @@ PRIOR_KEPT, PRIOR_REJECTED = 2.0, 1.0
 class _Slot:
     kept: float = PRIOR_KEPT
     rejected: float = PRIOR_REJECTED
-    at: int = 0  # the guard step the counts were last decayed to
     since: int | None = None  # the step its run at k = 0 began, or its latest probe (None: drafting)
     gap: int = 0  # steps at k = 0 before the next probe (0: not yet set)
     probing: bool = False  # the latest length was a probe
@@ -199,17 +204,9 @@ class YieldGuard:
         self._slots: dict[Hashable, _Slot] = {}
 
     def _slot(self, rid: Hashable) -> _Slot:
-        """`rid`'s counts, decayed to this step. The decay is applied when a slot is read, not
-        at every tick, so a step costs the guard nothing per slot it is not asked about (a
-        decision held between cadence steps: Speculator._decide)."""
         s = self._slots.get(rid)
         if s is None:
-            s = self._slots[rid] = _Slot(at=self.step)
-        elif s.at != self.step:
-            d = self.decay ** (self.step - s.at)
-            s.kept = PRIOR_KEPT + d * (s.kept - PRIOR_KEPT)
-            s.rejected = PRIOR_REJECTED + d * (s.rejected - PRIOR_REJECTED)
-            s.at = self.step
+            s = self._slots[rid] = _Slot()
         return s
 
     def best(self, rid: Hashable, row_cost: float) -> int:
@@ -252,12 +249,12 @@ class YieldGuard:
     def observe(self, rid: Hashable, drafted: int, kept: int, emitted: int | None = None) -> None:
         """A verify of `drafted` tokens kept `kept` of them (`emitted`: CohortGuard's interface;
         the acceptance rate needs only the kept count)."""
-        s = self._slot(rid)
-        s.kept += kept
-        s.rejected += int(kept < drafted)
+        s, d = self._slot(rid), self.decay  # (the older observations' weight: module docstring)
+        s.kept = PRIOR_KEPT + d * (s.kept - PRIOR_KEPT) + kept
+        s.rejected = PRIOR_REJECTED + d * (s.rejected - PRIOR_REJECTED) + int(kept < drafted)
 
     def tick(self) -> None:
-        """One step passed: every slot's counts decay towards the prior (when next read)."""
+        """One step passed (the probe cadence's count)."""
         self.step += 1
 
     def alpha(self, rid: Hashable) -> float:

@@ -214,8 +214,8 @@ class Speculator:
 
     def _decide(self, rids: Sequence[Hashable], of: int | None = None, split: bool = False) -> dict[Hashable, int]:
         """Each slot's own length (the guard's). With the yield guard on, a slot's length is
-        decided again only at the probe cadence's steps (where probes fall, and the row cost and
-        the decay move) and after something was observed of it; in between the slot keeps its
+        decided again only at the probe cadence's steps (where probes fall, and the row cost
+        moves) and after something was observed of it; in between the slot keeps its
         length, so a run held at k = 0 costs the speculator a dict a step, not the guard's sums
         (H100 run 93: deciding every slot every step was 0.13 ms of host time a step at 16
         slots, essays 0.69x of AR against 0.91x with the held decisions, run 94). `rids` may be
