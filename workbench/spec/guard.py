@@ -7,8 +7,8 @@ check), so alpha is the acceptance of the slot's latest drafts however far apart
 (Decayed every step instead, a slot held at k = 0 forgot what its shadow drafts showed before
 the next one came: 44% of it left after 16 steps, 4% after 64, so code editing's slots, whose
 shadows kept 7 of 8 draft tokens, read as the prior's 2/3 and at 16 slots never drafted; with
-a simulated H100, `scripts/host_overhead.py --device-ms`, 1.00x AR, and 1.5x with the counts
-kept, docs/GPU_NOTES.md session 31.) A slot the
+a simulated H100, `scripts/host_overhead.py --device-ms`, 1.10-1.15x AR with the pipeline,
+and 1.43-1.48x with the counts kept, docs/GPU_NOTES.md session 31.) A slot the
 guard kept at k = 0 for `probe_every` steps in a row drafts one token once (a probe, one verify
 row; each probe that changes nothing doubles the wait for the next, up to `probe_max`), so a
 proposer that starts to pay, or a cost estimate that was too high, is found again (without it a
