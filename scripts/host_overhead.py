@@ -36,93 +36,14 @@ import time
 from workbench.errors import WorkbenchError
 
 
-class DeviceModel:
-    """A simulated device's time per forward (--device-ms): a plain step's (every segment one
-    row: the decode graph) and any other's (a verify's or a prefill's chunk), a + b x rows ms."""
+class Replay:
+    """Each scored row's greedy token from the recorded run (its request's output at that
+    position): the answer a runner gives for a forward, with no forward run."""
 
-    def __init__(self, spec: str):
-        try:
-            pa, pb, va, vb = (float(x) for x in spec.split(","))
-        except ValueError:
-            raise WorkbenchError(f"--device-ms {spec!r} is not PA,PB,VA,VB: four numbers, ms and ms a row") from None
-        if min(pa, pb, va, vb) < 0:
-            raise WorkbenchError(f"--device-ms {spec!r} has a negative time: allowed numbers >= 0")
-        self.plain, self.other = (pa, pb), (va, vb)
+    def __init__(self, prompts: list[tuple[int, ...]], outputs: list[list[int]]):
+        self.prompts, self.outputs = prompts, outputs
 
-    def ms(self, forward) -> float:
-        rows = sum(len(s.token_ids) for s in forward)
-        a, b = self.plain if all(len(s.token_ids) == 1 for s in forward) else self.other
-        return a + b * rows
-
-
-class ReplayRunner:
-    """Stands in for the engine's runner: each scored row's greedy token from the recorded run
-    (its request's output at that position); all else (the page pool, resets, page moves) is
-    the wrapped runner's, so the scheduler's view of the pages stays real. With a DeviceModel,
-    each forward also takes its time on one simulated stream (module docstring)."""
-
-    def __init__(self, inner, prompts: list[tuple[int, ...]], outputs: list[list[int]],
-                 device: DeviceModel | None = None):
-        self.inner, self.prompts, self.outputs, self.device = inner, prompts, outputs, device
-        self._free_at = 0.0  # when the simulated stream is done with what was queued (perf_counter s)
-        self._ahead: float | None = None  # the end of a plain step launched ahead (None: none)
-        self._ahead_used = 0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    @property
-    def ahead_in_flight(self) -> bool:
-        return self._ahead is not None
-
-    @property
-    def num_ahead_used(self) -> int:
-        return self._ahead_used
-
-    def drain(self) -> None:
-        self._ahead = None  # (its time stays queued on the stream)
-
-    def _queue(self, forward) -> float:
-        """Queue the forward on the stream: when it ends."""
-        start = max(time.perf_counter(), self._free_at)
-        self._free_at = start + self.device.ms(forward) / 1e3
-        return self._free_at
-
-    @staticmethod
-    def _wait(until: float) -> None:
-        """Until perf_counter reaches `until` (a sleep short of it, then a spin: a sleep
-        alone overshoots by tens of us, a step's host is hundreds)."""
-        left = until - time.perf_counter()
-        if left > 3e-4:
-            time.sleep(left - 3e-4)
-        while time.perf_counter() < until:
-            pass
-
-    def launch(self, forward, max_context, argmax=frozenset()):
-        """The pipeline's launch (SpecConfig.pipeline): answered when its forward's simulated
-        time is over (at once without a device)."""
-        from workbench.runner import Launched
-
-        answer = self._answer(forward)
-        if self.device is None:
-            return Launched(answer)
-        end = self._queue(forward)
-        return Launched(lambda: (self._wait(end), answer)[1])
-
-    def run(self, forward, max_context, argmax=frozenset(), ahead=False):
-        answer = self._answer(forward)
-        if self.device is not None:
-            if self._ahead is not None:  # (the previous step launched this one, the same rows)
-                end, self._ahead = self._ahead, None
-                self._ahead_used += 1
-            else:
-                end = self._queue(forward)
-            self._wait(end)
-            if ahead:
-                self._ahead = self._queue(forward)
-        return answer
-
-    def _answer(self, forward) -> dict:
+    def __call__(self, forward) -> dict:
         out = {}
         for s in forward:
             n = s.num_scored
@@ -163,11 +84,12 @@ def main(argv=None) -> int:
         from workbench import workloads as wl
         from workbench.draft_yield import _prompts
         from workbench.engine_config import EngineConfig
+        from workbench.runners.simulated import DeviceModel, SimulatedDevice
         from workbench.spec import spec_config
 
         if args.passes < 1 or args.concurrency < 1:
             raise WorkbenchError(f"--passes={args.passes} and --concurrency={args.concurrency}: allowed integers >= 1")
-        device = DeviceModel(args.device_ms) if args.device_ms else None
+        device = DeviceModel.parse(args.device_ms) if args.device_ms else None
         spec = None
         if args.spec != "off":
             # without a device model the guard's lengths come from its acceptance counts and
@@ -183,7 +105,9 @@ def main(argv=None) -> int:
         arms = {}  # name -> engine; with a device model plain decoding is timed beside speculation
         for name, sp in ([("AR", None)] if device is not None and spec is not None else []) + [(args.spec, spec)]:
             engine = workbench.Engine(m, EngineConfig(**base, speculation=sp))
-            engine.runner = ReplayRunner(engine.runner, [tuple(p) for p, _ in prompts], recorded, device)
+            # (the engine's runner keeps its page pool; each forward is answered from the replay,
+            # at once without a device model)
+            engine.runner = SimulatedDevice(engine.runner, device, answer=Replay([tuple(p) for p, _ in prompts], recorded))
             _pass(engine, prompts, "warm")
             arms[name] = engine
         engine = arms[args.spec]

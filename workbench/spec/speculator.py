@@ -132,6 +132,7 @@ class Speculator:
         proposer drafts beside."""
         self.config = config
         self.proposer = proposer if proposer is not None else make_proposer(config, model, runner)
+        self._given = proposer is not None  # (forget_proposals keeps a given proposer)
         # a step's rows stay within what the runner verifies fastest (TritonRunner: its chunk
         # graphs' scored rows; None: no such limit)
         self.max_step_rows = getattr(runner, "graphed_verify_rows", None)
@@ -166,10 +167,10 @@ class Speculator:
     def forget_proposals(self) -> None:
         """A fresh proposer of the config's kind, keeping the guard's measured step cost (an
         ablation's untimed pass: the timed one must not draft from what the warm-up learnt).
-        Refused while a request is live, or with a proposer that was given."""
+        Refused while a request is live; a proposer that was given is kept (the caller's)."""
         if self.stats:
             raise RuntimeError("forget_proposals with requests in flight")
-        if self.config.proposer in ("ngram", "suffix"):  # (a draft model learns nothing across requests)
+        if self.config.proposer in ("ngram", "suffix") and not self._given:  # (a draft model learns nothing across requests)
             self.proposer = make_proposer(self.config)
         self.guard = _guard(self.config, probes=not self.shadowing)
         self.tree_guard = TreeGuard(enabled=self.config.guard is True)
