@@ -102,12 +102,13 @@ def main(argv=None) -> int:
         prompts = _prompts(m, wl, args.workload, args.concurrency, 0, args.prompts_dir, args.max_tokens)
         base = dict(max_concurrency=args.concurrency, dtype=m.dtype_name, backend="torch", prefix_cache=False)
         recorded = _pass(workbench.Engine(m, EngineConfig(**base)), prompts, "ar")
+        replay = Replay([tuple(p) for p, _ in prompts], recorded)
         arms = {}  # name -> engine; with a device model plain decoding is timed beside speculation
         for name, sp in ([("AR", None)] if device is not None and spec is not None else []) + [(args.spec, spec)]:
             engine = workbench.Engine(m, EngineConfig(**base, speculation=sp))
             # (the engine's runner keeps its page pool; each forward is answered from the replay,
             # at once without a device model)
-            engine.runner = SimulatedDevice(engine.runner, device, answer=Replay([tuple(p) for p, _ in prompts], recorded))
+            engine.runner = SimulatedDevice(engine.runner, device, answer=replay)
             _pass(engine, prompts, "warm")
             arms[name] = engine
         engine = arms[args.spec]

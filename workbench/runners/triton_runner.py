@@ -321,10 +321,10 @@ class TritonRunner:
                argmax: frozenset[int] = frozenset()) -> Launched:
         """`run`'s first half: the forward enqueued and its sampled rows copied to pinned host
         memory behind it in the stream (so a later launch may replay the same graph over its
-        buffers), the host not waiting; `result()` waits for that copy alone and is `run`'s answer. A forward that replays a chunk graph (a verify, a
-        prefill chunk or mixed step) is left running; any other form (a graphed decode step, an
-        eager forward, or while a step launched ahead is pending) runs to its end here as `run`
-        does, its answer held. Launches complete in their order (one stream), so the host may
+        buffers), the host not waiting; `result()` waits for that copy alone and is `run`'s
+        answer. A forward that replays a chunk graph (a verify, a prefill chunk or mixed step)
+        is left running; any other form (a graphed decode step, an eager forward, or while a
+        step launched ahead is pending) runs to its end here as `run` does, its answer held. Launches complete in their order (one stream), so the host may
         launch the next before asking for this one's result: while the device runs one, the
         host prepares the next (a step of another cohort of slots)."""
         g = self.graphs

@@ -170,7 +170,8 @@ class Speculator:
         Refused while a request is live; a proposer that was given is kept (the caller's)."""
         if self.stats:
             raise RuntimeError("forget_proposals with requests in flight")
-        if self.config.proposer in ("ngram", "suffix") and not self._given:  # (a draft model learns nothing across requests)
+        # (a draft model learns nothing across requests; a given proposer is the caller's)
+        if self.config.proposer in ("ngram", "suffix") and not self._given:
             self.proposer = make_proposer(self.config)
         self.guard = _guard(self.config, probes=not self.shadowing)
         self.tree_guard = TreeGuard(enabled=self.config.guard is True)
