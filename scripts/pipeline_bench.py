@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         if min(a.slots, a.prompt, a.gen, a.passes) < 1 or not 0 <= a.kept <= a.k:
             raise WorkbenchError(f"--slots {a.slots}, --prompt {a.prompt}, --gen {a.gen}, --passes {a.passes} and "
                                  f"--kept {a.kept}: allowed positive integers, --kept 0..--k")
-        spec = SpecConfig(k=a.k, guard=False)
+        spec = SpecConfig(k=a.k, guard=False, pipeline=0)  # (whole steps: "auto" would pipeline them)
         piped = replace(spec, pipeline=a.pipeline)  # (a bad --k or --pipeline: one line here)
         scratch = Path(tempfile.mkdtemp(prefix="pipeline_bench_"))  # (random models stay out of --out)
         options = TritonOptions()

@@ -9,6 +9,7 @@ import torch
 
 from workbench.errors import ConfigError
 from workbench.spec import SpecConfig
+from workbench.spec.config import AUTO_PIPELINE
 
 from test_paged_engine import _no_page_left, _same
 from test_speculation import TRITON_GRAPHS, Adversary, Oracle, _engine, _ids, _refs, _run, _triton
@@ -150,8 +151,9 @@ def test_triton_halves_launch_in_turn_bitwise_its_plain_decoding(tiny_model, kee
 
 
 def test_pipeline_bad_input_is_refused_in_one_line():
-    for kw, words in [(dict(pipeline=1), "allowed 0 (off) or the slots it starts at"),
-                      (dict(pipeline=True), "allowed 0 (off)"),
+    for kw, words in [(dict(pipeline=1), "allowed 'auto', 0 (off) or the slots it starts at"),
+                      (dict(pipeline=True), "allowed 'auto', 0 (off)"),
+                      (dict(pipeline="on"), "allowed 'auto', 0 (off)"),
                       (dict(pipeline=4, proposer="self", draft_layers=2), "allowed with ngram or suffix"),
                       (dict(pipeline=4, tree=8), "allowed tree=None")]:
         with pytest.raises(ConfigError, match="pipeline") as err:
@@ -159,11 +161,49 @@ def test_pipeline_bad_input_is_refused_in_one_line():
         assert words in str(err.value) and "\n" not in str(err.value)
 
 
+def test_auto_starts_the_pipeline_where_it_can_run_and_overlap():
+    """pipeline="auto" (the default): from AUTO_PIPELINE slots on for a lookup proposer's chains
+    on a runner whose launch leaves its forward running; off on the CPU's synchronous runner,
+    for a model's drafts and for trees. A number is taken as given."""
+    auto = SpecConfig(k=4)
+    assert auto.pipeline == "auto"
+    assert auto.pipeline_slots(asynchronous=True) == AUTO_PIPELINE
+    assert auto.pipeline_slots(asynchronous=False) == 0
+    assert SpecConfig(proposer="suffix").pipeline_slots(True) == AUTO_PIPELINE
+    assert SpecConfig(proposer="self", draft_layers=2).pipeline_slots(True) == 0
+    assert SpecConfig(k=4, tree=8).pipeline_slots(True) == 0
+    assert SpecConfig(k=4, pipeline=0).pipeline_slots(True) == 0
+    assert SpecConfig(k=4, pipeline=4).pipeline_slots(False) == 4
+    assert SpecConfig.from_dict(auto.to_dict()) == auto and auto.overridden("pipeline=auto") == auto
+
+
+def test_auto_pipelines_on_a_modelled_device_and_not_on_the_cpu(tiny_model, monkeypatch):
+    """The default config at AUTO_PIPELINE slots: the torch runner decodes in whole steps, the
+    same engine on a modelled GPU (asynchronous launches) runs half steps; both bitwise AR."""
+    m = tiny_model()
+    n = AUTO_PIPELINE
+    prompts = [_ids(8 + 3 * i, 300 + i) for i in range(n)]
+    refs = _refs(m, prompts, 24)
+    table = {tuple(p): r[0] for p, r in zip(prompts, refs)}
+    halves = []
+    for modelled in (False, True):
+        e = _engine(m, n, SpecConfig(k=4, guard=False), Oracle(table))
+        if modelled:
+            _simulated(e, monkeypatch)
+        for r, ref in zip(_run(e, prompts, 24), refs):
+            _same(r, ref)
+            assert r.spec.accepted > 0
+        halves.append(_pipelined(e))
+    assert halves[0] == 0 and halves[1] > 2, halves
+
+
 def test_bench_names_the_pipeline_and_flags_it_idle(tiny_gguf, tmp_path, capsys):
     from workbench.bench import activation_flag, spec_text
     from workbench.cli import main
 
     assert spec_text(SpecConfig(k=8, pipeline=8)) == "ngram:k8+pipeline8"
+    assert spec_text(SpecConfig(k=8, pipeline=0)) == "ngram:k8+nopipeline"
+    assert spec_text(SpecConfig(k=8)) == "ngram:k8"  # ("auto", the default)
     idle = {"spec_verify_steps": 5, "spec_pipelined_steps": 0}
     assert "no step ran as a half" in activation_flag(idle, prefix_cache=False, shared_prefix_len=0,
                                                        speculation=True, pipeline=True)
@@ -173,7 +213,7 @@ def test_bench_names_the_pipeline_and_flags_it_idle(tiny_gguf, tmp_path, capsys)
                "--spec", "ngram", "--spec-pipeline", "1", "--data-dir", str(tmp_path), "--no-progress"])
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "pipeline=1 is out of range: allowed 0 (off)" in err[0]
+    assert len(err) == 1 and "pipeline=1 is out of range: allowed 'auto', 0 (off)" in err[0]
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 

@@ -294,7 +294,8 @@ def run_bench(model, *, concurrency: list[int], prompt_len: int, gen: int, chunk
                                               host_backing=kv_host_tokens is not None,
                                               speculation=speculation is not None,
                                               tree=speculation is not None and speculation.tree is not None,
-                                              pipeline=(speculation is not None and 0 < speculation.pipeline <= c),
+                                              pipeline=(speculation is not None and speculation.pipeline != "auto"
+                                                        and 0 < speculation.pipeline <= c),
                                               qsa_boundary=None if qsa is None else qsa.dense_positions,
                                               scored_eviction=eviction == "scored")
                 rows.append(row)
@@ -325,7 +326,7 @@ def activation_flag(row: dict, *, prefix_cache: bool, shared_prefix_len: int,
     have compressed at least one request ("auto" leaves prompts below its threshold whole); host
     backing must have paged a page out or recomputed a request (else the pool held everything);
     speculation must have verified a draft, and with the pipeline asked at the concurrency it
-    starts at, run half steps."""
+    starts at (a number of slots; "auto" is the default, not asked), run half steps."""
     why = []
     if shared_prefix_len and prefix_cache:
         if not row.get("paged"):
@@ -363,13 +364,14 @@ def activation_flag(row: dict, *, prefix_cache: bool, shared_prefix_len: int,
 
 def spec_text(spec) -> str:
     """'off', or the speculation's proposer and k ("ngram:k4"; "+tree12" with a node budget,
-    "+noguard" with the guard off, "+cohort" with seed 002's rule, "+pipeline8" with the pipeline)."""
+    "+noguard" with the guard off, "+cohort" with seed 002's rule, "+pipeline8" with the pipeline
+    from 8 slots, "+nopipeline" with it off; nothing where it is "auto", the default)."""
     if spec is None:
         return "off"
     name = {"self": f"self:{spec.draft_layers}", "draft": f"draft:{os.path.basename(spec.draft_model or '')}"}
     return (f"{name.get(spec.proposer, spec.proposer)}:k{spec.k}" + ("" if spec.tree is None else f"+tree{spec.tree}")
             + {True: "", False: "+noguard", "cohort": "+cohort"}[spec.guard]
-            + (f"+pipeline{spec.pipeline}" if spec.pipeline else ""))
+            + {"auto": "", 0: "+nopipeline"}.get(spec.pipeline, f"+pipeline{spec.pipeline}"))
 
 
 def compression_text(mode: str | float) -> str:
@@ -532,6 +534,11 @@ def register_cli(sub) -> None:
     from .engine_config import EVICTIONS, HEAD_MATMULS, PREEMPTIONS, EngineConfig, TritonOptions
 
     from .spec import MAX_K, SpecConfig
+    from .spec.config import AUTO_PIPELINE
+
+    def pipeline(text: str) -> str | int:
+        """--spec-pipeline: 'auto' or a number of slots (SpecConfig checks its range)."""
+        return text if text == "auto" else int(text)
 
     auto = CompressionOptions()  # (--prompt-compression's help: the auto threshold and target)
 
@@ -593,9 +600,10 @@ def register_cli(sub) -> None:
     p.add_argument("--spec-tree", type=int_range(1), default=None, metavar="N",
                    help="--spec: token trees with a node budget of N draft tokens per slot per step across "
                         "its paths (more than --spec-k; default: linear chains)")
-    p.add_argument("--spec-pipeline", type=int, default=SpecConfig.pipeline, metavar="N",
+    p.add_argument("--spec-pipeline", type=pipeline, default=SpecConfig.pipeline, metavar="auto|N",
                    help="--spec: from N decoding slots on, the slots' halves verify in turn, one half's host work "
-                        "under the other's forward (n-gram and suffix; outputs unchanged; default 0: off)")
+                        "under the other's forward (n-gram and suffix chains; outputs unchanged; 0: off; default "
+                        f"auto: from {AUTO_PIPELINE} slots on with the triton backend)")
     p.add_argument("--no-spec-guard", dest="spec_guard", action="store_false",
                    help="--spec: every slot drafts what its proposer offers, up to K (default: the yield guard)")
     p.add_argument("--qsa", type=_qsa, default=None, metavar="on|NAME=VALUE,...",

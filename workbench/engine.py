@@ -498,8 +498,8 @@ class Engine:
         """Whether the slots are as the pipeline runs them (the speculator then weighs a whole
         step's drafts as its two halves: spec/guard.py)."""
         spec = self.config.speculation
-        return (spec is not None and spec.pipeline > 0 and self.scheduler.num_running >= spec.pipeline
-                and self.scheduler.steady())
+        n = 0 if spec is None else spec.pipeline_slots(getattr(self.runner, "asynchronous", False))
+        return n > 0 and self.scheduler.num_running >= n and self.scheduler.steady()
 
     def _pipeline_ready(self) -> bool:
         return self._pipeline_possible() and not getattr(self.runner, "ahead_in_flight", False)

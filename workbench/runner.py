@@ -37,6 +37,7 @@ class Launched:
 class TorchRunner:
     supports_fused_step = True
     paged = True
+    asynchronous = False  # `launch` runs the forward before it returns
 
     def __init__(self, model: Model, slot_capacity: int, qsa=None):
         """qsa: a QSAConfig (workbench/qsa.py): the pages carry its indexer and rows past its

@@ -115,6 +115,11 @@ class SimulatedDevice:
         return getattr(self.inner, name)
 
     @property
+    def asynchronous(self) -> bool:
+        """A modelled device's forwards run on its stream while the host goes on."""
+        return self.model is not None
+
+    @property
     def ahead_in_flight(self) -> bool:
         return self._ahead is not None
 

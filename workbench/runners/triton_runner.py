@@ -47,6 +47,7 @@ MAX_EMBD = 8192  # the fused norms hold a whole row in one tile
 class TritonRunner:
     supports_fused_step = True
     paged = True
+    asynchronous = True  # `launch` leaves its forward running on the device (the engine's pipeline)
 
     def __init__(self, model: Model, slot_capacity: int, options: TritonOptions = TritonOptions(), *,
                  device: str | torch.device | None = None, weights: "_dw.DeviceWeights | None" = None,

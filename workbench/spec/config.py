@@ -29,6 +29,9 @@ __all__ = ["PROPOSERS", "STEP_PLANS", "SpecConfig", "VERIFIES", "proposer_fields
 PROPOSERS = ("ngram", "suffix", "self", "draft")
 VERIFIES = ("exact", "rejection")
 STEP_PLANS = ("slots", "joint")
+# pipeline="auto": the slots it starts at (at 8 slots code editing and essays went as fast with
+# it as without on an H100; at 16, 1.8x faster: docs/GPU_NOTES.md, session 32)
+AUTO_PIPELINE = 8
 MAX_K = 16  # draft tokens per slot per step: the verify rows stay within the chunk graphs' buckets
 MAX_TREE = 128  # a token tree's node budget per slot per step (a step's rows stay within the graphs')
 MAX_PATHS = 8  # a tree's paths per slot per step: the main draft and up to 7 alternatives
@@ -67,8 +70,12 @@ class SpecConfig:
     # step while the device runs the other's (a 16-slot verify step was ~2 ms of host beside a
     # 2.6 ms forward: H100 runs 102-106). Each row's bits are its own whatever shares its
     # forward, so outputs do not change. 0: off. Lookup proposers only (ngram, suffix): a
-    # model's drafts would run on the device between the halves.
-    pipeline: int = 0
+    # model's drafts would run on the device between the halves. "auto" (the default): from
+    # AUTO_PIPELINE slots on where it can run (a lookup proposer's chains) and the runner's
+    # launch leaves its forward running (the Triton runner; on the CPU the halves would only
+    # run one after the other): H100 session 32, code editing at 16 slots 1.81-1.84x AR with it
+    # against 0.92-0.94x without, essays verifying nothing either way (docs/GPU_NOTES.md).
+    pipeline: int | str = "auto"
     # n-gram (prompt lookup): the longest and the shortest suffix of the context matched
     ngram_max: int = 4
     ngram_min: int = 2
@@ -106,10 +113,10 @@ class SpecConfig:
         if self.step_plan not in STEP_PLANS:
             raise ConfigError(f"speculation step_plan={self.step_plan!r} is not allowed: allowed {', '.join(STEP_PLANS)}")
         n = self.pipeline
-        if isinstance(n, bool) or not isinstance(n, int) or not (n == 0 or 2 <= n <= 1 << 16):
-            raise ConfigError(f"speculation pipeline={n!r} is out of range: allowed 0 (off) or the slots it "
-                              f"starts at, an integer 2..{1 << 16}")
-        if self.pipeline:
+        if n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or not (n == 0 or 2 <= n <= 1 << 16)):
+            raise ConfigError(f"speculation pipeline={n!r} is out of range: allowed 'auto', 0 (off) or the "
+                              f"slots it starts at, an integer 2..{1 << 16}")
+        if n != "auto" and n:
             if self.proposer not in ("ngram", "suffix"):
                 raise ConfigError(f"speculation pipeline={self.pipeline} with proposer={self.proposer!r} is not "
                                   f"allowed: allowed with ngram or suffix (a model's drafts run on the device "
@@ -144,6 +151,14 @@ class SpecConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def pipeline_slots(self, asynchronous: bool) -> int:
+        """The decoding slots the pipeline starts at (0: off) on a runner whose launch leaves its
+        forward running (`asynchronous`) or not: `pipeline` as given, or what "auto" makes of it."""
+        if self.pipeline != "auto":
+            return self.pipeline
+        lookup_chains = self.proposer in ("ngram", "suffix") and self.tree is None
+        return AUTO_PIPELINE if asynchronous and lookup_chains else 0
 
     def overridden(self, text: str) -> "SpecConfig":
         """This config with ``"name=value,..."`` fields changed (a script's --spec-variant, a shell
