@@ -161,6 +161,36 @@ def test_pipeline_bad_input_is_refused_in_one_line():
         assert words in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_step_runs_whole_where_its_halves_would_go_slower_on_a_simulated_device(tiny_model, monkeypatch):
+    """A modelled device whose verify forward costs 1 ms whatever its rows and whose host is
+    nearly free: two halves pay that millisecond twice, so with drafts always kept the guard
+    runs whole verify steps (after the warm-up measured both kinds), bitwise AR's."""
+    import workbench.engine
+    import workbench.spec.speculator
+    from workbench.runners.simulated import DeviceModel, SimulatedDevice, VirtualClock
+
+    m = tiny_model()
+    prompts = [_ids(8 + 3 * i, 400 + i) for i in range(8)]
+    refs = _refs(m, prompts, 48)
+    table = {tuple(p): r[0] for p, r in zip(prompts, refs)}
+    e = _engine(m, 8, SpecConfig(k=4, pipeline=4), _ShadowOracle(table))
+    clock = VirtualClock()
+    e.runner = SimulatedDevice(e.runner, DeviceModel((0.6, 0.01), (1.0, 0.001)), clock, host_ms=(0.02, 0.0))
+    monkeypatch.setattr(workbench.engine, "time", clock)
+    monkeypatch.setattr(workbench.spec.speculator, "time", clock)
+    _run(e, prompts, 48)
+    first = e.telemetry.steps().height
+    e.speculator.forget_proposals()
+    out = _run(e, prompts, 48)
+    for r, ref in zip(out, refs):
+        _same(r, ref)
+    decode = e.telemetry.steps().slice(first)
+    decode = decode.filter(decode["phase"] == "decode")
+    whole = decode.filter((decode["verify_slots"] > 0) & ~decode["pipelined"]).height
+    assert sum(r.spec.accepted for r in out) > 8 * 24
+    assert whole > decode.height // 2 and int(decode["pipelined"].sum()) <= 2, decode
+
+
 def test_auto_starts_the_pipeline_where_it_can_run_and_overlap():
     """pipeline="auto" (the default): from AUTO_PIPELINE slots on for a lookup proposer's chains
     on a runner whose launch leaves its forward running; off on the CPU's synchronous runner,

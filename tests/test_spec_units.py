@@ -784,6 +784,37 @@ def test_a_whole_step_the_pipeline_may_split_is_weighed_as_its_halves():
     assert sp.drafts(ctx, split=True) == {}
 
 
+def test_a_step_the_pipeline_may_split_runs_whole_where_that_goes_faster():
+    """Where the step could run as the pipeline's halves, the speculator weighs it both ways and
+    says which to run (`whole`, the engine's word): halves measured dear and whole steps cheap,
+    the drafts pass as one whole step (essays at 16 slots on an H100, session 32: the halves
+    never paid and whole steps went at 1.21x); halves cheap, as halves. Where no draft could pay
+    as halves, shadow drafts still measure acceptance if it could pay whole."""
+    from workbench.spec.speculator import Speculator
+
+    def speculator(whole_ms, half_ms):
+        sp = Speculator(SpecConfig(k=4, row_cost=0.05), _Repeat(3))
+        for r in "abcd":
+            sp.start(r, [1])
+        for _ in range(8):
+            sp.step_rule.observe(4, 0.66, verify=False, ahead=True)
+        for rows in (16, 20):  # (two sizes each: lines, not means)
+            sp.step_rule.observe(rows, whole_ms * rows / 20, verify=True)
+            sp.step_rule.observe(rows // 2, half_ms * rows / 20, verify=True, pipelined=True)
+        return sp
+
+    ctx = {r: [1] for r in "abcd"}
+    sp = speculator(whole_ms=1.0, half_ms=2.0)  # (a whole step of ~10.4 tokens in 1 ms: 1.7x plain)
+    assert sp.drafts(ctx, split=True) == {r: (3,) * 4 for r in "abcd"} and sp.whole
+    sp = speculator(whole_ms=1.6, half_ms=0.5)  # (a half of ~5.2 tokens in 0.5 ms)
+    assert sp.drafts(ctx, split=True) == {r: (3,) * 4 for r in "abcd"} and not sp.whole
+    assert sp.drafts(ctx) == {r: (3,) * 4 for r in "abcd"} and not sp.whole  # (no split: whole, as always)
+    sp = speculator(whole_ms=9.0, half_ms=9.0)
+    assert sp.drafts(ctx, split=True) == {}
+    rule = speculator(whole_ms=1.0, half_ms=9.0).step_rule
+    assert not rule.could_pay(2, 10, of=4) and rule.could_pay(4, 20)  # (shadows: either way may pay)
+
+
 def test_a_vetoed_step_decodes_plainly_but_for_its_probes():
     """With the step rule's fits saying verify steps do not pay, every slot's draft is vetoed
     (counted), except a slot whose length was a probe; plain_next then says the step is plain."""

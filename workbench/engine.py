@@ -169,6 +169,7 @@ class _Flight:
     launched: list
     t0: float
     captures: int
+    first: bool = False  # the first of a run of halves (its time holds the other half's planning)
 
 
 class RequestHandle:
@@ -353,7 +354,7 @@ class Engine:
         captures = getattr(self.runner, "num_captures", 0)
         ahead_used = getattr(self.runner, "num_ahead_used", 0)
         drafts = self._drafts()
-        if drafts and self._enter_pipeline(drafts):
+        if drafts and not self.speculator.whole and self._enter_pipeline(drafts):
             return []
         branches = self.speculator.branches if self.speculator is not None else None
         plan = self.scheduler.schedule(self._step_index, drafts, branches)  # plan
@@ -519,6 +520,7 @@ class Engine:
         if not self._launch_half(0, parts[0]):
             self._halves = None
             return False
+        self._flights[-1].first = True
         if not self._launch_half(1, parts[1]):
             self._leaving = True
         return True
@@ -573,7 +575,7 @@ class Engine:
                 half.discard(ev.slot_id)
         t1 = time.perf_counter()
         self._record_step(fl.plan, fl.step_id, len(fl.launched), max(fl.t0, self._last_done), t1, num_kept,
-                          num_out, fl.captures, pipelined=True)
+                          num_out, fl.captures, pipelined=True, steady=not fl.first)
         self._last_done = time.perf_counter()
         if not self._flights:
             self._halves, self._leaving = None, False
@@ -690,7 +692,12 @@ class Engine:
         })
 
     def _record_step(self, plan, step_id: int, num_forwards: int, t0: float, t1: float, num_kept: int = 0,
-                     num_out: int = 0, captures: int = 0, ran_ahead: bool = False, pipelined: bool = False) -> None:
+                     num_out: int = 0, captures: int = 0, ran_ahead: bool = False, pipelined: bool = False,
+                     steady: bool = True) -> None:
+        """One step's telemetry row, and its time to the speculator's cost fits unless it says
+        nothing of its rows' steady cost: it captured a CUDA graph, or it is the first half of
+        a pipeline run (`steady` False: its time also holds the planning of the other half,
+        which later halves do under a forward; the fits price a half in a run of them)."""
         solo = [g for g in plan.decode_groups if not g.batched]
         phase = "mixed" if plan.num_decode_rows and plan.num_prefill_rows else "decode" if plan.num_decode_rows else "prefill"
         self.telemetry.record_step({
@@ -735,7 +742,7 @@ class Engine:
             **_qsa_columns(self.runner.read_qsa_stats() if self.config.qsa is not None else None),
         })
         if self.speculator is not None and plan.num_decode_rows and not plan.num_prefill_rows:
-            if captures:  # (the guard's cost model learns what rows cost, not what a capture did)
+            if captures or not steady:  # (the guard's cost model learns what rows cost, not what a capture did)
                 self.speculator.skip_step()
             else:
                 self.speculator.record_step(plan.num_decode_rows, 1e3 * (t1 - t0), verify=bool(plan.drafts),

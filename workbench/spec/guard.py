@@ -59,7 +59,13 @@ decoding slots of both) against plain decoding of all of them. Where the pipelin
 a whole step's drafts are weighed as its two halves (the speculator's `split`): pricing them as
 one verify step would veto the very steps that would start it (H100 runs 98-106: code editing
 at 16 slots, a whole verify step 3.8-4.7 ms for ~112 tokens, vetoed; its forward alone 2.6).
-Until a half step was measured, a half pays, so the pipeline gets measured.
+Until a half step was measured, a half pays, so the pipeline gets measured. Such a step is
+weighed whole too, and runs whole where that is expected to go faster (`ratio`; the
+speculator's `whole`, which the engine follows): on an H100 essays at 16 slots never paid as
+halves, so never drafted, while whole steps went at 1.21x AR (session 32, run 113). The half
+fit takes the steady halves only: the first of a run holds the other half's planning too,
+which later halves do under a forward (fitted, the pipeline's start made every half look
+dearer than a whole step, and once a whole step won the halves were never measured again).
 
 Seed 002's rule, for comparison (`SpecConfig(guard="cohort")`, `CohortGuard`; the draft-yield
 ablation's `guards=cohort`): fewer than `cohort_min_emitted` (6) tokens emitted per request on
@@ -318,20 +324,28 @@ class StepRule:
                 self.ahead_seen, self.plain = True, StepCost()
             self.plain.observe(rows, wall_ms)
 
-    def _weigh(self, slots: int, rows: int, tokens: float, extra_ms: float,
-               of: int | None = None) -> tuple[bool, float]:
-        """(whether such a step gains `margin`, its expected ms beyond plain decoding of its
-        slots). `of`: the step is a half of the decoding slots (the engine's pipeline: its
-        halves' steps alternate), priced by the half steps' fit and weighed against a plain step
-        of all `of` of them."""
+    def ratio(self, slots: int, rows: int, tokens: float, extra_ms: float,
+              of: int | None = None) -> tuple[float, float]:
+        """(such a step's expected tokens a ms over plain decoding's, its expected ms beyond
+        plain decoding of its slots): inf where its kind was not measured yet (it pays, so it
+        gets measured), 0 where plain steps must be measured first. `of`: the step is a half of
+        the decoding slots (the engine's pipeline: its halves' steps alternate), priced by the
+        half steps' fit and weighed against a plain step of all `of` of them."""
         fit = self.verify if of is None else self.half
         if fit.num_steps and self.plain.num_steps < self.explore:
-            return False, 0.0  # (measure plain steps first)
+            return 0.0, 0.0  # (measure plain steps first)
         n = of or slots
         p, v = self.plain.at(n), fit.at(rows)
         if p is None or v is None or p <= 0:
-            return True, 0.0
-        return tokens / (v + extra_ms) >= (1 + self.margin) * n / p, v + extra_ms - p * slots / n
+            return math.inf, 0.0
+        return tokens / (v + extra_ms) / (n / p), v + extra_ms - p * slots / n
+
+    def _weigh(self, slots: int, rows: int, tokens: float, extra_ms: float,
+               of: int | None = None) -> tuple[bool, float]:
+        """(whether such a step gains `margin`, its expected ms beyond plain decoding of its
+        slots), as `ratio` weighs it."""
+        r, more = self.ratio(slots, rows, tokens, extra_ms, of)
+        return r >= 1 + self.margin, more
 
     def could_pay(self, slots: int, rows: int, of: int | None = None) -> bool:
         """Whether a verify step of `rows` rows over `slots` slots (of `of`, as `_weigh`), every

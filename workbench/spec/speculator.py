@@ -160,6 +160,9 @@ class Speculator:
         self._held: dict[Hashable, int] = {}
         self._dirty: set[Hashable] = set()
         self._veto: bool | None = None  # the step rule's verdict on _held (None: not weighed since)
+        # a step the engine's pipeline could split is expected to go faster whole (the latest
+        # weighing's word: the engine then runs it as one verify step)
+        self.whole = False
         self._shadows: dict[Hashable, _Shadow] = {}
         self._shadow_pays = True  # the step rule's could_pay at the latest cadence step
         self._shadow_next = 0  # the first step a shadow may be due at
@@ -177,6 +180,7 @@ class Speculator:
         self.tree_guard = TreeGuard(enabled=self.config.guard is True)
         self._pinned = None
         self._held, self._dirty, self._veto, self._shadows, self._shadow_next = {}, set(), None, {}, 0
+        self.whole = False
         if self.step_rule is not None:  # (its fits kept, as the row cost's are)
             self.step_rule.forget_veto()
 
@@ -239,7 +243,9 @@ class Speculator:
                 if self.max_step_rows is not None:
                     rows = min(rows, self.max_step_rows)
                 slots, rows, part_of, _ = _weighed(len(rids), rows, of, split)
-                self._shadow_pays = self.step_rule.could_pay(slots, rows, part_of)
+                # (a step the pipeline may split can also run whole: either may pay)
+                self._shadow_pays = (self.step_rule.could_pay(slots, rows, part_of)
+                                     or (part_of != of and self.step_rule.could_pay(len(rids), 2 * rows)))
             changed = True
         else:
             changed = bool(dirty) and not dirty.isdisjoint(rids)
@@ -284,7 +290,15 @@ class Speculator:
                 tokens = sum(self.guard.expected(rid, k) for rid, k in lengths.items())
                 extra = drafted * (self.draft_cost.ms_per_token or 0.0)
                 slots, rows, part_of, share = _weighed(len(lengths), len(lengths) + drafted, of, split)
+                whole = False
+                if part_of != of:  # (split: run whole where that is expected to go faster)
+                    rule = self.step_rule
+                    halves = rule.ratio(slots, rows, share * tokens, share * extra, part_of)[0]
+                    whole = rule.ratio(len(lengths), len(lengths) + drafted, tokens, extra)[0] > halves
+                    if whole:
+                        slots, rows, part_of, share = len(lengths), len(lengths) + drafted, of, 1.0
                 veto = not self.step_rule.pays(slots, rows, share * tokens, share * extra, self.guard.step, part_of)
+                self.whole = whole
                 if not pinned:
                     self._veto = veto
             if veto:
