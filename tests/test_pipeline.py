@@ -165,27 +165,13 @@ def test_a_step_runs_whole_where_its_halves_would_go_slower_on_a_simulated_devic
     """A modelled device whose verify forward costs 1 ms whatever its rows and whose host is
     nearly free: two halves pay that millisecond twice, so with drafts always kept the guard
     runs whole verify steps (after the warm-up measured both kinds), bitwise AR's."""
-    import workbench.engine
-    import workbench.spec.speculator
-    from workbench.runners.simulated import DeviceModel, SimulatedDevice, VirtualClock
-
     m = tiny_model()
     prompts = [_ids(8 + 3 * i, 400 + i) for i in range(8)]
     refs = _refs(m, prompts, 48)
     table = {tuple(p): r[0] for p, r in zip(prompts, refs)}
     e = _engine(m, 8, SpecConfig(k=4, pipeline=4), _ShadowOracle(table))
-    clock = VirtualClock()
-    e.runner = SimulatedDevice(e.runner, DeviceModel((0.6, 0.01), (1.0, 0.001)), clock, host_ms=(0.02, 0.0))
-    monkeypatch.setattr(workbench.engine, "time", clock)
-    monkeypatch.setattr(workbench.spec.speculator, "time", clock)
-    _run(e, prompts, 48)
-    first = e.telemetry.steps().height
-    e.speculator.forget_proposals()
-    out = _run(e, prompts, 48)
-    for r, ref in zip(out, refs):
-        _same(r, ref)
-    decode = e.telemetry.steps().slice(first)
-    decode = decode.filter(decode["phase"] == "decode")
+    _simulated(e, monkeypatch, plain=(0.6, 0.01), other=(1.0, 0.001), host_ms=(0.02, 0.0))
+    out, decode = _second_pass(e, prompts, refs)
     whole = decode.filter((decode["verify_slots"] > 0) & ~decode["pipelined"]).height
     assert sum(r.spec.accepted for r in out) > 8 * 24
     assert whole > decode.height // 2 and int(decode["pipelined"].sum()) <= 2, decode
@@ -253,23 +239,37 @@ class _ShadowOracle(Oracle):
     shadows = True
 
 
-def _simulated(e, monkeypatch):
+def _simulated(e, monkeypatch, plain=(0.3, 0.01), other=(0.6, 0.01), host_ms=(0.3, 0.014)):
     """The engine's runner on a modelled GPU with a virtual clock (workbench/runners/simulated.py),
     shaped like an H100 at 16 slots, scaled to 8: a plain step of n rows 0.3 + 0.01 n ms (run
     ahead), a verify's forward 0.6 + 0.01 a row, the host 0.3 + 0.014 ms a row before each
     forward, so every step time the guard measures is the model's. Drafts of 4 all kept: a
     whole verify step (40 rows, ~1.9 ms with its host unhidden) emits 21.5 tokens a ms against
     plain decoding's 21 (8 in 0.38 ms), short of the rule's 5%; a half (20 rows) adds its 0.8 ms
-    of device, its host hidden under the other's: 25 a ms."""
+    of device, its host hidden under the other's: 25 a ms. (`plain`, `other`, `host_ms`:
+    another device.)"""
     import workbench.engine
     import workbench.spec.speculator
     from workbench.runners.simulated import DeviceModel, SimulatedDevice, VirtualClock
 
     clock = VirtualClock()
-    e.runner = SimulatedDevice(e.runner, DeviceModel((0.3, 0.01), (0.6, 0.01)), clock, host_ms=(0.3, 0.014))
+    e.runner = SimulatedDevice(e.runner, DeviceModel(plain, other), clock, host_ms=host_ms)
     monkeypatch.setattr(workbench.engine, "time", clock)
     monkeypatch.setattr(workbench.spec.speculator, "time", clock)
     return clock
+
+
+def _second_pass(e, prompts, refs):
+    """A pass that measures every kind of step (as a benchmark's warm-up), then the timed one,
+    its fits the first's: its results (each bitwise its reference) and its decode steps."""
+    _run(e, prompts, 48)
+    first = e.telemetry.steps().height
+    e.speculator.forget_proposals()
+    out = _run(e, prompts, 48)
+    for r, ref in zip(out, refs):
+        _same(r, ref)
+    decode = e.telemetry.steps().slice(first)
+    return out, decode.filter(decode["phase"] == "decode")
 
 
 @pytest.mark.parametrize("proposer", ["oracle", "adversary"])
@@ -287,14 +287,7 @@ def test_the_guard_starts_the_pipeline_where_halves_pay_on_a_simulated_device(ti
     drafter = _ShadowOracle(table) if proposer == "oracle" else Adversary(table)
     e = _engine(m, 8, SpecConfig(k=4, pipeline=4), drafter)
     _simulated(e, monkeypatch)
-    _run(e, prompts, 48)  # (a pass that measures every kind of step, as a benchmark's warm-up)
-    first = e.telemetry.steps().height
-    e.speculator.forget_proposals()
-    out = _run(e, prompts, 48)
-    for r, ref in zip(out, refs):
-        _same(r, ref)
-    decode = e.telemetry.steps().slice(first)
-    decode = decode.filter(decode["phase"] == "decode")
+    out, decode = _second_pass(e, prompts, refs)
     half = int(decode["pipelined"].sum())
     if proposer == "oracle":
         assert sum(r.spec.accepted for r in out) > 8 * 24
