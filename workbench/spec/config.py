@@ -74,7 +74,7 @@ class SpecConfig:
     # AUTO_PIPELINE slots on where it can run (a lookup proposer's chains) and the runner's
     # launch leaves its forward running (the Triton runner; on the CPU the halves would only
     # run one after the other): H100 session 32, code editing at 16 slots 1.81-1.84x AR with it
-    # against 0.92-0.94x without, essays verifying nothing either way (docs/GPU_NOTES.md).
+    # against 0.87-0.94x without (docs/GPU_NOTES.md).
     pipeline: int | str = "auto"
     # n-gram (prompt lookup): the longest and the shortest suffix of the context matched
     ngram_max: int = 4
