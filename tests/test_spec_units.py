@@ -788,8 +788,8 @@ def test_a_step_the_pipeline_may_split_runs_whole_where_that_goes_faster():
     """Where the step could run as the pipeline's halves, the speculator weighs it both ways and
     says which to run (`whole`, the engine's word): halves measured dear and whole steps cheap,
     the drafts pass as one whole step (essays at 16 slots on an H100, session 32: the halves
-    never paid and whole steps went at 1.21x); halves cheap, as halves. Where no draft could pay
-    as halves, shadow drafts still measure acceptance if it could pay whole."""
+    never paid and whole steps went at 1.21x); halves cheap, as halves. And the rule can say a
+    step pays whole where no draft could pay as halves (the question shadow drafts ask of both)."""
     from workbench.spec.speculator import Speculator
 
     def speculator(whole_ms, half_ms):

@@ -242,10 +242,10 @@ class Speculator:
                 rows = len(rids) * (1 + k)
                 if self.max_step_rows is not None:
                     rows = min(rows, self.max_step_rows)
-                slots, rows, part_of, _ = _weighed(len(rids), rows, of, split)
+                slots, part_rows, part_of, _ = _weighed(len(rids), rows, of, split)
                 # (a step the pipeline may split can also run whole: either may pay)
-                self._shadow_pays = (self.step_rule.could_pay(slots, rows, part_of)
-                                     or (part_of != of and self.step_rule.could_pay(len(rids), 2 * rows)))
+                self._shadow_pays = (self.step_rule.could_pay(slots, part_rows, part_of)
+                                     or (part_of != of and self.step_rule.could_pay(len(rids), rows)))
             changed = True
         else:
             changed = bool(dirty) and not dirty.isdisjoint(rids)
@@ -289,14 +289,15 @@ class Speculator:
                 drafted = sum(lengths.values())
                 tokens = sum(self.guard.expected(rid, k) for rid, k in lengths.items())
                 extra = drafted * (self.draft_cost.ms_per_token or 0.0)
-                slots, rows, part_of, share = _weighed(len(lengths), len(lengths) + drafted, of, split)
+                n, all_rows = len(lengths), len(lengths) + drafted
+                slots, rows, part_of, share = _weighed(n, all_rows, of, split)
                 whole = False
                 if part_of != of:  # (split: run whole where that is expected to go faster)
                     rule = self.step_rule
-                    halves = rule.ratio(slots, rows, share * tokens, share * extra, part_of)[0]
-                    whole = rule.ratio(len(lengths), len(lengths) + drafted, tokens, extra)[0] > halves
+                    whole = (rule.ratio(n, all_rows, tokens, extra)[0]
+                             > rule.ratio(slots, rows, share * tokens, share * extra, part_of)[0])
                     if whole:
-                        slots, rows, part_of, share = len(lengths), len(lengths) + drafted, of, 1.0
+                        slots, rows, part_of, share = n, all_rows, of, 1.0
                 veto = not self.step_rule.pays(slots, rows, share * tokens, share * extra, self.guard.step, part_of)
                 self.whole = whole
                 if not pinned:
