@@ -230,6 +230,11 @@ def test_bench_names_the_pipeline_and_flags_it_idle(tiny_gguf, tmp_path, capsys)
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pipeline=1 is out of range: allowed 'auto', 0 (off)" in err[0]
+    with pytest.raises(SystemExit) as ex:
+        main(["bench", "--model", str(tiny_gguf("gemma3")), "--spec", "ngram", "--spec-pipeline", "fast",
+              "--data-dir", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert ex.value.code == 2 and len(err) == 1 and "'fast' is not allowed: allowed auto, 0 (off)" in err[0]
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 

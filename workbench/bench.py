@@ -482,6 +482,15 @@ def _triton_options(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _spec_pipeline(text: str) -> str | int:
+    """--spec-pipeline's type: auto or a number of slots (SpecConfig checks the number's range)."""
+    import argparse
+
+    if text == "auto" or text.isdigit():
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(f"{text!r} is not allowed: allowed auto, 0 (off) or the slots it starts at")
+
+
 def _prompt_compression(text: str) -> str | float:
     """--prompt-compression's type: off, auto or a ratio, as `compression.check_ratio` allows."""
     import argparse
@@ -535,10 +544,6 @@ def register_cli(sub) -> None:
 
     from .spec import MAX_K, SpecConfig
     from .spec.config import AUTO_PIPELINE
-
-    def pipeline(text: str) -> str | int:
-        """--spec-pipeline: 'auto' or a number of slots (SpecConfig checks its range)."""
-        return text if text == "auto" else int(text)
 
     auto = CompressionOptions()  # (--prompt-compression's help: the auto threshold and target)
 
@@ -600,7 +605,7 @@ def register_cli(sub) -> None:
     p.add_argument("--spec-tree", type=int_range(1), default=None, metavar="N",
                    help="--spec: token trees with a node budget of N draft tokens per slot per step across "
                         "its paths (more than --spec-k; default: linear chains)")
-    p.add_argument("--spec-pipeline", type=pipeline, default=SpecConfig.pipeline, metavar="auto|N",
+    p.add_argument("--spec-pipeline", type=_spec_pipeline, default=SpecConfig.pipeline, metavar="auto|N",
                    help="--spec: from N decoding slots on, the slots' halves verify in turn, one half's host work "
                         "under the other's forward (n-gram and suffix chains; outputs unchanged; 0: off; default "
                         f"auto: from {AUTO_PIPELINE} slots on with the triton backend)")
