@@ -14,7 +14,8 @@
 #           scored eviction's (the mass in the graphs), the verify graph families' 
 #   pflash  the paging-cliff ablation with PFlash on 32K-token prompts and an 8K-token pool
 #   yield   the draft-yield ablation, n-gram k=8 on every workload, token trees (12 nodes) against chains
-#           (YIELD_WORKLOADS, YIELD_KS, YIELD_TREES)
+#           (YIELD_WORKLOADS, YIELD_KS, YIELD_TREES, YIELD_C: the concurrencies, YIELD_PIPES: the pipeline's
+#           starting slots, 0 off)
 #   family  FAMILY_WORKLOADS, space-separated WORKLOAD[@C[@SPEC]] (default essay: 16 slots, n-gram k=8),
 #           against AR (scripts/spec_overhead.py, three alternating timed passes after a warm-up: goodput,
 #           steps run ahead, graphs captured inside a pass, each step's time by phase; every step's
@@ -85,7 +86,7 @@ for stage in ${STAGES//,/ }; do
     yield)
       timeout ${YIELD_S:-300} python3 scripts/draft_yield_run.py --data-dir /tmp/wbruns -p backend=triton -p model="$MODEL" \
           -p workloads=${YIELD_WORKLOADS:-code-edit,agentic,extraction,essay} -p proposers=ngram -p ks=${YIELD_KS:-8} \
-          -p trees=${YIELD_TREES:-0,12} -p concurrencies=1,4,16 -p timed_passes=3 \
+          -p trees=${YIELD_TREES:-0,12} -p concurrencies=${YIELD_C:-1,4,16} -p pipelines=${YIELD_PIPES:-0} -p timed_passes=3 \
           > "$OUT/logs/draft_yield_trees.log" 2>&1; echo "rc $?"
       tail -${YIELD_TAIL:-24} "$OUT/logs/draft_yield_trees.log" | cut -c1-400 ;;
     family)

@@ -150,3 +150,19 @@ def test_timed_passes_report_the_median_pass_and_check_every_pass(tiny_model):
     assert rows["timed_passes"].to_list() == [3, 3]
     assert rows["graph_captures"].to_list() == [0, 0]  # (the torch runner has no graphs)
     assert rows.filter(pl.col("proposer") == "self:1")["verify_steps"][0] > 0
+
+
+def test_a_pipeline_arm_is_left_out_below_the_slots_it_starts_at(tiny_model):
+    """pipelines=[0, 2] at concurrencies 1 and 2: at one slot the pipeline=2 arm would be its
+    pipeline=0 twin's engine, so only C=2 measures both; each row says which it is."""
+    m = tiny_model()
+    rows = draft_yield.measure_draft_yield(m, workloads=["code-edit"], proposers=["ngram"], ks=[2],
+                                           concurrency=[1, 2], guards=["off"], pipelines=[0, 2], max_tokens=6,
+                                           progress=False)
+    assert rows.select("concurrency", "pipeline").rows() == [(1, 0), (2, 0), (2, 2)]
+    assert rows["tokens_identical"].all()
+    # a sweep with no pipeline=0 arm keeps what it asked for
+    alone = draft_yield.measure_draft_yield(m, workloads=["code-edit"], proposers=["ngram"], ks=[2],
+                                            concurrency=[1], guards=["off"], pipelines=[2], max_tokens=6,
+                                            progress=False)
+    assert alone.select("concurrency", "pipeline").rows() == [(1, 2)]

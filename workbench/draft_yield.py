@@ -78,7 +78,7 @@ def measure_draft_yield(
                                 guard=GUARD_VALUES[spec[3]], pipeline=spec[4]) for spec in specs}
     labels = [f"{w} T={t:g} C={c} " + (_arm(*spec) if spec[0] else "AR")
               for w in workloads for t in temperatures for c in concurrency
-              for spec in [(None, 0, 0, None, 0)] + specs]
+              for spec in [(None, 0, 0, None, 0)] + _arms(specs, c)]
     rows = []
     with measurement_bar(labels, enabled=progress) as bar:
         for w in workloads:
@@ -91,7 +91,7 @@ def measure_draft_yield(
                     base = dict(max_concurrency=c, dtype=model.dtype_name, backend=backend, prefix_cache=False)
                     ref = _run(model, EngineConfig(**base), timed, sampling, timed_passes)
                     next_measurement(bar, labels)
-                    for spec in specs:
+                    for spec in _arms(specs, c):
                         p, k, n, g, pipe = spec
                         got = _run(model, EngineConfig(**base, speculation=configs[spec]), timed, sampling,
                                    timed_passes)
@@ -99,6 +99,13 @@ def measure_draft_yield(
                                          guard=g, pipeline=pipe, backend=backend, temperature=t))
                         next_measurement(bar, labels)
     return pl.DataFrame(rows, infer_schema_length=None)
+
+
+def _arms(specs: list, concurrency: int) -> list:
+    """The arms measured at `concurrency`: an arm whose pipeline starts at more slots than run
+    is the same engine as its pipeline=0 twin, so it is left out where that twin is measured."""
+    off = {spec[:4] for spec in specs if not spec[4]}
+    return [spec for spec in specs if spec[4] <= concurrency or spec[:4] not in off]
 
 
 def measure_from_config(model, config: dict):
