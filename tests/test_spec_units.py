@@ -815,6 +815,28 @@ def test_a_step_the_pipeline_may_split_runs_whole_where_that_goes_faster():
     assert not rule.could_pay(2, 10, of=4) and rule.could_pay(4, 20)  # (shadows: either way may pay)
 
 
+def test_the_step_rules_verdict_is_kept_only_for_a_step_of_the_same_shape():
+    """Between the guard's cadence steps the step rule's verdict is kept, but only for a step of
+    the shape it weighed: halves that pay say nothing of the whole step they came from, which
+    does not (a verdict kept across that change let the whole step verify at a loss)."""
+    from workbench.spec.speculator import Speculator
+
+    sp = Speculator(SpecConfig(k=4, row_cost=0.05), _Repeat(3))
+    for r in "abcd":
+        sp.start(r, [1])
+    for _ in range(8):
+        sp.step_rule.observe(4, 0.66, verify=False, ahead=True)
+    for rows in (16, 20):
+        sp.step_rule.observe(rows, 9.0 * rows / 20, verify=True)
+        sp.step_rule.observe(rows // 2, 0.5 * rows / 20, verify=True, pipelined=True)
+    ctx = {r: [1] for r in "abcd"}
+    assert sp.drafts(ctx, split=True) == {r: (3,) * 4 for r in "abcd"} and not sp.whole
+    assert not sp.guard.on_cadence()  # (the next weighing would reuse a kept verdict)
+    assert sp.drafts(ctx) == {}  # (whole, unsplittable: 16 rows at 7.2 ms)
+    assert sp.stats["a"].vetoed == 1
+    assert sp.drafts(ctx, split=True) == {r: (3,) * 4 for r in "abcd"}
+
+
 def test_a_vetoed_step_decodes_plainly_but_for_its_probes():
     """With the step rule's fits saying verify steps do not pay, every slot's draft is vetoed
     (counted), except a slot whose length was a probe; plain_next then says the step is plain."""

@@ -160,6 +160,7 @@ class Speculator:
         self._held: dict[Hashable, int] = {}
         self._dirty: set[Hashable] = set()
         self._veto: bool | None = None  # the step rule's verdict on _held (None: not weighed since)
+        self._veto_key: tuple | None = None  # the step shape it was weighed for (_lengths)
         # a step the engine's pipeline could split is expected to go faster whole (the latest
         # weighing's word: the engine then runs it as one verify step)
         self.whole = False
@@ -284,9 +285,12 @@ class Speculator:
         if self.max_step_rows is not None:
             _fit(lengths, self.max_step_rows - len(lengths))
         if self.step_rule is not None and any(lengths.values()) and any(rid not in pinned for rid in lengths):
-            veto = self._veto
+            drafted = sum(lengths.values())
+            # (the verdict is kept for a step of the same shape: the pipeline's halves, a step
+            # that may or may not split, and one that lost slots are weighed anew)
+            key = (of, split, len(lengths), drafted)
+            veto = self._veto if self._veto_key == key else None
             if veto is None or pinned or self.guard.on_cadence():
-                drafted = sum(lengths.values())
                 tokens = sum(self.guard.expected(rid, k) for rid, k in lengths.items())
                 extra = drafted * (self.draft_cost.ms_per_token or 0.0)
                 n, all_rows = len(lengths), len(lengths) + drafted
@@ -301,7 +305,7 @@ class Speculator:
                 veto = not self.step_rule.pays(slots, rows, share * tokens, share * extra, self.guard.step, part_of)
                 self.whole = whole
                 if not pinned:
-                    self._veto = veto
+                    self._veto, self._veto_key = veto, key
             if veto:
                 for rid, k in lengths.items():  # (plain decoding, but for the probes)
                     if k and not self.guard.probing(rid):
