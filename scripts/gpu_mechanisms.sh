@@ -17,7 +17,7 @@
 #           (YIELD_WORKLOADS, YIELD_KS, YIELD_TREES, YIELD_C: the concurrencies, YIELD_PIPES: the pipeline's
 #           starting slots, 0 off)
 #   family  FAMILY_WORKLOADS, space-separated WORKLOAD[@C[@SPEC]] (default essay: 16 slots, n-gram k=8),
-#           against AR (scripts/spec_overhead.py, three alternating timed passes after a warm-up: goodput,
+#           against AR (scripts/spec_overhead.py, FAMILY_REPEATS (3) alternating timed passes after a warm-up: goodput,
 #           steps run ahead, graphs captured inside a pass, each step's time by phase; every step's
 #           telemetry to logs/spec_steps_*.parquet); FAMILY_VARIANT=verify_graph_family=false: a third arm
 #           (TritonOptions), FAMILY_SPEC_VARIANT=step_plan=joint: one more (SpecConfig fields); FAMILY_PROFILE=1:
@@ -93,7 +93,7 @@ for stage in ${STAGES//,/ }; do
       for run in ${FAMILY_WORKLOADS:-essay}; do  # each WORKLOAD[@CONCURRENCY[@SPEC]], space-separated
         IFS=@ read -r w c sp <<< "$run"; c=${c:-16}; sp=${sp:-ngram:8}; tag="${w}_c${c}_${sp/:/}"
         timeout ${FAMILY_S:-200} python3 scripts/spec_overhead.py --model "$MODEL" --workload $w --concurrency $c \
-            --spec $sp --repeats 3 --phases ${FAMILY_VARIANT:+--variant $FAMILY_VARIANT} \
+            --spec $sp --repeats ${FAMILY_REPEATS:-3} --phases ${FAMILY_VARIANT:+--variant $FAMILY_VARIANT} \
             ${FAMILY_SPEC_VARIANT:+--spec-variant $FAMILY_SPEC_VARIANT} \
             --steps-out "$OUT/logs/spec_steps_$tag.parquet" ${FAMILY_PROFILE:+--profile-out "$OUT/logs/host_$tag.prof"} \
             > "$OUT/logs/spec_overhead_$tag.log" 2>&1; echo "$tag rc $?"
