@@ -79,10 +79,29 @@ def main(argv=None) -> int:
     frame = pl.DataFrame(rows).with_columns(pl.lit(args.run).alias("run"), pl.lit(args.device).alias("device"),
                                             pl.lit(args.commit).alias("commit"))
     atomic_write_parquet(args.out, frame)
-    print(frame.group_by("workload", "concurrency", "arm", maintain_order=True)
-          .agg(pl.col("x_ar").min().round(2).alias("min_x"), pl.col("x_ar").max().round(2).alias("max_x"),
-               pl.col("verify_steps").max(), pl.col("pipelined_steps").max(), pl.col("tokens_same").all()))
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200, tbl_hide_column_data_types=True):
+        print(arms(frame))
     return 0
+
+
+def arms(frame):
+    """A row per arm: its passes' x AR (min, median, max) and `best_x`, its fastest pass over
+    AR's fastest. Why best-of: the H100 host's plain step takes 0.6 ms in some passes and 1.0-1.3
+    ms in others, whichever engine runs (run 114; CPU pinning did not change it, run 118), so a
+    pass's ratio carries +-25%; each engine's fastest of nine alternating passes is its run
+    on an undisturbed host."""
+    import polars as pl
+
+    keys = ["workload", "concurrency"]
+    ar_best = frame.filter(pl.col("arm") == "AR").group_by(keys).agg(pl.col("tok_s").max().alias("_ar"))
+    return (frame.group_by(*keys, "arm", maintain_order=True)
+            .agg(pl.len().alias("passes"), pl.col("x_ar").min().round(2).alias("min_x"),
+                 pl.col("x_ar").median().round(2).alias("med_x"), pl.col("x_ar").max().round(2).alias("max_x"),
+                 pl.col("tok_s").max().alias("_best"), pl.col("verify_steps").max(),
+                 pl.col("pipelined_steps").max(), pl.col("tokens_same").all())
+            .join(ar_best, on=keys, maintain_order="left")
+            .with_columns((pl.col("_best") / pl.col("_ar")).round(2).alias("best_x"))
+            .drop("_best", "_ar"))
 
 
 if __name__ == "__main__":

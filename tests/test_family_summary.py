@@ -37,3 +37,19 @@ def test_a_line_that_does_not_parse_is_refused(tmp_path):
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and "does not parse" in err[0]
     assert not out.exists()
+
+
+def test_each_arm_is_summed_up_by_its_passes_and_its_best_over_ars_best():
+    """`arms`: one row per arm, the median of its passes' x AR, and its fastest pass over AR's."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from family_summary import arms
+
+    frame = pl.DataFrame({
+        "workload": ["essay"] * 6, "concurrency": [16] * 6, "arm": ["AR", "ngram:8"] * 3, "pass": [0, 0, 1, 1, 2, 2],
+        "tok_s": [100.0, 90.0, 200.0, 150.0, 120.0, 210.0], "verify_steps": [0, 3, 0, 4, 0, 5],
+        "pipelined_steps": [0] * 6, "tokens_same": [True] * 6})
+    frame = frame.with_columns((pl.col("tok_s") / pl.col("tok_s").filter(pl.col("arm") == "AR")
+                                .gather(pl.col("pass"))).alias("x_ar"))
+    got = arms(frame).filter(pl.col("arm") == "ngram:8").row(0, named=True)
+    assert got["passes"] == 3 and got["best_x"] == 1.05  # (210 against AR's 200)
+    assert got["med_x"] == 0.9 and got["min_x"] == 0.75 and got["max_x"] == 1.75 and got["verify_steps"] == 5
