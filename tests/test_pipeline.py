@@ -177,34 +177,6 @@ def test_a_step_runs_whole_where_its_halves_would_go_slower_on_a_simulated_devic
     assert whole > decode.height // 2 and int(decode["pipelined"].sum()) <= 2, decode
 
 
-def test_the_first_whole_step_after_the_halves_is_not_fitted(tiny_model, monkeypatch):
-    """The step after a run of halves costs more than its kind (on an H100, a whole verify of
-    16-23 rows 2.2-2.4 ms against 1.4-1.5 ms for the next ones): like the first half of a run,
-    its time goes to no fit, while the whole verify steps after it do. Mixed lengths, so the
-    pipeline winds down below its 4 slots and whole steps finish the pass, bitwise AR's."""
-    m = tiny_model()
-    prompts = [_ids(6 + 3 * i, 500 + i) for i in range(8)]
-    max_tokens = [12 + 5 * i for i in range(8)]
-    refs = _refs(m, prompts, max_tokens)
-    e = _engine(m, 8, SpecConfig(k=4, guard=False, pipeline=4), _oracle(prompts, refs))
-    _simulated(e, monkeypatch)
-    fitted, skipped = [], []
-    record, skip = e.speculator.record_step, e.speculator.skip_step
-    monkeypatch.setattr(e.speculator, "record_step",
-                        lambda *a, **k: (fitted.append(e.telemetry.step_records[-1]["step"]), record(*a, **k)))
-    monkeypatch.setattr(e.speculator, "skip_step",
-                        lambda: (skipped.append(e.telemetry.step_records[-1]["step"]), skip()))
-    for r, ref in zip(_run(e, prompts, max_tokens), refs):
-        _same(r, ref)
-    decode = [r for r in e.telemetry.step_records if r["phase"] == "decode"]
-    after = [r["step"] for prev, r in zip(decode, decode[1:]) if prev["pipelined"] and not r["pipelined"]]
-    later = [r["step"] for prev, r in zip(decode, decode[1:]) if not prev["pipelined"] and not r["pipelined"]
-             and r["verify_slots"] and prev["step"] in after]
-    assert after and later, decode
-    assert set(after) <= set(skipped) and not set(after) & set(fitted)
-    assert set(later) <= set(fitted)
-
-
 def test_auto_starts_the_pipeline_where_it_can_run_and_overlap():
     """pipeline="auto" (the default): from AUTO_PIPELINE slots on for a lookup proposer's chains
     on a runner whose launch leaves its forward running; off on the CPU's synchronous runner,

@@ -266,11 +266,6 @@ class Engine:
         self._halves: list[set[int]] | None = None
         self._flights: deque[_Flight] = deque()
         self._leaving = False
-        # the next whole step is the first after a run of halves: its time is not fitted (on an
-        # H100 such a step took 2.2-2.4 ms for 16-23 rows against 1.4-1.5 ms for the next whole
-        # verify steps, runs 113 and 119; fitted as the run's one whole verify, it vetoed every
-        # whole step after it, so a pass's last slots decoded plainly: agentic at 16 slots 0.89x)
-        self._after_halves = False
         self.stop_ids = tuple(sorted(model.tokenizer.eos_ids))
 
     def _machine_budget(self) -> int:
@@ -405,8 +400,7 @@ class Engine:
         # working meanwhile); bench's decode time takes each step to the next one's start_s
         self._record_step(plan, self._step_index, len(forwards), t0, time.perf_counter(), num_kept, num_out,
                           getattr(self.runner, "num_captures", 0) - captures,
-                          getattr(self.runner, "num_ahead_used", 0) > ahead_used, steady=not self._after_halves)
-        self._after_halves = False
+                          getattr(self.runner, "num_ahead_used", 0) > ahead_used)
         self._step_index += 1
         self._last_done = time.perf_counter()
         return events
@@ -584,7 +578,7 @@ class Engine:
                           num_out, fl.captures, pipelined=True, steady=not fl.first)
         self._last_done = time.perf_counter()
         if not self._flights:
-            self._halves, self._leaving, self._after_halves = None, False, True
+            self._halves, self._leaving = None, False
         return events
 
     def _drafts(self) -> dict:
@@ -702,9 +696,8 @@ class Engine:
                      steady: bool = True) -> None:
         """One step's telemetry row, and its time to the speculator's cost fits unless it says
         nothing of its rows' steady cost: it captured a CUDA graph, or it is the first half of
-        a pipeline run or the first whole step after one (`steady` False: the first half's time
-        also holds the planning of the other half, which later halves do under a forward; the
-        step after a run, whole or plain, costs more than its kind does, `_after_halves`)."""
+        a pipeline run (`steady` False: its time also holds the planning of the other half,
+        which later halves do under a forward; the fits price a half in a run of them)."""
         solo = [g for g in plan.decode_groups if not g.batched]
         phase = "mixed" if plan.num_decode_rows and plan.num_prefill_rows else "decode" if plan.num_decode_rows else "prefill"
         self.telemetry.record_step({
