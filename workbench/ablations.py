@@ -329,7 +329,8 @@ def _draft_yield() -> Ablation:
                   "chain; a row's tree)", lo=0, hi=MAX_TREE),
             Param("pipelines", "int_list", [0], "the decoding slots from which the slots' halves verify in turn "
                   "(SpecConfig.pipeline; 0: off; n-gram and suffix chains; a row's pipeline; each row names its own, "
-                  "where the engine's default is 'auto': 8 on the GPU)", lo=0, hi=1 << 16),
+                  "where the engine's default is 'auto': 8 on the GPU; an arm starting above a row's concurrency "
+                  "is left out where its pipeline=0 twin runs)", lo=0, hi=1 << 16),
             Param("temperatures_pct", "int_list", [0], "sampling temperatures in hundredths (0: greedy; 80: "
                   "temperature 0.8, top-p 0.95, seeded; a row's temperature)", lo=0, hi=200),
             Param("max_tokens", "int", None, "a cap on each prompt's own max_tokens (None: the prompt's)", lo=1,
