@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     import polars as pl
 
     with pl.Config(tbl_rows=200, tbl_cols=30, tbl_width_chars=400):
-        print(summary.select("workload", "temperature", "concurrency", "proposer", "k", "guard", "goodput_tok_s", "ar_goodput_tok_s",
+        print(summary.select("workload", "temperature", "concurrency", "proposer", "k", "guard", "pipeline", "goodput_tok_s", "ar_goodput_tok_s",
                              "goodput_vs_ar", "verify_steps", "drafted", "accepted", "acceptance", "draft_yield",
                              "guard_skips", "row_cost", "tokens_identical", "activation_ok"))
     for r in draft_yield.flagged(summary).iter_rows(named=True):

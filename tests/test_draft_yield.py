@@ -166,3 +166,33 @@ def test_a_pipeline_arm_is_left_out_below_the_slots_it_starts_at(tiny_model):
                                             concurrency=[1], guards=["off"], pipelines=[2], max_tokens=6,
                                             progress=False)
     assert alone.select("concurrency", "pipeline").rows() == [(1, 2)]
+
+
+def test_each_arm_is_timed_in_rounds_with_ar_and_its_ratio_is_the_rounds_median(tiny_model, monkeypatch):
+    """An arm's timed passes alternate with AR's (a round: AR, then the arm), and its goodput
+    against AR is the median of the rounds' ratios, so a host that slows for a while slows
+    both sides of a round (H100 run 116: an arm doing AR's work read 0.79x when engines were
+    timed one after the other). Here the host is scripted: AR's passes at 100, 50, 100 tok/s,
+    the arm's at 90, 60, 95 in the same rounds (ratios 0.9, 1.2, 0.95: the median is 0.95;
+    the medians' ratio would say 0.9)."""
+    m = tiny_model()
+    real = draft_yield._pass
+    order, speeds = [], {"ar": iter([100.0, 50.0, 100.0]), "yield": iter([90.0, 60.0, 95.0])}
+
+    def scripted(engine, prompts, sampling, tag):
+        out = real(engine, prompts, sampling, tag)
+        kind = tag.rstrip("0123456789.")
+        if kind in speeds:
+            order.append(kind)
+            out["goodput_tok_s"] = next(speeds[kind])
+        return out
+
+    monkeypatch.setattr(draft_yield, "_pass", scripted)
+    rows = draft_yield.measure_draft_yield(m, workloads=["code-edit"], proposers=["ngram"], ks=[2],
+                                           concurrency=[2], guards=["off"], max_tokens=6, timed_passes=3,
+                                           progress=False)
+    assert order == ["ar", "yield"] * 3
+    row = rows.row(0, named=True)
+    assert row["goodput_vs_ar"] == pytest.approx(0.95)
+    assert row["goodput_tok_s"] == 90.0 and row["ar_goodput_tok_s"] == 100.0  # (each side's median pass)
+    assert row["tokens_identical"] and row["timed_passes"] == 3

@@ -338,8 +338,9 @@ def _draft_yield() -> Ablation:
             Param("backend", "word", "torch", "the engine's backend ('torch': the CPU path, 'triton': the GPU's)",
                   words=BACKENDS),
             Param("seed", "int", 0, "0: the shipped prompt sets; else generated with this seed", lo=0, hi=2**63 - 1),
-            Param("timed_passes", "int", 1, "timed passes per engine after its warm-up; a row reports the pass of "
-                  "median goodput (3 on a GPU: a shape first met in a pass captures a graph inside it)", lo=1, hi=9),
+            Param("timed_passes", "int", 1, "timed passes per engine after its warm-up, each of an arm's right "
+                  "after one of AR's (a round); a row reports the pass of median goodput and the median of the "
+                  "rounds' ratios (3 on a GPU: a shape first met in a pass captures a graph inside it)", lo=1, hi=9),
         ),
         # Quick: the embedded model on a CPU, two workloads at two concurrencies, short outputs
         quick={"workloads": ["code-edit", "essay"], "proposers": ["ngram"], "ks": [4], "concurrencies": [1, 2],

@@ -5,7 +5,8 @@ outputs.
 For every workload and concurrency C, C prompts of the workload (workbench/workloads.py) are
 submitted together on a plain engine: the reference. Then, for every proposer, k, token-tree
 budget (`trees`: 0 for a linear chain) and guard setting, the same prompts on an engine with
-that speculation. A row says what the proposer
+that speculation, its timed passes alternating with the reference engine's (rounds: a host
+whose speed drifts meets both alike). A row says what the proposer
 drafted and the target kept (verify steps, draft tokens, acceptance, the acceptance-length
 histogram, draft yield: tokens emitted per verify step), the goodput (tokens generated over
 the run's wall, from the first submit to the last token) against the reference's, and
@@ -58,10 +59,12 @@ def measure_draft_yield(
     its AR reference. `trees`: token-tree node budgets (SpecConfig.tree; 0: a linear chain).
     `pipelines`: the slots the pipeline starts at (SpecConfig.pipeline; 0: off).
     `max_tokens`: a cap on each prompt's own suggestion (None: the suggestion).
-    `timed_passes`: each engine runs the prompts this many times after its warm-up pass; a row
-    reports the pass of median goodput (on the GPU a step shape first met in a timed pass
-    captures a graph inside it: H200 run 83, essays C1, 0.83x in a first timed pass and
-    0.97x in the next two), and its tokens are checked in every pass."""
+    `timed_passes`: after its warm-up pass, each arm's engine runs the prompts this many times,
+    each pass right after one of the AR engine's (a round, `_rounds`); a row reports the arm's
+    pass of median goodput and AR's from the same rounds, and `goodput_vs_ar` is the median of
+    the rounds' ratios (on the GPU a step shape first met in a timed pass captures a graph
+    inside it: H200 run 83, essays C1, 0.83x in a first timed pass and 0.97x in the next two).
+    Every timed pass's tokens, the arm's and AR's, are checked against AR's."""
     import polars as pl
 
     from workbench import workloads as wl
@@ -89,12 +92,13 @@ def measure_draft_yield(
                     timed = prompts[:c]
                     # (no prefix cache: each arm's untimed pass runs the same prompts first, ahead)
                     base = dict(max_concurrency=c, dtype=model.dtype_name, backend=backend, prefix_cache=False)
-                    ref = _run(model, EngineConfig(**base), timed, sampling, timed_passes)
+                    ar = _warm(model, EngineConfig(**base), timed, sampling)
                     next_measurement(bar, labels)
                     for spec in _arms(specs, c):
                         p, k, n, g, pipe = spec
-                        got = _run(model, EngineConfig(**base, speculation=configs[spec]), timed, sampling,
-                                   timed_passes)
+                        engine = _warm(model, EngineConfig(**base, speculation=configs[spec]), timed, sampling)
+                        got, ref = _rounds(engine, ar, timed, sampling, timed_passes)
+                        del engine  # (its KV pool goes before the next arm's is allocated)
                         rows.append(_row(model, got, ref, workload=w, concurrency=c, proposer=p, k=k, tree=n,
                                          guard=g, pipeline=pipe, backend=backend, temperature=t))
                         next_measurement(bar, labels)
@@ -138,26 +142,43 @@ def _prompts(model, wl, workload: str, num: int, seed: int, data_dir: str, cap: 
     return out
 
 
-def _run(model, config, prompts, sampling: dict, timed_passes: int = 1) -> dict:
-    """The prompts on a fresh engine: an untimed pass first, then `timed_passes` timed ones; the
-    pass of median goodput, with `all_results` (every timed pass's results) and
-    `graph_captures` (the graphs the runner captured in the timed passes). The untimed pass is
-    there because CUDA graphs are captured per engine the first time a step shape needs one
-    (H200 run 78 warmed up on other prompts of the workload, and shapes first met in the timed
-    pass cost AR extraction at C1 7x), and the guard's cost model learns this machine's step
-    costs in it; before each pass the proposer forgets what it saw (a suffix proposer would
-    otherwise draft a pass from the previous pass's outputs)."""
+def _warm(model, config, prompts, sampling: dict):
+    """A fresh engine after one untimed pass of the prompts. The untimed pass is there because
+    CUDA graphs are captured per engine the first time a step shape needs one (H200 run 78
+    warmed up on other prompts of the workload, and shapes first met in the timed pass cost AR
+    extraction at C1 7x), and the guard's cost model learns this machine's step costs in it."""
     from workbench.engine import Engine
 
     engine = Engine(model, config)
     _pass(engine, prompts, sampling, "warm")
-    before = _num_graphs(engine)
-    passes = [_pass(engine, prompts, sampling, f"yield{i}") for i in range(timed_passes)]
-    passes.sort(key=lambda p: p["goodput_tok_s"])
-    out = dict(passes[len(passes) // 2])
-    out["all_results"] = [p["results"] for p in passes]
-    out["graph_captures"] = _num_graphs(engine) - before
-    return out
+    return engine
+
+
+def _rounds(engine, ar, prompts, sampling: dict, timed_passes: int = 1) -> tuple[dict, dict]:
+    """(the arm's, AR's) measurement: `timed_passes` rounds, each a pass of AR's engine then one
+    of the arm's `engine`, so the two meet the host alike. Each is its pass of median goodput,
+    with `all_results` (every timed pass's results) and `graph_captures` (the graphs its runner
+    captured in these passes); the arm's carries `ratio`, the median over rounds of its goodput
+    over AR's in the same round. Why rounds: on the H100 host a plain step takes 0.6 ms in some
+    passes and 1.0-1.3 ms in others, whichever engine runs (runs 114 and 118), and engines
+    timed one after the other moved whole rows (run 116: an arm that verified nothing, so did
+    AR's work, at 0.79x). Before each pass the proposer forgets what it saw (a suffix proposer
+    would otherwise draft a pass from the previous pass's outputs)."""
+    before = {id(e): _num_graphs(e) for e in (engine, ar)}
+    done = len(ar.telemetry.request_records)  # (AR's engine serves every arm: its request ids go on)
+    pairs = [(_pass(ar, prompts, sampling, f"ar{done}.{i}"), _pass(engine, prompts, sampling, f"yield{i}"))
+             for i in range(timed_passes)]
+    ratios = sorted(b["goodput_tok_s"] / a["goodput_tok_s"] for a, b in pairs)
+
+    def median(e, passes):
+        out = dict(sorted(passes, key=lambda q: q["goodput_tok_s"])[len(passes) // 2])
+        out["all_results"] = [q["results"] for q in passes]
+        out["graph_captures"] = _num_graphs(e) - before[id(e)]
+        return out
+
+    got = median(engine, [b for _, b in pairs])
+    got["ratio"] = ratios[len(ratios) // 2]
+    return got, median(ar, [a for a, _ in pairs])
 
 
 def _num_graphs(engine) -> int:
@@ -239,7 +260,7 @@ def _arm(proposer, k, tree, guard, pipeline=0) -> str:
 def _row(model, got: dict, ref: dict, *, workload, concurrency, proposer, k, tree, guard, backend, temperature,
          pipeline=0) -> dict:
     same = [a.token_ids == b.token_ids for results in got.get("all_results", [got["results"]])
-            for a, b in zip(results, ref["results"])]
+            + ref.get("all_results", []) for a, b in zip(results, ref["results"])]
     ok, flag = activation(got["verify_steps"] or 0, tree=bool(tree), tree_paths=got["tree_paths"] or 0)
     keep = ("wall_s", "generated_tokens", "goodput_tok_s", "num_steps", "verify_steps", "drafted", "accepted",
             "emitted_in_verify", "acceptance", "draft_yield", "guard_skips", "guard_vetoes", "shadow_checks",
@@ -266,7 +287,8 @@ def _row(model, got: dict, ref: dict, *, workload, concurrency, proposer, k, tre
         # graphs captured inside the timed passes (their time is in them), the arm's and AR's
         "graph_captures": got.get("graph_captures", 0),
         "ar_graph_captures": ref.get("graph_captures", 0),
-        "goodput_vs_ar": got["goodput_tok_s"] / ref["goodput_tok_s"],
+        # the median over the rounds of the arm's goodput over AR's in the same round (`_rounds`)
+        "goodput_vs_ar": got.get("ratio", got["goodput_tok_s"] / ref["goodput_tok_s"]),
         "tokens_identical": all(same),
         "activation_ok": ok,
         "activation_flag": flag,
