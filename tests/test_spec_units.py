@@ -6,6 +6,7 @@ own contract on small hand-built inputs and against brute-force references, so t
 proposal, a miscounted acceptance or a biased rejection sampler shows up here, named, rather
 than as a lower draft yield in a benchmark."""
 
+import math
 import random
 import re
 
@@ -749,7 +750,10 @@ def test_the_step_rule_prices_the_pipelines_half_steps_apart():
     assert rule.verify.at(144) == pytest.approx(4.7) and rule.half.at(72) == pytest.approx(2.0)
     assert rule.pays(8, 72, 56.0, 0.0, step=1, of=16)  # (28 a ms against 24.2 plainly)
     assert not rule.pays(8, 72, 40.0, 0.0, step=1, of=16)  # (20 a ms)
-    assert rule.could_pay(8, 72, of=16) and not rule.could_pay(8, 24, of=16)
+    # (a half of 24 rows is well below the one size measured: unpriced, so it may pay)
+    assert rule.could_pay(8, 72, of=16) and rule.could_pay(8, 24, of=16)
+    rule.observe(40, 1.6, verify=True, pipelined=True)
+    assert rule.could_pay(8, 72, of=16) and not rule.could_pay(8, 24, of=16)  # (the line: 1.4 ms)
     assert not rule.pays(16, 144, 112.0, 0.0, step=1)  # (the whole step's price is its own)
 
 
@@ -875,6 +879,25 @@ def test_the_step_rule_measures_plain_steps_before_it_compares():
         if not verdicts[-1]:
             rule.observe(16, 1.0, verify=False)
     assert verdicts == [False, False, False, True, True]
+
+
+def test_a_fit_of_one_size_does_not_price_a_much_smaller_step():
+    """One whole verify measured, 16 slots and 79 rows at 4.4 ms (H100 run 119's warm-up): a tail
+    step of 2 slots and 18 rows, its 16 tokens worth 1.3 ms, is not priced at 4.4 ms (it pays,
+    so it gets measured); once it is, the line through both sizes prices it, and a step of
+    about the measured size was priced all along."""
+    from workbench.spec.guard import StepRule
+
+    rule = StepRule(explore=1)
+    for _ in range(4):
+        rule.observe(16, 0.65, verify=False, ahead=True)
+    rule.observe(2, 0.45, verify=False, ahead=True)
+    rule.observe(79, 4.4, verify=True)
+    assert rule.ratio(2, 18, 16.0, 0.0)[0] == math.inf and rule.pays(2, 18, 16.0, 0.0, step=1)
+    assert not rule.pays(16, 60, 20.0, 0.0, step=1)  # (about its size: priced, and too dear)
+    rule.observe(18, 1.3, verify=True)
+    r, more = rule.ratio(2, 18, 16.0, 0.0)
+    assert 1.5 < r < 3 and more > 0  # (16 tokens in ~1.3 ms against two in 0.45)
 
 
 def test_proposers_index_the_prompt_at_start():

@@ -140,6 +140,21 @@ class StepCost:
         n, _, _, y, _ = self._s
         return y / n if n else None
 
+    def speaks_for(self, rows: float) -> bool:
+        """Whether the fit prices a step of `rows` rows from what it saw: a line once two row
+        counts were seen; with one, steps of at least half its rows. Below that its flat price
+        (the one size's mean) overstates a small step: on an H100 a whole verify fit holding one
+        16-slot step (79 rows, 4.4 ms) priced every step of the tail after the pipeline, 2-7
+        slots, at 4.4 ms, so none verified and none was measured (run 119, agentic at 16
+        slots: the last 60-70 steps of each pass decoded plainly, where a slot's 8 kept drafts
+        took 1.2 ms in run 113)."""
+        if not self.num_steps:
+            return False
+        if len(self._rows) >= 2:
+            return True
+        (only,) = self._rows
+        return 2 * rows >= only
+
     def row_cost(self, decode_rows: int, prior: float) -> float:
         """One verify row's cost beside one slot's share of a step of `decode_rows` rows."""
         ab = self.fit()
@@ -327,8 +342,9 @@ class StepRule:
     def ratio(self, slots: int, rows: int, tokens: float, extra_ms: float,
               of: int | None = None) -> tuple[float, float]:
         """(such a step's expected tokens a ms over plain decoding's, its expected ms beyond
-        plain decoding of its slots): inf where its kind was not measured yet (it pays, so it
-        gets measured), 0 where plain steps must be measured first. `of`: the step is a half of
+        plain decoding of its slots): inf where its kind was not measured yet, or at one size
+        only and well above this step's (`StepCost.speaks_for`: it pays, so it gets measured),
+        0 where plain steps must be measured first. `of`: the step is a half of
         the decoding slots (the engine's pipeline: its halves' steps alternate), priced by the
         half steps' fit and weighed against a plain step of all `of` of them."""
         fit = self.verify if of is None else self.half
@@ -336,8 +352,8 @@ class StepRule:
             return 0.0, 0.0  # (measure plain steps first)
         n = of or slots
         p, v = self.plain.at(n), fit.at(rows)
-        if p is None or v is None or p <= 0:
-            return math.inf, 0.0
+        if p is None or v is None or p <= 0 or not fit.speaks_for(rows):
+            return math.inf, 0.0  # (not measured at such a size: it pays, so it gets measured)
         return tokens / (v + extra_ms) / (n / p), v + extra_ms - p * slots / n
 
     def _weigh(self, slots: int, rows: int, tokens: float, extra_ms: float,
