@@ -164,21 +164,21 @@ def _rounds(engine, ar, prompts, sampling: dict, timed_passes: int = 1) -> tuple
     timed one after the other moved whole rows (run 116: an arm that verified nothing, so did
     AR's work, at 0.79x). Before each pass the proposer forgets what it saw (a suffix proposer
     would otherwise draft a pass from the previous pass's outputs)."""
-    before = {id(e): _num_graphs(e) for e in (engine, ar)}
+    before_arm, before_ar = _num_graphs(engine), _num_graphs(ar)
     done = len(ar.telemetry.request_records)  # (AR's engine serves every arm: its request ids go on)
     pairs = [(_pass(ar, prompts, sampling, f"ar{done}.{i}"), _pass(engine, prompts, sampling, f"yield{i}"))
              for i in range(timed_passes)]
     ratios = sorted(b["goodput_tok_s"] / a["goodput_tok_s"] for a, b in pairs)
 
-    def median(e, passes):
+    def median(passes, captures):
         out = dict(sorted(passes, key=lambda q: q["goodput_tok_s"])[len(passes) // 2])
         out["all_results"] = [q["results"] for q in passes]
-        out["graph_captures"] = _num_graphs(e) - before[id(e)]
+        out["graph_captures"] = captures
         return out
 
-    got = median(engine, [b for _, b in pairs])
+    got = median([b for _, b in pairs], _num_graphs(engine) - before_arm)
     got["ratio"] = ratios[len(ratios) // 2]
-    return got, median(ar, [a for a, _ in pairs])
+    return got, median([a for a, _ in pairs], _num_graphs(ar) - before_ar)
 
 
 def _num_graphs(engine) -> int:
@@ -259,8 +259,8 @@ def _arm(proposer, k, tree, guard, pipeline=0) -> str:
 
 def _row(model, got: dict, ref: dict, *, workload, concurrency, proposer, k, tree, guard, backend, temperature,
          pipeline=0) -> dict:
-    same = [a.token_ids == b.token_ids for results in got.get("all_results", [got["results"]])
-            + ref.get("all_results", []) for a, b in zip(results, ref["results"])]
+    same = [a.token_ids == b.token_ids for results in got["all_results"] + ref["all_results"]
+            for a, b in zip(results, ref["results"])]
     ok, flag = activation(got["verify_steps"] or 0, tree=bool(tree), tree_paths=got["tree_paths"] or 0)
     keep = ("wall_s", "generated_tokens", "goodput_tok_s", "num_steps", "verify_steps", "drafted", "accepted",
             "emitted_in_verify", "acceptance", "draft_yield", "guard_skips", "guard_vetoes", "shadow_checks",
@@ -283,12 +283,12 @@ def _row(model, got: dict, ref: dict, *, workload, concurrency, proposer, k, tre
         "ar_wall_s": ref["wall_s"],
         "ar_generated_tokens": ref["generated_tokens"],
         "ar_ahead_steps": ref["ahead_steps"],
-        "timed_passes": len(got.get("all_results", [None])),
+        "timed_passes": len(got["all_results"]),
         # graphs captured inside the timed passes (their time is in them), the arm's and AR's
-        "graph_captures": got.get("graph_captures", 0),
-        "ar_graph_captures": ref.get("graph_captures", 0),
+        "graph_captures": got["graph_captures"],
+        "ar_graph_captures": ref["graph_captures"],
         # the median over the rounds of the arm's goodput over AR's in the same round (`_rounds`)
-        "goodput_vs_ar": got.get("ratio", got["goodput_tok_s"] / ref["goodput_tok_s"]),
+        "goodput_vs_ar": got["ratio"],
         "tokens_identical": all(same),
         "activation_ok": ok,
         "activation_flag": flag,

@@ -159,8 +159,9 @@ class Speculator:
         # the slots' own lengths as last decided, and the slots observed since (_decide)
         self._held: dict[Hashable, int] = {}
         self._dirty: set[Hashable] = set()
-        self._veto: bool | None = None  # the step rule's verdict on _held (None: not weighed since)
-        self._veto_key: tuple | None = None  # the step shape it was weighed for (_lengths)
+        # the step rule's verdict on _held, with the step shape it was weighed for (_lengths;
+        # None: not weighed since)
+        self._veto: tuple[tuple, bool] | None = None
         # a step the engine's pipeline could split is expected to go faster whole (the latest
         # weighing's word: the engine then runs it as one verify step)
         self.whole = False
@@ -289,7 +290,7 @@ class Speculator:
             # (the verdict is kept for a step of the same shape: the pipeline's halves, a step
             # that may or may not split, and one that lost slots are weighed anew)
             key = (of, split, len(lengths), drafted)
-            veto = self._veto if self._veto_key == key else None
+            veto = self._veto[1] if self._veto is not None and self._veto[0] == key else None
             if veto is None or pinned or self.guard.on_cadence():
                 tokens = sum(self.guard.expected(rid, k) for rid, k in lengths.items())
                 extra = drafted * (self.draft_cost.ms_per_token or 0.0)
@@ -305,7 +306,7 @@ class Speculator:
                 veto = not self.step_rule.pays(slots, rows, share * tokens, share * extra, self.guard.step, part_of)
                 self.whole = whole
                 if not pinned:
-                    self._veto, self._veto_key = veto, key
+                    self._veto = (key, veto)
             if veto:
                 for rid, k in lengths.items():  # (plain decoding, but for the probes)
                     if k and not self.guard.probing(rid):
