@@ -841,6 +841,97 @@ def test_the_step_rules_verdict_is_kept_only_for_a_step_of_the_same_shape():
     assert sp.drafts(ctx, split=True) == {r: (3,) * 4 for r in "abcd"}
 
 
+def test_a_verify_steps_own_overhead_is_not_read_as_its_rows_cost():
+    """One line over plain and verify steps puts a verify step's own overhead (on a GPU: not
+    launched ahead, a chunk graph) on its extra rows: one verify of 5 rows at 1.3 ms beside plain
+    steps of one row at 0.45 ms reads a row as 0.47 of a share (on an H200, where the line fell
+    below zero, as all of it: the slot never drafted again; run 122, agentic at one slot), and
+    the guard drafts half of what would be kept. The step rule weighs that
+    overhead; a row costs the prior until verify steps of two sizes were measured, then their
+    own slope over a plain step's share."""
+    from workbench.spec.speculator import Speculator
+
+    sp = Speculator(SpecConfig(k=8, row_cost=0.1), _Repeat(3))
+    sp.start("a", [1])
+    sp.record_step(5, 1.3, verify=True)
+    for _ in range(20):
+        sp.record_step(1, 0.45, verify=False, ahead=True)
+    assert sp.cost.row_cost(1, 0.1) > 0.45  # (the one line's reading)
+    assert sp.row_cost(1) == 0.1
+    sp.guard.observe("a", 8, 8)
+    assert sp.guard.best("a", sp.cost.row_cost(1, 0.1)) <= 4 and sp.guard.best("a", sp.row_cost(1)) == 8
+    for rows in (9, 5, 9):  # a verify step: 1.2 ms + 0.02 a row
+        sp.record_step(rows, 1.2 + 0.02 * rows, verify=True)
+    assert sp.row_cost(1) == pytest.approx(0.02 / 0.45, rel=0.05)
+    # where the one line prices rows lower than the verify steps' own slope, it stands
+    cheap = Speculator(SpecConfig(k=8, row_cost=0.1), _Repeat(3))
+    for rows in (16, 16, 144, 80, 16, 144, 80, 144, 80):
+        cheap.record_step(rows, 0.3 + 0.006 * rows if rows > 16 else 0.6, verify=rows > 16, ahead=rows == 16)
+    assert cheap.row_cost(16) == cheap.cost.row_cost(16, 0.1) < cheap.step_rule.row_cost(16, 0.1)
+
+
+class _Shadowed(_Repeat):
+    """_Repeat whose drafts cost host lookups only: the speculator shadows it."""
+
+    shadows = True
+
+
+def _quiet_script(sp, quiet: bool):
+    """A scripted run of a speculator over 260 steps, whose step rule's fits say a verify of
+    the slots' drafts does not pay (so it holds them at k = 0, but for shadows and re-measures);
+    requests start and finish on the way. Returns what each step drafted, what plain_next said,
+    each request's final counters, and the quiet steps taken."""
+    if not quiet:
+        sp._is_quiet = lambda rids, split: False
+    # (proposing measured as free, and the steps' times the script's: no clock in the decisions)
+    sp.draft_cost.observe = lambda wall_ms, tokens: None
+    toks = {r: [1] for r in "abcde"}
+    live = ["a", "b", "c", "d"]
+    for r in live:
+        sp.start(r, [1])
+    for _ in range(8):
+        sp.step_rule.observe(4, 0.5, verify=False, ahead=True)
+    for _ in range(4):
+        sp.step_rule.observe(20, 1.2, verify=True)
+    trace, stats, taken = [], {}, 0
+    for step in range(260):
+        if step == 90:
+            stats["b"] = sp.finish("b", toks["b"], 1)
+            live.remove("b")
+        if step == 150:
+            sp.start("e", [1])
+            live.append("e")
+        before = sp._quiet_steps
+        got = sp.drafts({r: toks[r] for r in live})
+        taken += sp._quiet_steps > before
+        for r in live:  # (the target emits 3 for a and c, 5 for the others: a and c's shadows are kept)
+            toks[r].append(3 if r in "ac" else 5)
+        for r, d in got.items():
+            kept = len(d) if r in "ac" else 0
+            sp.observe(r, len(d), kept, kept + 1)
+        sp.record_step(len(live) + sum(map(len, got.values())), (1.5 if got else 0.5) + sp._draft_ms, verify=bool(got),
+                       ahead=not got)
+        trace.append((got, None if got else sp.plain_next(list(live))))
+    for r in list(live):
+        stats[r] = sp.finish(r, toks[r], 1)
+    return trace, stats, taken
+
+
+def test_quiet_steps_decide_what_the_full_decision_would():
+    """A run held at k = 0 takes quiet steps (speculator.py: constant time, the counts added up
+    at the run's end): each step's drafts and plain_next answers, and every request's counters
+    (skips, vetoes, shadows, verifies), are those of deciding every step in full, across
+    requests that finish and start, shadows that come due and the probe cadence."""
+    from workbench.spec.speculator import Speculator
+
+    runs = [_quiet_script(Speculator(SpecConfig(k=4, row_cost=0.05), _Shadowed(3)), quiet) for quiet in (True, False)]
+    (trace, stats, taken), (trace_full, stats_full, taken_full) = runs
+    assert trace == trace_full and stats == stats_full
+    assert taken_full == 0 and taken > 150  # (proof that quiet steps ran: most of the 260)
+    assert all(s.guard_skips > 0 for s in stats.values()) and stats["a"].vetoed > 0 and stats["a"].shadows > 0
+    assert any(got for got, _ in trace)  # (and steps that verified: re-measures)
+
+
 def test_a_vetoed_step_decodes_plainly_but_for_its_probes():
     """With the step rule's fits saying verify steps do not pay, every slot's draft is vetoed
     (counted), except a slot whose length was a probe; plain_next then says the step is plain."""

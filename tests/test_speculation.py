@@ -237,6 +237,35 @@ def test_seed_002s_cohort_rule_decides_on_the_first_verify_and_changes_no_bit(ti
     _no_page_left(e)
 
 
+def test_quiet_steps_change_no_bit_and_no_count(tiny_model, monkeypatch):
+    """The guard holding the slots at k = 0, the engine takes quiet steps (speculator.py: the
+    held decision reused in constant time): tokens and logits bitwise AR's, and every request's
+    speculation counters those of deciding each step in full, with requests of mixed lengths
+    finishing and being admitted on the way."""
+    from workbench.spec.speculator import Speculator
+
+    m = tiny_model()
+    prompts = [_ids(8 + 9 * i, 60 + i, period=3 + i % 3) for i in range(5)]
+    max_tokens = [30 + 7 * i for i in range(5)]
+    refs = _refs(m, prompts, max_tokens)
+    # (a fixed row cost at which the guard drafts only where its shadows kept nearly all: the
+    # slots are held at k = 0 but for the shadows, whose checks and the probe cadence end quiet runs)
+    spec = SpecConfig(k=4, guard=True, row_cost=0.9, measure_cost=False)
+    quiet = _engine(m, 3, spec)
+    taken = []
+    real = Speculator._is_quiet
+    monkeypatch.setattr(Speculator, "_is_quiet", lambda sp, rids, split: taken.append(real(sp, rids, split)) or taken[-1])
+    out = _run(quiet, prompts, max_tokens)
+    monkeypatch.setattr(Speculator, "_is_quiet", lambda sp, rids, split: False)
+    full = _run(_engine(m, 3, spec), prompts, max_tokens)
+    for r, f, ref in zip(out, full, refs):
+        _same(r, ref)
+        assert r.spec == f.spec
+    assert sum(taken) > 50 and sum(r.spec.guard_skips for r in out) > 150
+    assert sum(r.spec.shadows for r in out) > 0 and not all(taken)
+    _no_page_left(quiet)
+
+
 def test_steps_and_requests_carry_the_activation_proof(tiny_model):
     m = tiny_model()
     prompts = [_ids(16, 50, period=4), _ids(16, 51, period=4)]

@@ -29,11 +29,16 @@ chosen unless drafting gains `margin`.
 c is measured from the run's own steps (`StepCost`: wall time against rows of the steps that
 ran only decode and verify rows, least squares with forgetting): a step of n decode rows costs
 a + b n, so one more row costs b beside each slot's share (a + b n) / n. Until it has seen two
-different row counts it uses SpecConfig.row_cost. Proposing costs too (`DraftCost`): a draft
-model's forwards, or a lookup's host time, per draft token; the speculator adds it to c as a
-fraction of the same share, and takes it out of the step times StepCost fits. On a GPU a decode step is bound by reading
-the weights and a few more rows are nearly free (c near 0: draft long); on a CPU at 16 slots a
-row costs nearly what a slot's share does (c near 1: draft only what is very likely kept).
+different row counts it uses SpecConfig.row_cost. With the step rule on, c is at most what the
+verify steps' own slope says (`StepRule.row_cost`; the prior until `explore` of them were
+measured): the one line over both kinds reads a verify step's own overhead as its extra rows'
+cost, and where those were few (a slot or two drafting) that is most of a share, up to all of it,
+so the slot stops drafting and is never measured again (H200 run 122: agentic at one slot).
+Proposing costs too (`DraftCost`): a draft model's forwards, or a lookup's host time, per draft
+token; the speculator adds it to c as a fraction of the same share, and takes it out of the step
+times StepCost fits. On a GPU a decode step is bound by reading the weights and a few more rows
+are nearly free (c near 0: draft long); on a CPU at 16 slots a row costs nearly what a slot's
+share does (c near 1: draft only what is very likely kept).
 
 The step as a whole (`StepRule`, the speculator's): a slot's draft makes its step a verify
 step, which on the GPU costs more than its rows: a plain step is launched ahead of the host
@@ -338,6 +343,17 @@ class StepRule:
             if ahead and not self.ahead_seen:
                 self.ahead_seen, self.plain = True, StepCost()
             self.plain.observe(rows, wall_ms)
+
+    def row_cost(self, decode_rows: int, prior: float) -> float:
+        """One verify row's cost beside one slot's share of a plain step of `decode_rows` rows,
+        each from its own kind's fit: the verify steps' slope over the plain steps' share (a
+        verify step's overhead as such is this rule's to weigh, not a row's); `prior` until
+        `explore` verify steps of two sizes and a plain step were measured (a slope from two
+        or three verify steps is mostly their noise)."""
+        ab, p = self.verify.fit(), self.plain.at(decode_rows)
+        if ab is None or self.verify.num_steps < self.explore or not p or p <= 0:
+            return prior
+        return min(ab[1] / (p / max(decode_rows, 1)), 1.0)
 
     def ratio(self, slots: int, rows: int, tokens: float, extra_ms: float,
               of: int | None = None) -> tuple[float, float]:

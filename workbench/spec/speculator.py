@@ -13,6 +13,14 @@ probe cadence and after a verify or a shadow draft observed something of it; bet
 steps it keeps its length, and the step rule's verdict on them is kept too. So a run held at
 k = 0 costs the speculator a dict a step, not the guard's sums over every slot.
 
+Quiet steps: where the latest step drafted nothing for the same decoding requests, none was
+observed since, and the next step is neither on the probe cadence nor due a shadow draft, the
+next step's lengths are that step's again (every input of theirs is unchanged), so `drafts` and
+`plain_next` answer it in constant time: the guard ticks, and the requests' skip counts are
+added up when the run of such steps ends. Why: a held run re-derived per step cost the engine
+0.03 ms of host time a step at 16 slots on an H200, whose plain step is 0.6 ms (run 121: essays
+at 16 slots, every pass that verified nothing at 0.84-0.94x AR).
+
 Shadow drafts: a proposer whose drafts cost host lookups only (`shadows = True`: n-gram,
 suffix) keeps drafting, now and then, for a slot at k = 0, without verifying: under the exact
 rule a draft token is kept exactly when it is the token the target emits there, so once plain
@@ -149,7 +157,7 @@ class Speculator:
                           if config.guard is True and config.measure_cost else None)
         self.draft_cost = DraftCost()
         self._draft_ms = 0.0  # the proposer's time in the latest drafts() call
-        self.stats: dict[Hashable, SpecStats] = {}
+        self._stats: dict[Hashable, SpecStats] = {}  # (`stats`: with the quiet steps counted in)
         # token trees: request id -> the alternative paths of the latest drafts() call
         self.branches: dict[Hashable, tuple[tuple[int, ...], ...]] = {}
         self.tree = config.tree is not None and hasattr(self.proposer, "propose_tree")
@@ -168,13 +176,20 @@ class Speculator:
         self._shadows: dict[Hashable, _Shadow] = {}
         self._shadow_pays = True  # the step rule's could_pay at the latest cadence step
         self._shadow_next = 0  # the first step a shadow may be due at
+        # quiet steps (module docstring): the requests and `split` of the latest step that
+        # drafted nothing, with those of them the step rule vetoed (None: that step drafted),
+        # and the quiet steps taken since, not yet in the requests' counts
+        self._quiet: tuple[tuple, bool, tuple] | None = None
+        self._quiet_steps = 0
+        self._vetoed: list[Hashable] = []  # the latest _lengths' vetoed requests
 
     def forget_proposals(self) -> None:
         """A fresh proposer of the config's kind, keeping the guard's measured step cost (an
         ablation's untimed pass: the timed one must not draft from what the warm-up learnt).
         Refused while a request is live; a proposer that was given is kept (the caller's)."""
-        if self.stats:
+        if self._stats:
             raise RuntimeError("forget_proposals with requests in flight")
+        self._end_quiet()
         # (a draft model learns nothing across requests; a given proposer is the caller's)
         if self.config.proposer in ("ngram", "suffix") and not self._given:
             self.proposer = make_proposer(self.config)
@@ -188,7 +203,7 @@ class Speculator:
 
     def start(self, rid: Hashable, prompt_ids: Sequence[int]) -> None:
         self.proposer.start(rid, prompt_ids)
-        self.stats[rid] = SpecStats()
+        self._stats[rid] = SpecStats()
 
     def row_cost(self, decode_rows: int) -> float:
         """What one more draft token of a slot costs beside its share of a decode step: its
@@ -197,6 +212,15 @@ class Speculator:
         if not self.config.measure_cost:
             return self.config.row_cost
         c = self.cost.row_cost(decode_rows, self.config.row_cost)
+        if self.step_rule is not None:
+            # one line over both kinds of step reads a verify step's own overhead (not launched
+            # ahead, a chunk graph) as its extra rows' cost: with few extra rows (a slot or two
+            # drafting) a row then costs most of a share, up to all of it where the line falls
+            # below zero, and a slot so priced never drafts, so is never measured again (H200
+            # run 122: agentic at one slot, one verify of 5 rows at 1.6 ms beside plain steps
+            # of 0.45 ms, c = 1, then 93 steps of plain decoding). That overhead is the step
+            # rule's to weigh; a row costs at most what the verify steps' own slope says.
+            c = min(c, self.step_rule.row_cost(decode_rows, self.config.row_cost))
         share, per_token = self.cost.share_ms(decode_rows), self.draft_cost.ms_per_token
         if share and per_token is not None:
             c += per_token / share
@@ -217,8 +241,49 @@ class Speculator:
         launch the next step before this one's tokens are read (run-ahead), as plain decoding
         does. The engine's pipeline asks it of a half before planning its step (`of`: the
         decoding requests of both halves, as `drafts` takes it; `split` as `drafts`)."""
+        if of is None and self._is_quiet(rids, split):
+            self._pinned = _QUIET
+            return True
+        self._end_quiet()
         self._pinned = self._lengths(rids, of=of, split=split)
         return not any(self._pinned.values())
+
+    def _is_quiet(self, rids: Sequence[Hashable], split: bool) -> bool:
+        """Whether this step's lengths are the latest step's, all 0 (module docstring): the
+        same requests, nothing observed since, not on the probe cadence, no shadow draft due."""
+        q = self._quiet
+        return (q is not None and not self._dirty and q[1] == split and not self.guard.on_cadence()
+                and (not self.shadowing or (self.guard.step < self._shadow_next and len(self._shadows) == len(q[0])))
+                and q[0] == tuple(rids))
+
+    @property
+    def stats(self) -> dict[Hashable, SpecStats]:
+        """Request id -> its counters so far (the quiet steps taken counted in)."""
+        self._count_quiet()
+        return self._stats
+
+    def _count_quiet(self) -> None:
+        """The quiet steps taken so far, into their requests' counts: each skipped, and vetoed
+        where the decision they repeat vetoed it."""
+        q, n = self._quiet, self._quiet_steps
+        if q is None or not n:
+            return
+        self._quiet_steps = 0
+        for rid in q[0]:
+            self._stats[rid].guard_skips += n
+        for rid in q[2]:
+            self._stats[rid].vetoed += n
+
+    def _end_quiet(self) -> None:
+        """A quiet run's end: its steps counted, and the next step decided in full."""
+        self._count_quiet()
+        q, self._quiet = self._quiet, None
+        if q is None:
+            return
+        if self._pinned is _QUIET:  # (plain_next's quiet word, as the full decision it stands for)
+            self._pinned = dict.fromkeys(q[0], 0)
+            for rid in q[2]:
+                self._stats[rid].vetoed += 1
 
     def _decide(self, rids: Sequence[Hashable], of: int | None = None, split: bool = False) -> dict[Hashable, int]:
         """Each slot's own length (the guard's). With the yield guard on, a slot's length is
@@ -281,6 +346,7 @@ class Speculator:
         (`of`: the step is a part of that many decoding requests, `_decide`; `split`: the
         step may run as the pipeline's two halves, and is weighed so, `_weighed`)."""
         pinned = pinned or {}
+        vetoed = []
         decided = self._decide(rids, of, split)
         lengths = {rid: pinned[rid] if rid in pinned else decided[rid] for rid in rids}
         if self.max_step_rows is not None:
@@ -311,7 +377,9 @@ class Speculator:
                 for rid, k in lengths.items():  # (plain decoding, but for the probes)
                     if k and not self.guard.probing(rid):
                         lengths[rid] = 0
-                        self.stats[rid].vetoed += 1
+                        self._stats[rid].vetoed += 1
+                        vetoed.append(rid)
+        self._vetoed = vetoed
         return lengths
 
     def drafts(self, contexts: Mapping[Hashable, Sequence[int]], *, of: int | None = None,
@@ -322,15 +390,23 @@ class Speculator:
         each half on its own: `of` the decoding requests of both, `tick` only on the second
         (the guard counts steps of every slot, so both halves meet the same cadence). `split`:
         a whole step that the pipeline may run as two halves, weighed as those (guard.py)."""
+        if (of is None and tick and (self._pinned is None or self._pinned is _QUIET)
+                and self._is_quiet(contexts, split)):
+            self._pinned, self._draft_ms = None, 0.0
+            self._quiet_steps += 1
+            self.guard.tick()
+            return {}
+        self._end_quiet()
         pinned, self._pinned = self._pinned, None
-        if pinned is not None and pinned.keys() == contexts.keys():
+        whole = pinned is None or pinned.keys() == contexts.keys()  # (decided for these requests alone)
+        if pinned is not None and whole:
             lengths = pinned
         else:  # (the requests changed since, or a part of them: those not pinned decided now)
             lengths = self._lengths(list(contexts), pinned, of, split)
         asks = {}
         for rid, k in lengths.items():
             if k == 0:
-                self.stats[rid].guard_skips += 1
+                self._stats[rid].guard_skips += 1
             else:
                 asks[rid] = (contexts[rid], k)
         many = getattr(self.proposer, "propose_many", None)
@@ -351,13 +427,18 @@ class Speculator:
             if d:
                 out[rid] = tuple(d[:k])
             else:
-                self.stats[rid].empty += 1
+                self._stats[rid].empty += 1
         if self.shadowing:
             self._shadow(contexts, lengths)
             if of is not None:  # (a part: the other's shadows may be due before this one's)
                 self._shadow_next = 0
         if tick:
             self.guard.tick()
+        # (a step that drafted nothing, decided in full for its requests by the held rule, may
+        # start a quiet run: one decided in part kept no verdict for the next to reuse)
+        if (of is None and tick and whole and not any(lengths.values()) and isinstance(self.guard, YieldGuard)
+                and self.guard.enabled and not self.tree):
+            self._quiet = (tuple(contexts), split, tuple(self._vetoed))
         return out
 
     def _shadow(self, contexts: Mapping[Hashable, Sequence[int]], lengths: Mapping[Hashable, int]) -> None:
@@ -388,7 +469,7 @@ class Speculator:
                     kept += 1
                 g.observe(rid, len(sh.draft), kept)
                 self._dirty.add(rid)
-                st = self.stats[rid]
+                st = self._stats[rid]
                 st.shadows += 1
                 st.shadow_drafted += len(sh.draft)
                 st.shadow_accepted += kept
@@ -443,7 +524,7 @@ class Speculator:
         if alternatives:
             gained = kept - (kept if main_kept is None else main_kept) if won else 0
             self.tree_guard.observe(rid, alternatives + alternative_tokens, gained, self._cost)
-        st = self.stats[rid]
+        st = self._stats[rid]
         st.record(drafted, kept, emitted)
         st.tree_paths += alternatives
         st.tree_tokens += alternative_tokens
@@ -466,13 +547,17 @@ class Speculator:
         self._draft_ms = 0.0
 
     def finish(self, rid: Hashable, context: Sequence[int], num_prompt: int) -> SpecStats:
+        self._end_quiet()
         self.proposer.finish(rid, context, num_prompt)
         self.guard.forget(rid)
         self.tree_guard.forget(rid)
         self._shadows.pop(rid, None)
         self._dirty.discard(rid)
         self._held.pop(rid, None)
-        return self.stats.pop(rid)
+        return self._stats.pop(rid)
+
+
+_QUIET = object()  # plain_next's word: the next step is a quiet one (module docstring)
 
 
 def _weighed(slots: int, rows: int, of: int | None, split: bool) -> tuple[float, float, int | None, float]:
