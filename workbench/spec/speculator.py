@@ -163,7 +163,8 @@ class Speculator:
         self.tree = config.tree is not None and hasattr(self.proposer, "propose_tree")
         self.tree_guard = TreeGuard(enabled=config.guard is True)
         self._cost = config.row_cost  # the latest decision's row cost (the tree guard's too)
-        self._pinned: dict[Hashable, int] | None = None  # the next step's lengths, decided early (plain_next)
+        # the next step's lengths, decided early (plain_next; _QUIET: the latest step's, all 0)
+        self._pinned: dict[Hashable, int] | object | None = None
         # the slots' own lengths as last decided, and the slots observed since (_decide)
         self._held: dict[Hashable, int] = {}
         self._dirty: set[Hashable] = set()
