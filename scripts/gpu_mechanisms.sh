@@ -20,7 +20,7 @@
 #           against AR (scripts/spec_overhead.py, FAMILY_REPEATS (3) alternating timed passes after a warm-up: goodput,
 #           steps run ahead, graphs captured inside a pass, each step's time by phase; every step's
 #           telemetry to logs/spec_steps_*.parquet); FAMILY_VARIANT=verify_graph_family=false: a third arm
-#           (TritonOptions), FAMILY_SPEC_VARIANT=step_plan=joint: one more (SpecConfig fields); FAMILY_PROFILE=1:
+#           (TritonOptions), FAMILY_SPEC_VARIANT=pipeline=0: one more (SpecConfig fields); FAMILY_PROFILE=1:
 #           cProfile of the last arm's timed passes (logs/host_*.prof, top functions in the log)
 #   pipeline  scripts/pipeline_bench.py: AR, speculation in whole steps and the pipeline (SpecConfig.pipeline)
 #           at PIPE_SLOTS slots, scripted drafts keeping PIPE_KEPT of PIPE_K (random weights with NO_BUNDLE)

@@ -5,7 +5,7 @@ and committed as in a real run). What a GPU step costs beyond its device time, m
 machine; on the device a verify step cannot hide it (docs/GPU_NOTES.md, session 29).
 
     python3 scripts/host_overhead.py --workload code-edit --concurrency 16 --spec ngram:8
-    python3 scripts/host_overhead.py ... --spec-variant step_plan=joint --out steps.parquet
+    python3 scripts/host_overhead.py ... --spec-variant pipeline=0 --out steps.parquet
     python3 scripts/host_overhead.py ... --spec-variant pipeline=8   (the pipeline: a half step's host)
 
 The recorded run is plain greedy decoding on the torch runner (the slow part on a CPU: about a

@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", default=None, metavar="NAME=VALUE,...",
                     help="also time speculation on an engine with these TritonOptions (bench's --triton-options form)")
     ap.add_argument("--spec-variant", default=None, metavar="NAME=VALUE,...",
-                    help="also time speculation with these SpecConfig fields changed (e.g. step_plan=joint)")
+                    help="also time speculation with these SpecConfig fields changed (e.g. pipeline=0)")
     ap.add_argument("--phases", action="store_true",
                     help="also print each pass's mean step time by phase (drafts, schedule, run, verify, commit, record)")
     ap.add_argument("--steps-out", default=None, metavar="PATH",

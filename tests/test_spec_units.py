@@ -1160,93 +1160,15 @@ def test_one_slow_step_does_not_price_rows_for_hundreds():
     assert cost.at(48) < OUTLIER * 2.5 / 2
 
 
-def test_the_joint_plan_drafts_what_acceptance_is_worth_under_the_verify_fit():
-    """StepRule.joint (SpecConfig(step_plan="joint")): run 98's case, plain steps of 16 rows at
-    0.55 ms and one verify of 128 rows measured at 3.79 ms (a flat fit): each slot's own rule,
-    pricing a row by one line over both kinds (~0.84 of a slot's share), drafts about one token,
-    and a step of 32 rows priced at 3.79 ms never pays. Chosen together, rows are free under the
-    flat fit: slots at alpha 0.9 draft k_max (a step of ~98 tokens for 3.79 ms, 26 a ms, against
-    29 a ms plainly: vetoed; with plain steps at 0.8 ms, 20 a ms, it pays), and a slot at alpha
-    0.05 still drafts nothing once verify rows cost. With a sloped fit each slot's length is the
-    largest k whose token is worth more than its row at the plan's rate; the plan's rate is at
-    least any other plan's (checked against every uniform length)."""
-    from workbench.spec.guard import StepRule, _expected
-
-    rule = StepRule(explore=4)
-    assert rule.joint({"a": 0.9}, 8) is None  # (nothing measured: the slots' own lengths)
-    for _ in range(8):
-        rule.observe(16, 0.55, verify=False, ahead=True)
-    rule.observe(128, 3.79, verify=True)
-    alphas = {i: 0.9 for i in range(16)}
-    plan = rule.joint(alphas, 8)
-    assert plan == {i: 8 for i in range(16)}
-    tokens = sum(_expected(0.9, 8) for _ in range(16))
-    assert not rule.pays(16, 16 + 128, tokens, 0.0, step=1)
-    late = StepRule(explore=4)
-    for _ in range(8):
-        late.observe(16, 0.8, verify=False, ahead=True)
-    late.observe(128, 3.79, verify=True)
-    assert late.pays(16, 16 + 128, tokens, 0.0, step=1)
-    # a sloped fit: 2 ms + 0.03 ms a row; a poor slot drafts nothing, good ones draft long
-    sloped = StepRule(explore=4)
-    for _ in range(8):
-        sloped.observe(16, 1.0, verify=False, ahead=True)
-    for rows in (32, 80, 144):
-        sloped.observe(rows, 2.0 + 0.03 * rows, verify=True)
-    mixed = {**{i: 0.97 for i in range(12)}, 12: 0.05, 13: 0.05, 14: 0.6, 15: 0.6}
-    plan = sloped.joint(mixed, 8)
-    assert plan[12] == plan[13] == 0 and all(plan[i] == 8 for i in range(12)) and 0 < plan[14] < 8
-
-    def rate(ks):
-        drafted = sum(ks.values())
-        return sum(_expected(mixed[i], k) for i, k in ks.items()) / (2.0 + 0.03 * (16 + drafted))
-
-    assert all(rate(plan) >= rate({i: k for i in mixed}) - 1e-9 for k in range(9))
-    assert sloped.joint(mixed, 8, extra_per_token=1.0) == {i: 0 for i in mixed}  # (proposing dearer than any token)
-
-
-def test_a_joint_step_plan_keeps_outputs_and_is_validated():
-    """SpecConfig(step_plan=...): "slots" by default, "joint" accepted, anything else one line
-    naming what is allowed; with the joint plan the speculator's lengths follow StepRule.joint
-    once both kinds of step were measured."""
-    from workbench.spec.speculator import Speculator
-
-    assert SpecConfig().step_plan == "slots"
-    with pytest.raises(ConfigError, match=r"step_plan='both' is not allowed: allowed slots, joint"):
-        SpecConfig(step_plan="both")
-    sp = Speculator(SpecConfig(k=4, row_cost=0.5, step_plan="joint"), _Repeat(3))
-    for r in "ab":
-        sp.start(r, [1])
-    for _ in range(6):  # (alpha about 0.67: at row cost 0.5 a slot's own rule drafts one token)
-        sp.guard.observe("a", 4, 2)
-        sp.guard.observe("b", 4, 2)
-    ctx = {"a": [1], "b": [1]}
-    assert sp.drafts(ctx) == {"a": (3,), "b": (3,)}  # (nothing measured: the slots' own lengths)
-    for _ in range(8):
-        sp.step_rule.observe(2, 1.0, verify=False, ahead=True)
-    sp.step_rule.observe(10, 1.2, verify=True)  # (one verify size, nearly a plain step's time: rows free)
-    sp.guard.step = 16 * 4  # (a cadence step: decided again)
-    assert sp.drafts(ctx) == {"a": (3, 3, 3, 3), "b": (3, 3, 3, 3)}
-    # a verify fit that makes every draft dear: the joint plan is no draft, so the slots' own
-    # lengths stand and the step rule weighs them (vetoed here, but let through to be measured
-    # again on its cadence): the plan never shuts drafting off by itself
-    for rows, ms in ((20, 400.0), (30, 600.0), (40, 800.0)):
-        sp.step_rule.observe(rows, ms, verify=True)
-    assert sp.step_rule.joint({"a": 0.67, "b": 0.67}, 4) == {"a": 0, "b": 0}
-    sp.guard.step = 16 * 5
-    held = sp._decide(["a", "b"])
-    assert held == {"a": 1, "b": 1}
-
-
 def test_spec_overrides_parse_typed_fields_and_refuse_bad_ones():
     """SpecConfig.overridden: a script's --spec-variant word, each field typed and checked as the
     constructor checks it; an unknown name, a bad value or an item without '=' is one line."""
     base = SpecConfig(k=8)
-    got = base.overridden("step_plan=joint, guard=false,row_cost=0.25,tree=none")
-    assert (got.step_plan, got.guard, got.row_cost, got.tree, got.k) == ("joint", False, 0.25, None, 8)
+    got = base.overridden("pipeline=0, guard=false,row_cost=0.25,tree=none")
+    assert (got.pipeline, got.guard, got.row_cost, got.tree, got.k) == (0, False, 0.25, None, 8)
     assert base.overridden("") == base and base.overridden("k=4").k == 4
     for text, want in (("foo=1", "unknown speculation key(s) 'foo'"), ("k=99", "allowed an integer 1..16"),
-                       ("step_plan", "is not name=value"), ("step_plan=both", "allowed slots, joint")):
+                       ("pipeline", "is not name=value"), ("verify=both", "allowed exact, rejection")):
         with pytest.raises(ConfigError, match=re.escape(want)):
             base.overridden(text)
 

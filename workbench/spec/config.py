@@ -22,13 +22,12 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError, name_values, refuse_unknown_keys
 
-__all__ = ["PROPOSERS", "STEP_PLANS", "SpecConfig", "VERIFIES", "proposer_fields", "spec_config"]
+__all__ = ["PROPOSERS", "SpecConfig", "VERIFIES", "proposer_fields", "spec_config"]
 
 # The proposers (proposers.py; "self" and "draft" are model_proposer.py's: greedy tokens of the
 # target's first `draft_layers` layers and its head, or of a draft GGUF at `draft_model`).
 PROPOSERS = ("ngram", "suffix", "self", "draft")
 VERIFIES = ("exact", "rejection")
-STEP_PLANS = ("slots", "joint")
 # pipeline="auto": the slots it starts at (at 8 slots code editing and essays went as fast with
 # it as without on an H100; at 16, 1.8x faster: docs/GPU_NOTES.md, session 32)
 AUTO_PIPELINE = 8
@@ -58,13 +57,6 @@ class SpecConfig:
     # always with measure_cost off (decisions then do not depend on timing: reproducible)
     row_cost: float = 0.1
     measure_cost: bool = True
-    # how the yield guard's step is planned once plain and verify steps were both measured:
-    # "slots" (each slot's own length from its row cost, then the step weighed as a whole and
-    # vetoed where it does not pay: runs 92-99), or "joint" (the step's lengths chosen together
-    # for the most tokens per ms of the verify fit, then weighed the same way: guard.py's
-    # StepRule.joint). "slots": H100 runs 102-106 (session 29) found no gain at 16 slots for
-    # either, a verify step there being ~2 ms of host beside its forward (docs/GPU_NOTES.md).
-    step_plan: str = "slots"
     # the pipeline (engine.py): from this many decoding slots on, the slots are split in two
     # halves whose verify steps alternate, so the host accepts, commits and drafts one half's
     # step while the device runs the other's (a 16-slot verify step was ~2 ms of host beside a
@@ -110,8 +102,6 @@ class SpecConfig:
             raise ConfigError(f"speculation measure_cost={self.measure_cost!r} is not allowed: allowed True or False")
         if isinstance(self.row_cost, bool) or not isinstance(self.row_cost, (int, float)) or not 0 <= self.row_cost <= 1:
             raise ConfigError(f"speculation row_cost={self.row_cost!r} is out of range: allowed 0..1")
-        if self.step_plan not in STEP_PLANS:
-            raise ConfigError(f"speculation step_plan={self.step_plan!r} is not allowed: allowed {', '.join(STEP_PLANS)}")
         n = self.pipeline
         if n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or not (n == 0 or 2 <= n <= 1 << 16)):
             raise ConfigError(f"speculation pipeline={n!r} is out of range: allowed 'auto', 0 (off) or the "
@@ -165,7 +155,7 @@ class SpecConfig:
         word): true/false as booleans, none as None, integers and decimals as numbers, the rest
         as text; unknown names and each value refused as `from_dict` and the constructor refuse
         them. (Written here, not argparse: any of the fields in one word.)"""
-        out = {name: _parse_value(raw) for name, raw in name_values(text, "speculation override", "step_plan=joint,k=8")}
+        out = {name: _parse_value(raw) for name, raw in name_values(text, "speculation override", "pipeline=0,k=8")}
         return SpecConfig.from_dict({**self.to_dict(), **out})
 
 

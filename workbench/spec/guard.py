@@ -84,7 +84,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Hashable, Mapping
+from typing import Hashable
 
 __all__ = ["CohortGuard", "DraftCost", "StepCost", "StepRule", "TreeGuard", "YieldGuard"]
 
@@ -385,44 +385,6 @@ class StepRule:
         draft can, and measuring acceptance is wasted (the speculator's shadow drafts)."""
         return self._weigh(slots, rows, float(rows), 0.0, of)[0]
 
-    def joint(self, alphas: Mapping[Hashable, float], k_max: int, extra_per_token: float = 0.0,
-              rounds: int = 4) -> dict[Hashable, int] | None:
-        """The step's draft lengths chosen together (``SpecConfig(step_plan="joint")``): the plan
-        with the most expected tokens per fitted ms of a verify step of its rows, by Dinkelbach's
-        iteration from plain decoding's rate. None until both kinds of step were measured (the
-        slots' own lengths then). `alphas`: each decoding slot's acceptance rate.
-
-        Why: each slot's own rule prices a row with one line over plain and verify steps
-        together, and the step rule then weighs the step those lengths make against the verify
-        fit; with one verify size measured that fit is flat, so a step of one draft a slot costs
-        what a step of eight did, and never pays (H100 run 98: code editing at 16 slots, one verify
-        of 128 rows in a pass, then every step vetoed; drafting every step went at 1.35x, run 96).
-        Chosen together, a flat fit makes every row free, so the step drafts what its slots'
-        acceptance is worth, and the rule (``pays``) weighs that.
-
-        For a rate lam, a slot's length maximizes E(k) - lam (b + d) k, b the verify fit's ms a
-        row and d proposing's a token; E's increments are alpha^k, so k is the largest with
-        alpha^k > lam (b + d), capped at k_max. The plan's rate then replaces lam."""
-        if self.verify.num_steps == 0 or self.plain.num_steps < self.explore or not alphas:
-            return None
-        n = len(alphas)
-        p = self.plain.at(n)
-        ab = self.verify.fit()
-        if p is None or p <= 0:
-            return None
-        a, b = ab if ab is not None else (self.verify.at(n) or 0.0, 0.0)  # (one size measured: flat)
-        lam, plan = n / p, None
-        for _ in range(rounds):
-            mu = lam * (b + extra_per_token)
-            ks = {rid: _best_length(al, mu, k_max) for rid, al in alphas.items()}
-            drafted = sum(ks.values())
-            tokens = sum(_expected(al, k) for al, k in zip(alphas.values(), ks.values()))
-            rate = tokens / max(a + b * (n + drafted) + extra_per_token * drafted, 1e-9)
-            if plan is not None and rate <= lam * (1 + 1e-9):
-                break
-            plan, lam = ks, max(lam, rate)
-        return plan
-
     def pays(self, slots: int, rows: int, tokens: float, extra_ms: float, step: int,
              of: int | None = None) -> bool:
         """Whether a verify step of `rows` rows over `slots` decoding slots, expected to emit
@@ -440,23 +402,6 @@ class StepRule:
             self.since = step + 1
             return True
         return False
-
-
-def _expected(alpha: float, k: int) -> float:
-    """E(k): the tokens a draft of k emits at acceptance rate alpha (1 at k = 0)."""
-    a = min(alpha, 0.999)
-    return (1 - a ** (k + 1)) / (1 - a)
-
-
-def _best_length(alpha: float, mu: float, k_max: int) -> int:
-    """The k in 0..k_max maximizing E(k) - mu k: the largest k with alpha^k > mu (E's increments
-    alpha^k fall with k)."""
-    a = min(alpha, 0.999)
-    if a <= 0 or mu >= a:
-        return 0
-    if mu <= 0:
-        return k_max
-    return min(k_max, max(int(math.floor(math.log(mu) / math.log(a))), 0))
 
 
 @dataclass

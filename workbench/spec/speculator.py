@@ -321,24 +321,11 @@ class Speculator:
                 cost = self._cost = self.row_cost(n)
                 held = {**held, **{rid: g.length(rid, cost) for rid in rids if rid in dirty}}
         if changed:
-            if self.config.step_plan == "joint" and self.step_rule is not None:
-                held = self._joint(held)
             self._held, self._veto = held, None
             # a probe lasts one step: its slot is decided again at the next (another part's
             # observed slots stay to be decided at its own call)
             self._dirty = dirty.difference(rids) | {rid for rid in rids if held[rid] and g.probing(rid)}
         return held
-
-    def _joint(self, held: dict[Hashable, int]) -> dict[Hashable, int]:
-        """`held` with the slots that are not probing given the step rule's joint plan
-        (StepRule.joint; `held` as it is until the rule has measured both kinds of step)."""
-        g = self.guard
-        free = {rid: g.alpha(rid) for rid in held if not (held[rid] and g.probing(rid))}
-        plan = self.step_rule.joint(free, self.config.k, self.draft_cost.ms_per_token or 0.0)
-        # (a plan of no draft keeps the slots' own lengths, which the step rule weighs as it
-        # would, so a verify fit that is too dear is still measured again: CPU, code editing at 2
-        # slots, a joint plan of nothing after its warm-up decoded every timed step plainly)
-        return held if plan is None or not any(plan.values()) else {**held, **plan}
 
     def _lengths(self, rids, pinned: Mapping[Hashable, int] | None = None,
                  of: int | None = None, split: bool = False) -> dict[Hashable, int]:
