@@ -218,9 +218,10 @@ class Speculator:
             # ahead, a chunk graph) as its extra rows' cost: with few extra rows (a slot or two
             # drafting) a row then costs most of a share, up to all of it where the line falls
             # below zero, and a slot so priced never drafts, so is never measured again (H200
-            # run 122: agentic at one slot, one verify of 5 rows at 1.6 ms beside plain steps
-            # of 0.45 ms, c = 1, then 93 steps of plain decoding). That overhead is the step
-            # rule's to weigh; a row costs at most what the verify steps' own slope says.
+            # run 122: agentic at one slot read c = 1 after its warm-up, then verified one draft
+            # token and decoded 93 steps plainly; simulated, a first verify of 5 rows at 1.6 ms
+            # beside plain steps of 0.1 ms does it). That overhead is the step rule's to weigh;
+            # a row costs at most what the verify steps' own slope says.
             c = min(c, self.step_rule.row_cost(decode_rows, self.config.row_cost))
         share, per_token = self.cost.share_ms(decode_rows), self.draft_cost.ms_per_token
         if share and per_token is not None:
@@ -386,8 +387,8 @@ class Speculator:
             return {}
         self._end_quiet()
         pinned, self._pinned = self._pinned, None
-        whole = pinned is None or pinned.keys() == contexts.keys()  # (decided for these requests alone)
-        if pinned is not None and whole:
+        complete = pinned is None or pinned.keys() == contexts.keys()  # (decided for these requests alone)
+        if pinned is not None and complete:
             lengths = pinned
         else:  # (the requests changed since, or a part of them: those not pinned decided now)
             lengths = self._lengths(list(contexts), pinned, of, split)
@@ -424,7 +425,7 @@ class Speculator:
             self.guard.tick()
         # (a step that drafted nothing, decided in full for its requests by the held rule, may
         # start a quiet run: one decided in part kept no verdict for the next to reuse)
-        if (of is None and tick and whole and not any(lengths.values()) and isinstance(self.guard, YieldGuard)
+        if (of is None and tick and complete and not any(lengths.values()) and isinstance(self.guard, YieldGuard)
                 and self.guard.enabled and not self.tree):
             self._quiet = (tuple(contexts), split, tuple(self._vetoed))
         return out
